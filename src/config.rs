@@ -1,0 +1,325 @@
+//! Configuration: built-in defaults < `config/condense.toml` (or `--config
+//! PATH`) < `CONDENSE_*` environment variables with `__` for nesting.
+//!
+//! Loading happens in two steps, as the gateways we learn from do it: figment
+//! merges the layers into the raw [`Config`] (every struct denies unknown
+//! fields, so a typo fails at start-up instead of silently falling back to a
+//! default), then [`Config::validate`] checks what types alone cannot.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Serialize, Serializer};
+
+/// The file read when no `--config` is given and it exists.
+pub const DEFAULT_CONFIG_PATH: &str = "config/condense.toml";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration file {0} does not exist")]
+    MissingFile(PathBuf),
+    #[error("invalid configuration: {0}")]
+    Figment(Box<figment::Error>),
+    #[error("invalid configuration: {key}: {reason}")]
+    Invalid { key: &'static str, reason: String },
+}
+
+impl From<figment::Error> for ConfigError {
+    fn from(e: figment::Error) -> Self {
+        ConfigError::Figment(Box::new(e))
+    }
+}
+
+/// A credential. Its `Debug` and `Serialize` never show the value, so it
+/// cannot leak through logs or `condense check-config`.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("\"[redacted]\"")
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str("[redacted]")
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub upstream: UpstreamConfig,
+    pub auth: AuthConfig,
+    pub log: LogConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address the proxy listens on.
+    pub listen: SocketAddr,
+    /// Largest request body accepted; larger ones get a 413.
+    pub max_body_bytes: u64,
+    /// After SIGTERM/SIGINT, how long in-flight requests and streams may run
+    /// before condense exits anyway.
+    pub shutdown_grace_seconds: f64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            max_body_bytes: 32 * 1024 * 1024,
+            shutdown_grace_seconds: 30.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamConfig {
+    /// Where requests go: `/v1/<rest>` is forwarded to `<base_url>/<rest>`.
+    pub base_url: String,
+    /// Key sent upstream when the client sends none, or always when
+    /// `auth.client_keys` is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<Secret>,
+    /// Time allowed to open the TCP/TLS connection.
+    pub connect_timeout_seconds: f64,
+    /// Time allowed from sending the request to the response headers. A
+    /// non-streamed reasoning-model answer only starts when it is complete,
+    /// so this is generous by default.
+    pub first_byte_timeout_seconds: f64,
+    /// Longest silence allowed between two chunks of a response body. There
+    /// is no total timeout: a stream may run as long as it keeps talking.
+    pub idle_timeout_seconds: f64,
+    /// Ask for `stream_options.include_usage` on streamed chat requests (and
+    /// strip the usage chunk again for clients that did not ask for it), so
+    /// condense learns the upstream's real prompt token count. Turn off only
+    /// for an upstream that rejects `stream_options`.
+    pub stream_usage: bool,
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        UpstreamConfig {
+            base_url: "https://api.openai.com/v1".to_string(),
+            api_key: None,
+            connect_timeout_seconds: 10.0,
+            first_byte_timeout_seconds: 600.0,
+            idle_timeout_seconds: 300.0,
+            stream_usage: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// When non-empty, clients must send one of these as their bearer token,
+    /// and condense sends `upstream.api_key` upstream instead of it.
+    pub client_keys: Vec<Secret>,
+    /// Whether `/metrics` may be scraped without a client key.
+    pub metrics_public: bool,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        AuthConfig {
+            client_keys: Vec::new(),
+            metrics_public: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// A tracing filter (`info`, `condense=debug,info`, ...). `RUST_LOG`
+    /// overrides it when set.
+    pub level: String,
+    pub format: LogFormat,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            level: "info".to_string(),
+            format: LogFormat::Text,
+        }
+    }
+}
+
+impl Config {
+    /// Loads the layered configuration. `path` is an explicit `--config`; it
+    /// must exist. Without it, `config/condense.toml` is read if present.
+    pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        match path {
+            Some(p) if !p.exists() => return Err(ConfigError::MissingFile(p.to_path_buf())),
+            Some(p) => figment = figment.merge(Toml::file_exact(p)),
+            None if Path::new(DEFAULT_CONFIG_PATH).exists() => {
+                figment = figment.merge(Toml::file_exact(DEFAULT_CONFIG_PATH))
+            }
+            None => {}
+        }
+        let config: Config = figment
+            .merge(Env::prefixed("CONDENSE_").split("__"))
+            .extract()?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Parses one TOML document over the defaults, without the environment.
+    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        let config: Config = Figment::from(Serialized::defaults(Config::default()))
+            .merge(Toml::string(text))
+            .extract()?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key, reason: &str| ConfigError::Invalid {
+            key,
+            reason: reason.to_string(),
+        };
+        let url = url::Url::parse(&self.upstream.base_url)
+            .map_err(|e| invalid("upstream.base_url", &e.to_string()))?;
+        if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+            return Err(invalid(
+                "upstream.base_url",
+                "must be an http:// or https:// URL with a host",
+            ));
+        }
+        if url.query().is_some() || url.fragment().is_some() {
+            return Err(invalid(
+                "upstream.base_url",
+                "must not carry a query string or fragment",
+            ));
+        }
+        for (key, v) in [
+            (
+                "upstream.connect_timeout_seconds",
+                self.upstream.connect_timeout_seconds,
+            ),
+            (
+                "upstream.first_byte_timeout_seconds",
+                self.upstream.first_byte_timeout_seconds,
+            ),
+            (
+                "upstream.idle_timeout_seconds",
+                self.upstream.idle_timeout_seconds,
+            ),
+            (
+                "server.shutdown_grace_seconds",
+                self.server.shutdown_grace_seconds,
+            ),
+        ] {
+            if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
+                return Err(invalid(key, "must be a number of seconds in (0, 86400]"));
+            }
+        }
+        if self.server.max_body_bytes == 0 {
+            return Err(invalid("server.max_body_bytes", "must be greater than 0"));
+        }
+        if self.auth.client_keys.iter().any(|k| k.expose().is_empty()) {
+            return Err(invalid("auth.client_keys", "keys must not be empty"));
+        }
+        if self
+            .upstream
+            .api_key
+            .as_ref()
+            .is_some_and(|k| k.expose().is_empty())
+        {
+            return Err(invalid("upstream.api_key", "must not be empty when set"));
+        }
+        tracing_subscriber::EnvFilter::try_new(&self.log.level)
+            .map_err(|e| invalid("log.level", &e.to_string()))?;
+        Ok(())
+    }
+
+    /// The effective configuration as TOML, secrets redacted.
+    pub fn to_redacted_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shipped_file_states_the_defaults() {
+        let text = include_str!("../config/condense.toml");
+        let parsed = Config::from_toml(text).unwrap();
+        assert_eq!(parsed, Config::default());
+    }
+
+    #[test]
+    fn unknown_keys_are_errors() {
+        let err = Config::from_toml("[upstream]\nbase_ur = \"http://x\"\n").unwrap_err();
+        assert!(err.to_string().contains("base_ur"), "{err}");
+        assert!(Config::from_toml("listen = \"1.2.3.4:5\"\n").is_err());
+    }
+
+    #[test]
+    fn invalid_values_are_errors() {
+        assert!(Config::from_toml("[upstream]\nbase_url = \"ftp://x\"\n").is_err());
+        assert!(Config::from_toml("[upstream]\nidle_timeout_seconds = 0\n").is_err());
+        assert!(Config::from_toml("[server]\nlisten = \"nowhere\"\n").is_err());
+        assert!(Config::from_toml("[log]\nformat = \"xml\"\n").is_err());
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)]
+    fn environment_overrides_file_with_double_underscore_nesting() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("c.toml", "[upstream]\nbase_url = \"http://file:1/v1\"\n")?;
+            jail.set_env("CONDENSE_UPSTREAM__BASE_URL", "http://env:2/v1");
+            jail.set_env("CONDENSE_SERVER__LISTEN", "0.0.0.0:9999");
+            jail.set_env("CONDENSE_AUTH__CLIENT_KEYS", "[k1, k2]");
+            let c = Config::load(Some(Path::new("c.toml"))).unwrap();
+            assert_eq!(c.upstream.base_url, "http://env:2/v1");
+            assert_eq!(c.server.listen.port(), 9999);
+            assert_eq!(c.auth.client_keys.len(), 2);
+            jail.set_env("CONDENSE_UPSTREAM__NOPE", "1");
+            assert!(Config::load(Some(Path::new("c.toml"))).is_err());
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn redacted_rendering_hides_secrets() {
+        let mut c = Config::default();
+        c.upstream.api_key = Some(Secret::new("sk-very-secret"));
+        c.auth.client_keys = vec![Secret::new("client-secret")];
+        let text = c.to_redacted_toml();
+        assert!(!text.contains("sk-very-secret") && !text.contains("client-secret"));
+        assert!(text.contains("[redacted]"));
+        assert!(!format!("{c:?}").contains("sk-very-secret"));
+    }
+}

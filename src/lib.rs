@@ -1,0 +1,14 @@
+//! condense: an OpenAI-compatible proxy that keeps long agent conversations
+//! inside the model's context window.
+//!
+//! The crate is a library with a thin binary (`src/main.rs`): the server,
+//! the lossless chat model and the proxy are all usable in-process, which is
+//! how the integration tests drive them.
+
+pub mod chat;
+pub mod config;
+pub mod error;
+pub mod logging;
+pub mod metrics;
+pub mod proxy;
+pub mod server;

@@ -1,0 +1,157 @@
+//! The metric registry. Every metric condense exports is declared here, so
+//! the names (the contract Prometheus dashboards rely on) live in one file.
+//!
+//! Labels have few values: `route` and `status_class` are fixed sets, and the
+//! client-chosen `model` label is capped (see [`Metrics::model_label`]) so a
+//! client cannot blow up the series count by inventing model names.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+};
+
+/// Distinct model label values kept before new ones are folded into "other".
+const MAX_MODEL_LABELS: usize = 64;
+
+/// Buckets for latencies spent inside condense: tens of microseconds to 1 s.
+const OVERHEAD_BUCKETS: &[f64] = &[
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+/// Buckets for the upstream's time to first byte: 10 ms to 10 minutes.
+const UPSTREAM_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests_total: IntCounterVec,
+    pub upstream_seconds: HistogramVec,
+    pub overhead_seconds: HistogramVec,
+    pub upstream_prompt_tokens_total: IntCounterVec,
+    pub upstream_completion_tokens_total: IntCounterVec,
+    pub proxy_errors_total: IntCounterVec,
+    pub stream_interruptions_total: IntCounterVec,
+    pub inflight_requests: IntGauge,
+    models_seen: Mutex<HashSet<String>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("metric registration failed: {0}")]
+pub struct MetricsError(#[from] prometheus::Error);
+
+impl Metrics {
+    pub fn new() -> Result<Metrics, MetricsError> {
+        let registry = Registry::new();
+        let requests_total = IntCounterVec::new(
+            Opts::new(
+                "condense_requests_total",
+                "Requests answered, by route and status class of the response.",
+            ),
+            &["route", "status_class"],
+        )?;
+        let upstream_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "condense_upstream_seconds",
+                "Upstream time to first byte: from sending the request to its response headers.",
+            )
+            .buckets(UPSTREAM_BUCKETS.to_vec()),
+            &["route"],
+        )?;
+        let overhead_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "condense_overhead_seconds",
+                "Time spent inside condense for a request, excluding the wait for the upstream.",
+            )
+            .buckets(OVERHEAD_BUCKETS.to_vec()),
+            &["route"],
+        )?;
+        let upstream_prompt_tokens_total = IntCounterVec::new(
+            Opts::new(
+                "condense_upstream_prompt_tokens_total",
+                "Prompt tokens the upstream reported in usage, by requested model.",
+            ),
+            &["model"],
+        )?;
+        let upstream_completion_tokens_total = IntCounterVec::new(
+            Opts::new(
+                "condense_upstream_completion_tokens_total",
+                "Completion tokens the upstream reported in usage, by requested model.",
+            ),
+            &["model"],
+        )?;
+        let proxy_errors_total = IntCounterVec::new(
+            Opts::new(
+                "condense_proxy_errors_total",
+                "Errors condense itself answered with (upstream unreachable, timeout, body too large, ...).",
+            ),
+            &["kind"],
+        )?;
+        let stream_interruptions_total = IntCounterVec::new(
+            Opts::new(
+                "condense_stream_interruptions_total",
+                "Response bodies cut off after the headers were sent, by cause.",
+            ),
+            &["cause"],
+        )?;
+        let inflight_requests = IntGauge::new(
+            "condense_inflight_requests",
+            "Proxied requests currently in flight, streams included.",
+        )?;
+        registry.register(Box::new(requests_total.clone()))?;
+        registry.register(Box::new(upstream_seconds.clone()))?;
+        registry.register(Box::new(overhead_seconds.clone()))?;
+        registry.register(Box::new(upstream_prompt_tokens_total.clone()))?;
+        registry.register(Box::new(upstream_completion_tokens_total.clone()))?;
+        registry.register(Box::new(proxy_errors_total.clone()))?;
+        registry.register(Box::new(stream_interruptions_total.clone()))?;
+        registry.register(Box::new(inflight_requests.clone()))?;
+        Ok(Metrics {
+            registry,
+            requests_total,
+            upstream_seconds,
+            overhead_seconds,
+            upstream_prompt_tokens_total,
+            upstream_completion_tokens_total,
+            proxy_errors_total,
+            stream_interruptions_total,
+            inflight_requests,
+            models_seen: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// The label value to use for a client-supplied model name.
+    pub fn model_label(&self, model: &str) -> String {
+        let Ok(mut seen) = self.models_seen.lock() else {
+            return "other".to_string();
+        };
+        if seen.contains(model) {
+            return model.to_string();
+        }
+        if seen.len() < MAX_MODEL_LABELS && model.len() <= 128 {
+            seen.insert(model.to_string());
+            return model.to_string();
+        }
+        "other".to_string()
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
+            tracing::warn!(error = %e, "cannot encode metrics");
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+pub fn status_class(status: u16) -> &'static str {
+    match status {
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}

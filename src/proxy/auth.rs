@@ -1,0 +1,135 @@
+//! Credentials: who may use condense, and which key goes upstream.
+//!
+//! Without `auth.client_keys`, condense is transparent: the client's own
+//! `Authorization` reaches the upstream, and `upstream.api_key` fills in only
+//! when the client sends none. With `auth.client_keys`, condense is the
+//! gatekeeper: a client must present one of those keys, and the upstream gets
+//! `upstream.api_key` instead, so client keys never leave condense.
+
+use http::header::{self, HeaderMap, HeaderValue};
+
+use crate::config::{AuthConfig, Secret};
+use crate::error::ProxyError;
+
+#[derive(Clone)]
+pub struct Credentials {
+    client_keys: Vec<Secret>,
+    upstream_key: Option<HeaderValue>,
+}
+
+impl Credentials {
+    pub fn new(auth: &AuthConfig, upstream_key: Option<&Secret>) -> Credentials {
+        let upstream_key = upstream_key
+            .and_then(|k| HeaderValue::from_str(&format!("Bearer {}", k.expose())).ok())
+            .map(|mut v| {
+                v.set_sensitive(true);
+                v
+            });
+        Credentials {
+            client_keys: auth.client_keys.clone(),
+            upstream_key,
+        }
+    }
+
+    /// Whether clients must present a key.
+    pub fn gated(&self) -> bool {
+        !self.client_keys.is_empty()
+    }
+
+    /// Checks the client's key when keys are configured.
+    pub fn check(&self, headers: &HeaderMap) -> Result<(), ProxyError> {
+        if !self.gated() {
+            return Ok(());
+        }
+        let presented = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(bearer_token);
+        match presented {
+            Some(token) if self.client_keys.iter().any(|k| ct_eq(k.expose(), token)) => Ok(()),
+            _ => Err(ProxyError::Unauthorized),
+        }
+    }
+
+    /// Sets the `Authorization` header the upstream receives.
+    pub fn apply(&self, headers: &mut HeaderMap) {
+        if self.gated() {
+            headers.remove(header::AUTHORIZATION);
+        }
+        if !headers.contains_key(header::AUTHORIZATION)
+            && let Some(key) = &self.upstream_key
+        {
+            headers.insert(header::AUTHORIZATION, key.clone());
+        }
+        if let Some(v) = headers.get_mut(header::AUTHORIZATION) {
+            v.set_sensitive(true);
+        }
+    }
+}
+
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+/// Compares without an early exit, so response timing does not reveal how
+/// much of a key was right.
+fn ct_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut diff = a.len() ^ b.len();
+    for i in 0..a.len().max(b.len()) {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0);
+        diff |= usize::from(x ^ y);
+    }
+    diff == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn creds(keys: &[&str], upstream: Option<&str>) -> Credentials {
+        let auth = AuthConfig {
+            client_keys: keys.iter().map(|k| Secret::new(*k)).collect(),
+            ..AuthConfig::default()
+        };
+        Credentials::new(&auth, upstream.map(Secret::new).as_ref())
+    }
+
+    fn with_auth(v: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::AUTHORIZATION, HeaderValue::from_str(v).unwrap());
+        h
+    }
+
+    #[test]
+    fn transparent_mode_keeps_client_key_and_fills_in_missing_one() {
+        let c = creds(&[], Some("sk-up"));
+        let mut h = with_auth("Bearer sk-client");
+        c.check(&h).unwrap();
+        c.apply(&mut h);
+        assert_eq!(h[header::AUTHORIZATION], "Bearer sk-client");
+        let mut h = HeaderMap::new();
+        c.apply(&mut h);
+        assert_eq!(h[header::AUTHORIZATION], "Bearer sk-up");
+    }
+
+    #[test]
+    fn gated_mode_checks_and_swaps_the_key() {
+        let c = creds(&["ck-1", "ck-2"], Some("sk-up"));
+        assert!(c.check(&HeaderMap::new()).is_err());
+        assert!(c.check(&with_auth("Bearer ck-3")).is_err());
+        assert!(c.check(&with_auth("Bearer ck-")).is_err());
+        assert!(c.check(&with_auth("Basic ck-1")).is_err());
+        let mut h = with_auth("bearer ck-2");
+        c.check(&h).unwrap();
+        c.apply(&mut h);
+        assert_eq!(h[header::AUTHORIZATION], "Bearer sk-up");
+        // No upstream key: the client's key is removed, not forwarded.
+        let c = creds(&["ck-1"], None);
+        let mut h = with_auth("Bearer ck-1");
+        c.apply(&mut h);
+        assert!(!h.contains_key(header::AUTHORIZATION));
+    }
+}

@@ -1,0 +1,312 @@
+//! The forwarding path: from a client request to the upstream and back.
+//!
+//! Two handlers share it. `passthrough` streams any request to the upstream
+//! and its response back, untouched. `chat` reads a chat-completions body,
+//! parses it losslessly, prepares it (today: asks streams for usage), forwards
+//! it, and taps usage from the response on the way back.
+
+pub mod auth;
+pub mod headers;
+pub mod relay;
+pub mod upstream;
+pub mod usage;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http::{HeaderMap, HeaderValue, Request, header};
+
+use crate::chat::ChatRequest;
+use crate::config::Config;
+use crate::error::ProxyError;
+use crate::metrics::Metrics;
+use auth::Credentials;
+use relay::{InflightGuard, Tap, UsageCallback};
+use upstream::{Upstream, UpstreamError};
+use usage::{JsonTap, SseTap, UsageBook};
+
+/// Route labels for metrics and logs.
+pub const ROUTE_CHAT: &str = "chat_completions";
+pub const ROUTE_PASSTHROUGH: &str = "passthrough";
+
+pub struct Proxy {
+    pub upstream: Upstream,
+    pub credentials: Credentials,
+    pub metrics: Arc<Metrics>,
+    pub usage: Arc<UsageBook>,
+    max_body_bytes: u64,
+    stream_usage: bool,
+}
+
+/// Timestamps that split a request's time between condense and the upstream.
+struct Timing {
+    start: Instant,
+    sent: Instant,
+}
+
+impl Proxy {
+    pub fn new(config: &Config, metrics: Arc<Metrics>) -> Result<Proxy, UpstreamError> {
+        Ok(Proxy {
+            upstream: Upstream::new(&config.upstream)?,
+            credentials: Credentials::new(&config.auth, config.upstream.api_key.as_ref()),
+            metrics,
+            usage: Arc::new(UsageBook::default()),
+            max_body_bytes: config.server.max_body_bytes,
+            stream_usage: config.upstream.stream_usage,
+        })
+    }
+
+    /// Any request condense does not handle itself: streamed to the upstream
+    /// and back unchanged (apart from hop-by-hop headers and credentials).
+    pub async fn passthrough(&self, req: Request<Body>) -> Response {
+        let start = Instant::now();
+        self.passthrough_inner(req, start)
+            .await
+            .unwrap_or_else(|e| self.fail(ROUTE_PASSTHROUGH, e))
+    }
+
+    async fn passthrough_inner(
+        &self,
+        req: Request<Body>,
+        start: Instant,
+    ) -> Result<Response, ProxyError> {
+        let (parts, body) = req.into_parts();
+        let url = self.upstream.url_for(parts.uri.path(), parts.uri.query())?;
+        if content_length(&parts.headers).is_some_and(|n| n > self.max_body_bytes) {
+            return Err(ProxyError::BodyTooLarge(self.max_body_bytes));
+        }
+        let mut headers = headers::to_upstream(&parts.headers, true);
+        self.credentials.apply(&mut headers);
+        let over_limit = Arc::new(AtomicBool::new(false));
+        let body = if axum::body::HttpBody::size_hint(&body).exact() == Some(0) {
+            None
+        } else {
+            Some(limited_body(body, self.max_body_bytes, over_limit.clone()))
+        };
+        let guard = InflightGuard::new(self.metrics.clone());
+        let sent = Instant::now();
+        let resp = self
+            .upstream
+            .send(parts.method, url, headers, body)
+            .await
+            .map_err(|e| {
+                if over_limit.load(Ordering::Relaxed) {
+                    ProxyError::BodyTooLarge(self.max_body_bytes)
+                } else {
+                    e
+                }
+            })?;
+        Ok(self.respond(
+            ROUTE_PASSTHROUGH,
+            resp,
+            Tap::None,
+            None,
+            guard,
+            Timing { start, sent },
+        ))
+    }
+
+    /// `POST /v1/chat/completions`.
+    pub async fn chat(&self, req: Request<Body>) -> Response {
+        let start = Instant::now();
+        self.chat_inner(req, start)
+            .await
+            .unwrap_or_else(|e| self.fail(ROUTE_CHAT, e))
+    }
+
+    async fn chat_inner(&self, req: Request<Body>, start: Instant) -> Result<Response, ProxyError> {
+        let (parts, body) = req.into_parts();
+        let url = self.upstream.url_for(parts.uri.path(), parts.uri.query())?;
+        let bytes = read_body(body, self.max_body_bytes).await?;
+        let opt_out = parts
+            .headers
+            .get(headers::X_CONDENSE)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"off"));
+
+        let mut strip_usage = false;
+        let mut model = None;
+        let outgoing = match ChatRequest::parse(&bytes) {
+            Ok(mut chat) => {
+                model = chat.model();
+                if !opt_out
+                    && self.stream_usage
+                    && chat.is_stream()
+                    && !chat.client_wants_stream_usage()
+                {
+                    chat.request_stream_usage();
+                    strip_usage = true;
+                }
+                if chat.is_changed() {
+                    Bytes::from(chat.to_vec())
+                } else {
+                    bytes
+                }
+            }
+            // Not a chat request condense understands: the upstream judges it.
+            Err(e) => {
+                tracing::debug!(error = %e, "chat body not parsed; forwarding unchanged");
+                bytes
+            }
+        };
+
+        let mut headers = headers::to_upstream(&parts.headers, false);
+        self.credentials.apply(&mut headers);
+        // The usage tap reads the response, so ask for it uncompressed.
+        headers.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+
+        let guard = InflightGuard::new(self.metrics.clone());
+        let sent = Instant::now();
+        let resp = self
+            .upstream
+            .send(
+                parts.method,
+                url,
+                headers,
+                Some(reqwest::Body::from(outgoing)),
+            )
+            .await?;
+
+        let is_sse = resp
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let tap = match (resp.status().is_success(), is_sse) {
+            (false, _) => Tap::None,
+            (true, true) => Tap::Sse(SseTap::new(strip_usage)),
+            (true, false) => Tap::Json(JsonTap::new()),
+        };
+        let on_usage = model.map(|model| self.usage_callback(model));
+        let mut response = self.respond(
+            ROUTE_CHAT,
+            resp,
+            tap,
+            on_usage,
+            guard,
+            Timing { start, sent },
+        );
+        if strip_usage {
+            response.headers_mut().remove(header::CONTENT_LENGTH);
+        }
+        Ok(response)
+    }
+
+    fn usage_callback(&self, model: String) -> UsageCallback {
+        let metrics = self.metrics.clone();
+        let book = self.usage.clone();
+        let upstream = self.upstream.base_url().to_string();
+        Box::new(move |usage| {
+            let label = metrics.model_label(&model);
+            metrics
+                .upstream_prompt_tokens_total
+                .with_label_values(&[&label])
+                .inc_by(usage.prompt_tokens);
+            metrics
+                .upstream_completion_tokens_total
+                .with_label_values(&[&label])
+                .inc_by(usage.completion_tokens);
+            book.record(&upstream, &model, usage);
+        })
+    }
+
+    /// Turns the upstream's response into the client's: same status, same
+    /// headers (minus hop-by-hop), body relayed as it arrives.
+    fn respond(
+        &self,
+        route: &str,
+        resp: reqwest::Response,
+        tap: Tap,
+        on_usage: Option<UsageCallback>,
+        guard: InflightGuard,
+        timing: Timing,
+    ) -> Response {
+        let headers_at = Instant::now();
+        self.metrics
+            .upstream_seconds
+            .with_label_values(&[route])
+            .observe((headers_at - timing.sent).as_secs_f64());
+        let status = resp.status();
+        let headers = headers::to_client(resp.headers());
+        let body = relay::relay(
+            resp,
+            tap,
+            on_usage,
+            self.upstream.idle_timeout,
+            self.metrics.clone(),
+            guard,
+        );
+        let mut response = Response::new(body);
+        *response.status_mut() = status;
+        *response.headers_mut() = headers;
+        let overhead = (timing.sent - timing.start) + headers_at.elapsed();
+        self.metrics
+            .overhead_seconds
+            .with_label_values(&[route])
+            .observe(overhead.as_secs_f64());
+        response
+    }
+
+    fn fail(&self, route: &str, e: ProxyError) -> Response {
+        self.metrics
+            .proxy_errors_total
+            .with_label_values(&[e.metric_label()])
+            .inc();
+        tracing::warn!(route, error = %e, "request failed in condense");
+        e.into_response()
+    }
+}
+
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// Reads a whole request body, refusing more than `limit` bytes.
+async fn read_body(body: Body, limit: u64) -> Result<Bytes, ProxyError> {
+    let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
+    match axum::body::to_bytes(body, limit_usize).await {
+        Ok(b) => Ok(b),
+        Err(e) => {
+            let too_large = std::error::Error::source(&e)
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            if too_large {
+                Err(ProxyError::BodyTooLarge(limit))
+            } else {
+                Err(ProxyError::BadRequestBody(e.to_string()))
+            }
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("request body exceeds the limit")]
+struct OverLimit;
+
+/// Streams a request body upstream, failing it once it passes `limit` bytes
+/// (and flagging that, so the client gets a 413 rather than a 502).
+fn limited_body(body: Body, limit: u64, flag: Arc<AtomicBool>) -> reqwest::Body {
+    let mut seen: u64 = 0;
+    let stream = body.into_data_stream().map(move |chunk| {
+        let chunk =
+            chunk.map_err(|e| -> Box<dyn std::error::Error + Send + Sync> { Box::new(e) })?;
+        seen += chunk.len() as u64;
+        if seen > limit {
+            flag.store(true, Ordering::Relaxed);
+            return Err(Box::new(OverLimit) as Box<dyn std::error::Error + Send + Sync>);
+        }
+        Ok(chunk)
+    });
+    reqwest::Body::wrap_stream(stream)
+}

@@ -1,0 +1,326 @@
+//! The usage tap: reads `usage` from chat responses as they pass, without
+//! holding back what the client is waiting for.
+//!
+//! condense always asks streamed requests for `stream_options.include_usage`
+//! because the upstream's own prompt token count is what calibrates condense's
+//! estimate. A client that did not ask for usage must not see the difference,
+//! so for it the tap drops the usage-only chunk (`"choices":[]`) and the
+//! `"usage":null` field the upstream then adds to every other chunk.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use bytes::{Bytes, BytesMut};
+use serde::Deserialize;
+
+use crate::chat::RawObject;
+
+/// Token usage as the upstream reported it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+pub struct Usage {
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    #[serde(default)]
+    pub completion_tokens: u64,
+    #[serde(default)]
+    pub total_tokens: u64,
+}
+
+impl Usage {
+    /// Reads `usage` from a response object, when present and not null.
+    fn from_object(obj: &RawObject) -> Option<Usage> {
+        serde_json::from_str::<Option<Usage>>(obj.get("usage")?.get()).ok()?
+    }
+
+    /// Reads `usage` from a complete non-streamed JSON response body.
+    pub fn from_json_body(body: &[u8]) -> Option<Usage> {
+        Usage::from_object(&RawObject::parse(body).ok()?)
+    }
+}
+
+/// What condense has learned from usage, per (upstream, model).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct UsageRecord {
+    pub responses: u64,
+    pub last: Usage,
+    pub prompt_tokens_total: u64,
+}
+
+/// Usage kept per (upstream base URL, requested model), for calibration.
+#[derive(Default)]
+pub struct UsageBook {
+    records: Mutex<HashMap<(String, String), UsageRecord>>,
+}
+
+impl UsageBook {
+    /// Distinct (upstream, model) pairs kept; beyond it new pairs are not
+    /// recorded, so client-invented model names cannot grow memory forever.
+    const MAX_ENTRIES: usize = 4096;
+
+    pub fn record(&self, upstream: &str, model: &str, usage: Usage) {
+        let Ok(mut records) = self.records.lock() else {
+            return;
+        };
+        let key = (upstream.to_string(), model.to_string());
+        if !records.contains_key(&key) && records.len() >= Self::MAX_ENTRIES {
+            return;
+        }
+        let r = records.entry(key).or_default();
+        r.responses += 1;
+        r.last = usage;
+        r.prompt_tokens_total += usage.prompt_tokens;
+    }
+
+    pub fn get(&self, upstream: &str, model: &str) -> Option<UsageRecord> {
+        let records = self.records.lock().ok()?;
+        records
+            .get(&(upstream.to_string(), model.to_string()))
+            .copied()
+    }
+}
+
+/// Splits a Server-Sent-Events byte stream into events, reads usage from them
+/// and, when `strip` is set, removes what the client did not ask for.
+pub struct SseTap {
+    strip: bool,
+    pending: BytesMut,
+    usage: Option<Usage>,
+}
+
+impl SseTap {
+    pub fn new(strip: bool) -> SseTap {
+        SseTap {
+            strip,
+            pending: BytesMut::new(),
+            usage: None,
+        }
+    }
+
+    /// Takes a chunk from the upstream; returns the bytes to send the client
+    /// now. Without stripping the chunk passes through as it is (only a copy
+    /// of an unfinished event is kept for scanning); with stripping, complete
+    /// events are sent and an unfinished one waits for its end.
+    pub fn push(&mut self, chunk: Bytes) -> Bytes {
+        self.pending.extend_from_slice(&chunk);
+        let mut out = if self.strip {
+            BytesMut::with_capacity(chunk.len())
+        } else {
+            BytesMut::new()
+        };
+        while let Some(end) = find_event_end(&self.pending) {
+            let event = self.pending.split_to(end);
+            let kept = self.process(&event);
+            if let Some(bytes) = kept.filter(|_| self.strip) {
+                out.extend_from_slice(&bytes);
+            }
+        }
+        if self.strip { out.freeze() } else { chunk }
+    }
+
+    /// The stream ended: returns what is still held back (an unterminated
+    /// last event is passed on as it is).
+    pub fn finish(&mut self) -> Bytes {
+        let rest = self.pending.split().freeze();
+        if self.strip { rest } else { Bytes::new() }
+    }
+
+    /// The usage seen so far.
+    pub fn usage(&self) -> Option<Usage> {
+        self.usage
+    }
+
+    /// Reads one complete event; returns the bytes to forward for it when
+    /// stripping (None drops it).
+    fn process(&mut self, event: &[u8]) -> Option<Bytes> {
+        // Only events that mention usage need a closer look.
+        let strip = self.strip;
+        let verbatim = || strip.then(|| Bytes::copy_from_slice(event));
+        if memchr::memmem::find(event, b"\"usage\"").is_none() {
+            return verbatim();
+        }
+        let Ok(text) = std::str::from_utf8(event) else {
+            return verbatim();
+        };
+        let data: String = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(|d| d.strip_prefix(' ').unwrap_or(d))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let Ok(mut obj) = RawObject::parse(data.as_bytes()) else {
+            return verbatim();
+        };
+        let usage = Usage::from_object(&obj);
+        if usage.is_some() {
+            self.usage = usage;
+        }
+        if !self.strip {
+            return None;
+        }
+        let usage_only = obj.get("choices").map(|c| c.get().trim()) == Some("[]");
+        match (usage, obj.get("usage").map(|u| u.get().trim() == "null")) {
+            (Some(_), _) if usage_only => None,
+            (None, Some(true)) => {
+                obj.remove("usage");
+                Some(rebuild_event(text, &obj.to_vec()))
+            }
+            _ => Some(Bytes::copy_from_slice(event)),
+        }
+    }
+}
+
+/// The event with its data lines replaced by one `data:` line holding `json`.
+fn rebuild_event(text: &str, json: &[u8]) -> Bytes {
+    let mut out = Vec::with_capacity(text.len());
+    let mut data_written = false;
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        if line.starts_with("data:") {
+            if !data_written {
+                out.extend_from_slice(b"data: ");
+                out.extend_from_slice(json);
+                out.push(b'\n');
+                data_written = true;
+            }
+        } else {
+            out.extend_from_slice(line.as_bytes());
+            out.push(b'\n');
+        }
+    }
+    out.push(b'\n');
+    Bytes::from(out)
+}
+
+/// The index just past the blank line that ends the first event, if any.
+fn find_event_end(buf: &[u8]) -> Option<usize> {
+    let mut from = 0;
+    while let Some(i) = memchr::memchr(b'\n', &buf[from..]).map(|i| i + from) {
+        match (buf.get(i + 1), buf.get(i + 2)) {
+            (Some(b'\n'), _) => return Some(i + 2),
+            (Some(b'\r'), Some(b'\n')) => return Some(i + 3),
+            _ => from = i + 1,
+        }
+    }
+    None
+}
+
+/// Keeps a bounded copy of a JSON response body to read its usage at the end.
+pub struct JsonTap {
+    buf: Vec<u8>,
+    overflowed: bool,
+}
+
+impl JsonTap {
+    /// Bodies larger than this are not inspected (usage is then unknown).
+    const MAX_BYTES: usize = 8 * 1024 * 1024;
+
+    pub fn new() -> JsonTap {
+        JsonTap {
+            buf: Vec::new(),
+            overflowed: false,
+        }
+    }
+
+    pub fn push(&mut self, chunk: &[u8]) {
+        if self.overflowed || self.buf.len() + chunk.len() > Self::MAX_BYTES {
+            self.overflowed = true;
+            self.buf = Vec::new();
+            return;
+        }
+        self.buf.extend_from_slice(chunk);
+    }
+
+    pub fn usage(&self) -> Option<Usage> {
+        if self.overflowed {
+            return None;
+        }
+        Usage::from_json_body(&self.buf)
+    }
+}
+
+impl Default for JsonTap {
+    fn default() -> Self {
+        JsonTap::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHUNK: &str = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}],\"usage\":null}\n\n";
+    const USAGE: &str = "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":11,\"completion_tokens\":2,\"total_tokens\":13}}\n\n";
+    const DONE: &str = "data: [DONE]\n\n";
+
+    fn run(tap: &mut SseTap, chunks: &[&str]) -> String {
+        let mut out = Vec::new();
+        for c in chunks {
+            out.extend_from_slice(&tap.push(Bytes::copy_from_slice(c.as_bytes())));
+        }
+        out.extend_from_slice(&tap.finish());
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn stripping_removes_usage_chunk_and_null_usage_fields() {
+        let mut tap = SseTap::new(true);
+        let out = run(&mut tap, &[CHUNK, USAGE, DONE]);
+        assert_eq!(
+            out,
+            "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\ndata: [DONE]\n\n"
+        );
+        assert_eq!(tap.usage().unwrap().prompt_tokens, 11);
+    }
+
+    #[test]
+    fn without_stripping_bytes_pass_unchanged_and_usage_is_read() {
+        let mut tap = SseTap::new(false);
+        let all = format!("{CHUNK}{USAGE}{DONE}");
+        // Split inside the usage event to exercise reassembly.
+        let (a, b) = all.split_at(CHUNK.len() + 20);
+        assert_eq!(run(&mut tap, &[a, b]), all);
+        assert_eq!(tap.usage().unwrap().total_tokens, 13);
+    }
+
+    #[test]
+    fn events_split_across_chunks_and_crlf_are_handled() {
+        let mut tap = SseTap::new(true);
+        let usage = USAGE.replace("\n\n", "\r\n\r\n");
+        let (a, b) = usage.split_at(17);
+        let out = run(&mut tap, &[": keep-alive\n\n", a, b, DONE]);
+        assert_eq!(out, ": keep-alive\n\ndata: [DONE]\n\n");
+        assert_eq!(tap.usage().unwrap().completion_tokens, 2);
+    }
+
+    #[test]
+    fn usage_inside_a_content_chunk_is_kept() {
+        // Some upstreams put usage on the last content chunk; it is content,
+        // so it is never dropped.
+        let ev = "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":5}}\n\n";
+        let mut tap = SseTap::new(true);
+        assert_eq!(run(&mut tap, &[ev]), ev);
+        assert_eq!(tap.usage().unwrap().prompt_tokens, 5);
+    }
+
+    #[test]
+    fn json_tap_reads_usage() {
+        let mut t = JsonTap::new();
+        t.push(br#"{"id":"x","choices":[],"#);
+        t.push(br#""usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#);
+        assert_eq!(t.usage().unwrap().completion_tokens, 4);
+        assert_eq!(JsonTap::new().usage(), None);
+    }
+
+    #[test]
+    fn book_keeps_per_upstream_and_model() {
+        let b = UsageBook::default();
+        let u = Usage {
+            prompt_tokens: 10,
+            completion_tokens: 1,
+            total_tokens: 11,
+        };
+        b.record("http://a", "m", u);
+        b.record("http://a", "m", u);
+        assert_eq!(b.get("http://a", "m").unwrap().prompt_tokens_total, 20);
+        assert!(b.get("http://b", "m").is_none());
+    }
+}

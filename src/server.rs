@@ -1,0 +1,300 @@
+//! The HTTP server: routes, shared state, the tower stack, and graceful
+//! shutdown.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tower::ServiceBuilder;
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
+
+use crate::config::Config;
+use crate::error::openai_error_body;
+use crate::metrics::{Metrics, MetricsError, status_class};
+use crate::proxy::upstream::UpstreamError;
+use crate::proxy::{Proxy, ROUTE_CHAT, ROUTE_PASSTHROUGH};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+    #[error(transparent)]
+    Metrics(#[from] MetricsError),
+    #[error("server failed: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    pub proxy: Arc<Proxy>,
+    pub metrics: Arc<Metrics>,
+    pub metrics_public: bool,
+    pub shutting_down: Arc<AtomicBool>,
+}
+
+impl AppState {
+    pub fn new(config: &Config) -> Result<AppState, ServerError> {
+        let metrics = Arc::new(Metrics::new()?);
+        Ok(AppState {
+            proxy: Arc::new(Proxy::new(config, metrics.clone())?),
+            metrics,
+            metrics_public: config.auth.metrics_public,
+            shutting_down: Arc::new(AtomicBool::new(false)),
+        })
+    }
+}
+
+/// The whole service. Layers, outermost first, and what each gives the next:
+///
+/// 1. `CatchPanicLayer`: a panic anywhere becomes a 500 in the OpenAI error
+///    shape instead of a dropped connection.
+/// 2. `SetSensitiveRequestHeadersLayer`: `Authorization` and API-key headers
+///    are marked sensitive, so no `Debug` print or trace can show them.
+/// 3. `SetRequestIdLayer` / `PropagateRequestIdLayer`: every request has an
+///    `x-request-id` (the client's, or a new UUID) that reaches the upstream
+///    and the logs; the response carries the upstream's id, else ours.
+/// 4. `observe`: one access-log line and `condense_requests_total` per request.
+/// 5. `authorize`: client keys, when `auth.client_keys` is set.
+/// 6. The router: condense's own endpoints, chat completions, and everything
+///    else forwarded as it is.
+pub fn app(state: AppState) -> Router {
+    let router = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/v1/chat/completions", post(chat).fallback(passthrough))
+        .route("/chat/completions", post(chat).fallback(passthrough))
+        .fallback(passthrough)
+        .layer(middleware::from_fn_with_state(state.clone(), authorize))
+        .layer(middleware::from_fn_with_state(state.clone(), observe))
+        .with_state(state);
+    router.layer(
+        ServiceBuilder::new()
+            .layer(CatchPanicLayer::custom(panic_response))
+            .layer(SetSensitiveRequestHeadersLayer::new([
+                header::AUTHORIZATION,
+                header::PROXY_AUTHORIZATION,
+                header::HeaderName::from_static("api-key"),
+                header::HeaderName::from_static("x-api-key"),
+            ]))
+            .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+            .layer(PropagateRequestIdLayer::x_request_id()),
+    )
+}
+
+async fn chat(State(s): State<AppState>, req: Request) -> Response {
+    s.proxy.chat(req).await
+}
+
+async fn passthrough(State(s): State<AppState>, req: Request) -> Response {
+    s.proxy.passthrough(req).await
+}
+
+async fn healthz() -> &'static str {
+    "ok"
+}
+
+async fn readyz(State(s): State<AppState>) -> Response {
+    if s.shutting_down.load(Ordering::Relaxed) {
+        (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response()
+    } else {
+        "ready".into_response()
+    }
+}
+
+async fn metrics(State(s): State<AppState>) -> Response {
+    let mut resp = s.metrics.render().into_response();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    resp
+}
+
+/// The route label of a request, for metrics and logs.
+fn route_of(req: &Request) -> &'static str {
+    match req.uri().path() {
+        "/healthz" => "healthz",
+        "/readyz" => "readyz",
+        "/metrics" => "metrics",
+        "/v1/chat/completions" | "/chat/completions" if req.method() == http::Method::POST => {
+            ROUTE_CHAT
+        }
+        _ => ROUTE_PASSTHROUGH,
+    }
+}
+
+async fn authorize(State(s): State<AppState>, req: Request, next: Next) -> Response {
+    let open = match req.uri().path() {
+        "/healthz" | "/readyz" => true,
+        "/metrics" => s.metrics_public,
+        _ => false,
+    };
+    if !open && let Err(e) = s.proxy.credentials.check(req.headers()) {
+        s.metrics
+            .proxy_errors_total
+            .with_label_values(&[e.metric_label()])
+            .inc();
+        return e.into_response();
+    }
+    next.run(req).await
+}
+
+async fn observe(State(s): State<AppState>, req: Request, next: Next) -> Response {
+    let route = route_of(&req);
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let request_id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let start = Instant::now();
+    let resp = next.run(req).await;
+    let status = resp.status().as_u16();
+    s.metrics
+        .requests_total
+        .with_label_values(&[route, status_class(status)])
+        .inc();
+    if matches!(route, ROUTE_CHAT | ROUTE_PASSTHROUGH) {
+        tracing::info!(
+            %method,
+            path,
+            status,
+            request_id,
+            headers_ms = start.elapsed().as_secs_f64() * 1000.0,
+            "request"
+        );
+    }
+    resp
+}
+
+fn panic_response(_: Box<dyn std::any::Any + Send + 'static>) -> Response<Body> {
+    tracing::error!("a request handler panicked");
+    let mut resp = (
+        StatusCode::INTERNAL_SERVER_ERROR,
+        openai_error_body("condense: internal error", "api_error", "internal_error"),
+    )
+        .into_response();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+/// A running server.
+pub struct Server {
+    addr: SocketAddr,
+    state: AppState,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<std::io::Result<()>>,
+    grace: Duration,
+}
+
+impl Server {
+    /// Binds `server.listen` (port 0 picks a free port) and starts serving.
+    pub async fn start(config: &Config) -> Result<Server, ServerError> {
+        let state = AppState::new(config)?;
+        let listener = TcpListener::bind(config.server.listen)
+            .await
+            .map_err(|source| ServerError::Bind {
+                addr: config.server.listen,
+                source,
+            })?;
+        let addr = listener.local_addr()?;
+        let (stop, mut stopped) = watch::channel(false);
+        let flag = state.shutting_down.clone();
+        let service = app(state.clone()).into_make_service();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, service)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                    flag.store(true, Ordering::Relaxed);
+                })
+                .await
+        });
+        Ok(Server {
+            addr,
+            state,
+            stop,
+            task,
+            grace: Duration::from_secs_f64(config.server.shutdown_grace_seconds),
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// Stops accepting connections, lets in-flight requests and streams
+    /// finish within the grace period, then returns (cutting off whatever is
+    /// still running).
+    pub async fn shutdown(self) -> Result<(), ServerError> {
+        let _ = self.stop.send(true);
+        let mut task = self.task;
+        match tokio::time::timeout(self.grace, &mut task).await {
+            Ok(Ok(result)) => Ok(result?),
+            Ok(Err(join)) => Err(ServerError::Io(std::io::Error::other(join))),
+            Err(_) => {
+                tracing::warn!(grace = ?self.grace, "shutdown grace period over; closing remaining connections");
+                task.abort();
+                Ok(())
+            }
+        }
+    }
+
+    /// Serves until SIGTERM or SIGINT, then shuts down gracefully.
+    pub async fn run_until_signal(self) -> Result<(), ServerError> {
+        shutdown_signal().await;
+        tracing::info!("shutdown signal received; draining");
+        self.shutdown().await
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
