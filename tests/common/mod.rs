@@ -1,0 +1,311 @@
+//! Test harness: an in-process mock OpenAI upstream and a condense server in
+//! front of it, both on 127.0.0.1 port 0.
+//!
+//! The mock is steered per request by `x-mock-*` headers, which condense
+//! forwards like any other header:
+//! - `x-mock-status: N` answers with status N and `x-mock-body` (or a default
+//!   OpenAI error body), plus `Retry-After: 7` on a 429.
+//! - `x-mock-sleep-ms: N` waits N ms before sending response headers.
+//! - `x-mock-chunk-delay-ms: N` waits N ms between streamed chunks.
+//! - `x-mock-stall: 1` stops sending (without closing) after the first chunk.
+//!   Chat completions answer like OpenAI: JSON, or SSE when `stream` is true,
+//!   with a usage chunk only when `stream_options.include_usage` is true and
+//!   `"usage":null` on the other chunks then.
+//!   `prompt_tokens` is the request body's length divided by `x-mock-bytes-per-token`
+//!   (default 4). Any other path echoes the request back as JSON.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use condense::config::Config;
+use condense::server::Server;
+use serde_json::{Value, json};
+
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    pub method: String,
+    pub path: String,
+    pub query: Option<String>,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Recorded {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+}
+
+#[derive(Default)]
+pub struct MockState {
+    pub requests: Mutex<Vec<Recorded>>,
+    /// Set once a streamed response has sent its last chunk.
+    pub stream_finished: AtomicBool,
+    /// Streams whose body was dropped before the end (client went away).
+    pub streams_dropped: AtomicUsize,
+}
+
+pub struct MockUpstream {
+    pub addr: SocketAddr,
+    pub state: Arc<MockState>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl MockUpstream {
+    pub async fn start() -> MockUpstream {
+        let state = Arc::new(MockState::default());
+        let app = Router::new().fallback(handle).with_state(state.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        MockUpstream { addr, state, task }
+    }
+
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.state.requests.lock().unwrap().clone()
+    }
+
+    pub fn last(&self) -> Recorded {
+        self.requests().pop().expect("the mock saw no request")
+    }
+}
+
+impl Drop for MockUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn header_u64(h: &HeaderMap, name: &str) -> Option<u64> {
+    h.get(name)?.to_str().ok()?.parse().ok()
+}
+
+async fn handle(State(state): State<Arc<MockState>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let body = axum::body::to_bytes(body, usize::MAX)
+        .await
+        .unwrap_or_default();
+    let rec = Recorded {
+        method: parts.method.to_string(),
+        path: parts.uri.path().to_string(),
+        query: parts.uri.query().map(str::to_string),
+        headers: parts.headers.clone(),
+        body: body.clone(),
+    };
+    state.requests.lock().unwrap().push(rec.clone());
+    let h = &parts.headers;
+    if let Some(ms) = header_u64(h, "x-mock-sleep-ms") {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if let Some(status) = header_u64(h, "x-mock-status") {
+        let body = h
+            .get("x-mock-body")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_else(|| {
+                json!({"error": {"message": "mock failure", "type": "server_error", "param": null, "code": null}}).to_string()
+            });
+        let mut resp = (StatusCode::from_u16(status as u16).unwrap(), body).into_response();
+        resp.headers_mut()
+            .insert("content-type", "application/json".parse().unwrap());
+        if status == 429 {
+            resp.headers_mut()
+                .insert("retry-after", "7".parse().unwrap());
+        }
+        return resp;
+    }
+    if parts.uri.path() == "/v1/chat/completions" && parts.method == "POST" {
+        return chat(state, h, &body);
+    }
+    if parts.uri.path() == "/v1/models" {
+        return json_response(json!({"object": "list", "data": [
+            {"id": "gpt-4o", "object": "model", "created": 1, "owned_by": "mock"}
+        ]}))
+        .into_response();
+    }
+    let echo = json!({
+        "method": rec.method,
+        "path": rec.path,
+        "query": rec.query,
+        "body": String::from_utf8_lossy(&rec.body),
+    });
+    let mut resp = json_response(echo).into_response();
+    resp.headers_mut()
+        .insert("x-mock-echo", "yes".parse().unwrap());
+    resp
+}
+
+fn chat(state: Arc<MockState>, h: &HeaderMap, body: &Bytes) -> Response {
+    let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let per_token = header_u64(h, "x-mock-bytes-per-token").unwrap_or(4).max(1);
+    let prompt_tokens = body.len() as u64 / per_token;
+    let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": 3, "total_tokens": prompt_tokens + 3});
+    let model = req["model"].as_str().unwrap_or("unknown").to_string();
+    if req["stream"] != json!(true) {
+        let resp = json!({
+            "id": "chatcmpl-mock", "object": "chat.completion", "created": 1, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello there!"}, "finish_reason": "stop"}],
+            "usage": usage,
+        });
+        let mut r = json_response(resp).into_response();
+        r.headers_mut()
+            .insert("x-request-id", "req_mock_upstream".parse().unwrap());
+        return r;
+    }
+    let include_usage = req["stream_options"]["include_usage"] == json!(true);
+    let delay = Duration::from_millis(header_u64(h, "x-mock-chunk-delay-ms").unwrap_or(0));
+    let stall = h.contains_key("x-mock-stall");
+    let mut events = Vec::new();
+    for (i, word) in ["Hello", " there", "!"].iter().enumerate() {
+        let mut chunk = json!({
+            "id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": model,
+            "choices": [{"index": 0, "delta": if i == 0 { json!({"role": "assistant", "content": word}) } else { json!({"content": word}) }, "finish_reason": null}],
+        });
+        if include_usage {
+            chunk["usage"] = Value::Null;
+        }
+        events.push(format!("data: {chunk}\n\n"));
+    }
+    let mut last = json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": model,
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]});
+    if include_usage {
+        last["usage"] = Value::Null;
+    }
+    events.push(format!("data: {last}\n\n"));
+    if include_usage {
+        let u = json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": model, "choices": [], "usage": usage});
+        events.push(format!("data: {u}\n\n"));
+    }
+    events.push("data: [DONE]\n\n".to_string());
+    state.stream_finished.store(false, Ordering::SeqCst);
+    let guard = DropCounter {
+        state: state.clone(),
+        finished: false,
+    };
+    let stream = futures_util::stream::unfold(
+        (events.into_iter().enumerate(), guard),
+        move |(mut it, mut guard)| async move {
+            let (i, ev) = it.next()?;
+            if i > 0 {
+                if stall {
+                    std::future::pending::<()>().await;
+                }
+                tokio::time::sleep(delay).await;
+            }
+            if it.len() == 0 {
+                guard.finished = true;
+                guard.state.stream_finished.store(true, Ordering::SeqCst);
+            }
+            Some((Ok::<_, std::io::Error>(Bytes::from(ev)), (it, guard)))
+        },
+    );
+    let mut r = Response::new(Body::from_stream(stream));
+    r.headers_mut()
+        .insert("content-type", "text/event-stream".parse().unwrap());
+    r
+}
+
+struct DropCounter {
+    state: Arc<MockState>,
+    finished: bool,
+}
+
+impl Drop for DropCounter {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.state.streams_dropped.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// condense in front of a mock upstream.
+pub struct Harness {
+    pub mock: MockUpstream,
+    pub server: Option<Server>,
+    pub addr: SocketAddr,
+    pub client: reqwest::Client,
+}
+
+impl Harness {
+    pub async fn start() -> Harness {
+        Harness::with(|_| {}).await
+    }
+
+    /// Starts with the default config, adjusted by `tweak`.
+    pub async fn with(tweak: impl FnOnce(&mut Config)) -> Harness {
+        let mock = MockUpstream::start().await;
+        let mut config = Config::default();
+        config.server.listen = "127.0.0.1:0".parse().unwrap();
+        config.upstream.base_url = mock.base_url();
+        tweak(&mut config);
+        config.validate().unwrap();
+        let server = Server::start(&config).await.unwrap();
+        let addr = server.local_addr();
+        Harness {
+            mock,
+            server: Some(server),
+            addr,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub async fn metrics(&self) -> String {
+        self.client
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
+    /// The value of one metric series (`name{labels}` exactly as rendered).
+    pub async fn metric(&self, series: &str) -> Option<f64> {
+        let text = self.metrics().await;
+        text.lines()
+            .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    }
+
+    pub async fn shutdown(mut self) {
+        if let Some(s) = self.server.take() {
+            s.shutdown().await.unwrap();
+        }
+    }
+}
+
+pub fn chat_body(stream: bool) -> Value {
+    json!({
+        "model": "gpt-4o",
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Say hello."}
+        ],
+        "stream": stream,
+    })
+}
+
+fn json_response(v: Value) -> Response {
+    let mut r = v.to_string().into_response();
+    r.headers_mut()
+        .insert("content-type", "application/json".parse().unwrap());
+    r
+}
