@@ -13,7 +13,7 @@
 //!   `"usage":null` on the other chunks then.
 //!   `prompt_tokens` is the request body's length divided by `x-mock-bytes-per-token`
 //!   (default 4). Any other path echoes the request back as JSON.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
