@@ -1,5 +1,7 @@
 //! The proxy as a client sees it: condense in front of a mock upstream.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::sync::atomic::Ordering;
