@@ -2,6 +2,8 @@
 //! `RUST_LOG`. Nothing logs header values; `Authorization` and key headers
 //! are additionally marked sensitive by the server's layer stack.
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
 use crate::config::{LogConfig, LogFormat};
@@ -14,6 +16,7 @@ pub fn init(config: &LogConfig) {
         .unwrap_or_else(|| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     // A second init (tests) keeps the first subscriber; that is fine.
     let _ = match config.format {

@@ -1,0 +1,143 @@
+//! The real `condense` binary, end to end: configuration checks, serving in
+//! front of the mock upstream, logs, and shutdown on SIGTERM.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{MockUpstream, chat_body};
+
+fn condense() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_condense"));
+    // Start from a clean environment as far as condense is concerned.
+    for (k, _) in std::env::vars() {
+        if k.starts_with("CONDENSE_") || k == "RUST_LOG" {
+            c.env_remove(k);
+        }
+    }
+    c
+}
+
+#[test]
+fn check_config_prints_the_effective_config_with_secrets_redacted() {
+    let out = condense()
+        .arg("check-config")
+        .env("CONDENSE_UPSTREAM__API_KEY", "sk-top-secret")
+        .env("CONDENSE_UPSTREAM__BASE_URL", "http://127.0.0.1:9/v1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("base_url = \"http://127.0.0.1:9/v1\""),
+        "{text}"
+    );
+    assert!(text.contains("api_key = \"[redacted]\""), "{text}");
+    assert!(!text.contains("sk-top-secret"));
+}
+
+#[test]
+fn check_config_fails_on_unknown_or_invalid_keys() {
+    let dir = std::env::temp_dir().join(format!("condense-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "[upstream]\nbase_urll = \"http://x\"\n").unwrap();
+    let out = condense()
+        .args(["check-config", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("base_urll"));
+
+    let out = condense()
+        .arg("check-config")
+        .env("CONDENSE_SERVER__MAX_BODY_BYTES", "lots")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+
+    let out = condense()
+        .args(["check-config", "--config", "/nonexistent/condense.toml"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[tokio::test]
+async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() {
+    let mock = MockUpstream::start().await;
+    let mut child = condense()
+        .env("CONDENSE_SERVER__LISTEN", "127.0.0.1:0")
+        .env("CONDENSE_UPSTREAM__BASE_URL", mock.base_url())
+        .env("RUST_LOG", "trace")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let log = Arc::new(Mutex::new(String::new()));
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    let log2 = log.clone();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let line = line.unwrap_or_default();
+            if let Some(rest) = line.split("listen=").nth(1) {
+                let addr = rest.split_whitespace().next().unwrap_or("").to_string();
+                let _ = addr_tx.send(addr);
+            }
+            log2.lock().unwrap().push_str(&line);
+            log2.lock().unwrap().push('\n');
+        }
+    });
+    let addr = addr_rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("condense never said where it listens");
+
+    let client = reqwest::Client::new();
+    for stream in [false, true] {
+        let resp = client
+            .post(format!("http://{addr}/v1/chat/completions"))
+            .bearer_auth("sk-never-log-this-key")
+            .header("api-key", "azure-never-log-this")
+            .body(chat_body(stream).to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.text().await.unwrap();
+    }
+    assert_eq!(
+        mock.last().headers["authorization"],
+        "Bearer sk-never-log-this-key"
+    );
+
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exit = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(exit.success(), "condense exited with {exit}");
+    reader.join().unwrap();
+    let log = log.lock().unwrap().clone();
+    assert!(log.contains("shutdown signal received"), "{log}");
+    assert!(
+        !log.contains("never-log-this"),
+        "a key reached the logs:\n{log}"
+    );
+}
