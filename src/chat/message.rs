@@ -4,13 +4,13 @@
 
 use std::sync::OnceLock;
 
+use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::Value;
-use serde_json::value::RawValue;
 
 #[derive(Debug, Clone)]
 pub struct Message {
-    raw: Box<RawValue>,
+    raw: Bytes,
     /// Parsed on first use: requests forwarded without compaction never pay
     /// for building it.
     view: OnceLock<View>,
@@ -33,7 +33,8 @@ struct View {
 }
 
 impl Message {
-    pub fn from_raw(raw: Box<RawValue>) -> Message {
+    /// A message from its exact JSON bytes (which must be valid JSON).
+    pub fn from_bytes(raw: Bytes) -> Message {
         Message {
             raw,
             view: OnceLock::new(),
@@ -42,12 +43,12 @@ impl Message {
 
     fn view(&self) -> &View {
         self.view
-            .get_or_init(|| serde_json::from_str(self.raw.get()).unwrap_or_default())
+            .get_or_init(|| serde_json::from_slice(&self.raw).unwrap_or_default())
     }
 
-    /// The message's exact JSON text.
-    pub fn raw(&self) -> &str {
-        self.raw.get()
+    /// The message's exact JSON bytes.
+    pub fn raw(&self) -> &[u8] {
+        &self.raw
     }
 
     pub fn role(&self) -> Option<&str> {
@@ -77,7 +78,7 @@ mod tests {
     use super::*;
 
     fn msg(s: &str) -> Message {
-        Message::from_raw(RawValue::from_string(s.to_string()).unwrap())
+        Message::from_bytes(Bytes::copy_from_slice(s.as_bytes()))
     }
 
     #[test]
@@ -95,7 +96,7 @@ mod tests {
     fn odd_messages_are_kept_not_understood() {
         let m = msg(r#"{"role":7,"content":{"weird":true}}"#);
         assert_eq!(m.role(), None);
-        assert_eq!(m.raw(), r#"{"role":7,"content":{"weird":true}}"#);
+        assert_eq!(m.raw(), br#"{"role":7,"content":{"weird":true}}"#);
         let m = msg(r#""just a string""#);
         assert_eq!(m.role(), None);
     }

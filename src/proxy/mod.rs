@@ -141,11 +141,7 @@ impl Proxy {
                     chat.request_stream_usage();
                     strip_usage = true;
                 }
-                if chat.is_changed() {
-                    Bytes::from(chat.to_vec())
-                } else {
-                    bytes
-                }
+                chat.to_bytes()
             }
             // Not a chat request condense understands: the upstream judges it.
             Err(e) => {
@@ -182,7 +178,7 @@ impl Proxy {
         let tap = match (resp.status().is_success(), is_sse) {
             (false, _) => Tap::None,
             (true, true) => Tap::Sse(SseTap::new(strip_usage)),
-            (true, false) => Tap::Json(JsonTap::new()),
+            (true, false) => Tap::Json(JsonTap::new(resp.content_length())),
         };
         let on_usage = model.map(|model| self.usage_callback(model));
         let mut response = self.respond(

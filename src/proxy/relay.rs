@@ -40,7 +40,11 @@ impl Tap {
     fn finish(&mut self) -> Bytes {
         match self {
             Tap::Sse(t) => t.finish(),
-            _ => Bytes::new(),
+            Tap::Json(t) => {
+                t.finish();
+                Bytes::new()
+            }
+            Tap::None => Bytes::new(),
         }
     }
 

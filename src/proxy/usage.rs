@@ -29,11 +29,11 @@ pub struct Usage {
 impl Usage {
     /// Reads `usage` from a response object, when present and not null.
     fn from_object(obj: &RawObject) -> Option<Usage> {
-        serde_json::from_str::<Option<Usage>>(obj.get("usage")?.get()).ok()?
+        serde_json::from_slice::<Option<Usage>>(obj.get("usage")?).ok()?
     }
 
     /// Reads `usage` from a complete non-streamed JSON response body.
-    pub fn from_json_body(body: &[u8]) -> Option<Usage> {
+    pub fn from_json_body(body: &Bytes) -> Option<Usage> {
         Usage::from_object(&RawObject::parse(body).ok()?)
     }
 }
@@ -147,7 +147,7 @@ impl SseTap {
             .map(|d| d.strip_prefix(' ').unwrap_or(d))
             .collect::<Vec<_>>()
             .join("\n");
-        let Ok(mut obj) = RawObject::parse(data.as_bytes()) else {
+        let Ok(mut obj) = RawObject::parse(&Bytes::from(data)) else {
             return verbatim();
         };
         let usage = Usage::from_object(&obj);
@@ -157,8 +157,8 @@ impl SseTap {
         if !self.strip {
             return None;
         }
-        let usage_only = obj.get("choices").map(|c| c.get().trim()) == Some("[]");
-        match (usage, obj.get("usage").map(|u| u.get().trim() == "null")) {
+        let usage_only = obj.get("choices") == Some(b"[]");
+        match (usage, obj.get("usage").map(|u| u == b"null")) {
             (Some(_), _) if usage_only => None,
             (None, Some(true)) => {
                 obj.remove("usage");
@@ -205,41 +205,52 @@ fn find_event_end(buf: &[u8]) -> Option<usize> {
 
 /// Keeps a bounded copy of a JSON response body to read its usage at the end.
 pub struct JsonTap {
-    buf: Vec<u8>,
+    buf: BytesMut,
     overflowed: bool,
+    usage: Option<Usage>,
+    /// The upstream's Content-Length. The server stops polling a body once
+    /// that many bytes went out, so the end of the stream may never be seen:
+    /// the tap finishes itself when the last byte passes.
+    expected_len: Option<u64>,
+    seen: u64,
 }
 
 impl JsonTap {
     /// Bodies larger than this are not inspected (usage is then unknown).
     const MAX_BYTES: usize = 8 * 1024 * 1024;
 
-    pub fn new() -> JsonTap {
+    pub fn new(expected_len: Option<u64>) -> JsonTap {
         JsonTap {
-            buf: Vec::new(),
+            buf: BytesMut::new(),
             overflowed: false,
+            usage: None,
+            expected_len,
+            seen: 0,
         }
     }
 
     pub fn push(&mut self, chunk: &[u8]) {
+        self.seen += chunk.len() as u64;
         if self.overflowed || self.buf.len() + chunk.len() > Self::MAX_BYTES {
             self.overflowed = true;
-            self.buf = Vec::new();
+            self.buf = BytesMut::new();
             return;
         }
         self.buf.extend_from_slice(chunk);
+        if self.expected_len == Some(self.seen) {
+            self.finish();
+        }
+    }
+
+    /// The body is complete: read its usage (once; not on every chunk).
+    pub fn finish(&mut self) {
+        if !self.overflowed && self.usage.is_none() {
+            self.usage = Usage::from_json_body(&self.buf.split().freeze());
+        }
     }
 
     pub fn usage(&self) -> Option<Usage> {
-        if self.overflowed {
-            return None;
-        }
-        Usage::from_json_body(&self.buf)
-    }
-}
-
-impl Default for JsonTap {
-    fn default() -> Self {
-        JsonTap::new()
+        self.usage
     }
 }
 
@@ -303,11 +314,18 @@ mod tests {
 
     #[test]
     fn json_tap_reads_usage() {
-        let mut t = JsonTap::new();
+        let mut t = JsonTap::new(None);
         t.push(br#"{"id":"x","choices":[],"#);
         t.push(br#""usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#);
+        assert_eq!(t.usage(), None, "usage is read when the body is complete");
+        t.finish();
         assert_eq!(t.usage().unwrap().completion_tokens, 4);
-        assert_eq!(JsonTap::new().usage(), None);
+        assert_eq!(JsonTap::new(None).usage(), None);
+        // With a known length the tap finishes on the last byte.
+        let body = br#"{"usage":{"prompt_tokens":9}}"#;
+        let mut t = JsonTap::new(Some(body.len() as u64));
+        t.push(body);
+        assert_eq!(t.usage().unwrap().prompt_tokens, 9);
     }
 
     #[test]
