@@ -14,6 +14,8 @@ use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize, Serializer};
 
+use crate::tokens::Encoding;
+
 /// The file read when no `--config` is given and it exists.
 pub const DEFAULT_CONFIG_PATH: &str = "config/condense.toml";
 
@@ -60,13 +62,150 @@ impl Serialize for Secret {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
+    /// Context window assumed for a model no profile or listing describes.
+    pub default_context_window: u64,
     pub server: ServerConfig,
     pub upstream: UpstreamConfig,
     pub auth: AuthConfig,
     pub log: LogConfig,
+    pub tokens: TokensConfig,
+    pub compaction: CompactionConfig,
+    /// Model profiles, matched by glob against the requested model.
+    pub models: Vec<ModelProfile>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            default_context_window: 32_768,
+            server: ServerConfig::default(),
+            upstream: UpstreamConfig::default(),
+            auth: AuthConfig::default(),
+            log: LogConfig::default(),
+            tokens: TokensConfig::default(),
+            compaction: CompactionConfig::default(),
+            models: default_models(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TokensConfig {
+    /// Message token counts kept in the per-message cache (≈ 24 bytes each).
+    pub cache_entries: usize,
+    /// Completion allowance when a request sets neither
+    /// `max_completion_tokens` nor `max_tokens`.
+    pub default_completion_tokens: u64,
+    /// Share of the window kept free for the provider's framing and for
+    /// estimation error.
+    pub reserve_ratio: f64,
+}
+
+impl Default for TokensConfig {
+    fn default() -> Self {
+        TokensConfig {
+            cache_entries: 200_000,
+            default_completion_tokens: 4096,
+            reserve_ratio: 0.05,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CompactionConfig {
+    /// Pressure (calibrated prompt estimate / prompt budget) at which
+    /// compaction starts.
+    pub trigger: f64,
+    /// Pressure compaction brings a request down to once it starts.
+    pub target: f64,
+}
+
+impl Default for CompactionConfig {
+    fn default() -> Self {
+        CompactionConfig {
+            trigger: 0.80,
+            target: 0.60,
+        }
+    }
+}
+
+/// One `[[models]]` entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelProfile {
+    /// Glob over model names (`*`, `?`; case-insensitive).
+    #[serde(rename = "match")]
+    pub pattern: String,
+    pub context_window: u64,
+    /// Tokenizer; by default chosen from the model name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encoding: Option<Encoding>,
+    /// Overrides `compaction.trigger` for these models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trigger: Option<f64>,
+    /// Overrides `compaction.target` for these models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<f64>,
+}
+
+/// The shipped model table; `config/condense.toml` states the same.
+pub fn default_models() -> Vec<ModelProfile> {
+    use Encoding::{Cl100k, O200k};
+    let table: &[(&str, u64, Option<Encoding>)] = &[
+        // OpenAI
+        ("gpt-4o*", 128_000, Some(O200k)),
+        ("chatgpt-4o*", 128_000, Some(O200k)),
+        ("gpt-4.1*", 1_047_576, Some(O200k)),
+        ("gpt-5*", 272_000, Some(O200k)),
+        ("o1*", 200_000, Some(O200k)),
+        ("o3*", 200_000, Some(O200k)),
+        ("o4*", 200_000, Some(O200k)),
+        ("gpt-4-turbo*", 128_000, Some(Cl100k)),
+        ("gpt-4-*-preview", 128_000, Some(Cl100k)),
+        ("gpt-4", 8_192, Some(Cl100k)),
+        ("gpt-4-0613", 8_192, Some(Cl100k)),
+        ("gpt-4-32k*", 32_768, Some(Cl100k)),
+        ("gpt-3.5-turbo*", 16_385, Some(Cl100k)),
+        ("gpt-oss*", 131_072, Some(O200k)),
+        // Anthropic through OpenAI-compatible gateways
+        ("claude*", 200_000, None),
+        // Meta Llama
+        ("*llama-3.1*", 131_072, None),
+        ("*llama-3.2*", 131_072, None),
+        ("*llama-3.3*", 131_072, None),
+        ("*llama-4*", 131_072, None),
+        // Qwen
+        ("*qwen2.5*", 32_768, None),
+        ("*qwen3*", 32_768, None),
+        // Mistral
+        ("*mistral-large*", 131_072, None),
+        ("*mistral-medium*", 131_072, None),
+        ("*mistral-small*", 131_072, None),
+        ("*ministral*", 131_072, None),
+        ("*codestral*", 256_000, None),
+        ("*mixtral*", 32_768, None),
+        // DeepSeek
+        ("*deepseek*", 131_072, None),
+        // Google Gemini
+        ("*gemini*", 1_048_576, None),
+        // xAI
+        ("*grok*", 131_072, None),
+    ];
+    table
+        .iter()
+        .map(|(pattern, window, encoding)| ModelProfile {
+            pattern: (*pattern).to_string(),
+            context_window: *window,
+            encoding: *encoding,
+            trigger: None,
+            target: None,
+        })
+        .collect()
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -114,6 +253,9 @@ pub struct UpstreamConfig {
     /// condense learns the upstream's real prompt token count. Turn off only
     /// for an upstream that rejects `stream_options`.
     pub stream_usage: bool,
+    /// Read context windows from the upstream's `/models` listing (vLLM's
+    /// `max_model_len`, OpenRouter's `context_length`, ...).
+    pub learn_windows: bool,
 }
 
 impl Default for UpstreamConfig {
@@ -125,6 +267,7 @@ impl Default for UpstreamConfig {
             first_byte_timeout_seconds: 600.0,
             idle_timeout_seconds: 300.0,
             stream_usage: true,
+            learn_windows: true,
         }
     }
 }
@@ -257,9 +400,51 @@ impl Config {
         {
             return Err(invalid("upstream.api_key", "must not be empty when set"));
         }
+        if self.default_context_window < 1024 {
+            return Err(invalid("default_context_window", "must be at least 1024"));
+        }
+        if !(0.0..0.5).contains(&self.tokens.reserve_ratio) {
+            return Err(invalid("tokens.reserve_ratio", "must be in [0, 0.5)"));
+        }
+        if self.tokens.cache_entries == 0 {
+            return Err(invalid("tokens.cache_entries", "must be greater than 0"));
+        }
+        check_thresholds(
+            "compaction",
+            self.compaction.trigger,
+            self.compaction.target,
+        )?;
+        for m in &self.models {
+            if m.pattern.is_empty() {
+                return Err(invalid("models.match", "must not be empty"));
+            }
+            if m.context_window < 1024 {
+                return Err(ConfigError::Invalid {
+                    key: "models.context_window",
+                    reason: format!("{}: must be at least 1024", m.pattern),
+                });
+            }
+            check_thresholds(
+                "models",
+                m.trigger.unwrap_or(self.compaction.trigger),
+                m.target.unwrap_or(self.compaction.target),
+            )?;
+        }
         tracing_subscriber::EnvFilter::try_new(&self.log.level)
             .map_err(|e| invalid("log.level", &e.to_string()))?;
         Ok(())
+    }
+
+    /// The trigger and target for a model, profile first.
+    pub fn thresholds(&self, profile: Option<&ModelProfile>) -> (f64, f64) {
+        (
+            profile
+                .and_then(|p| p.trigger)
+                .unwrap_or(self.compaction.trigger),
+            profile
+                .and_then(|p| p.target)
+                .unwrap_or(self.compaction.target),
+        )
     }
 
     /// The effective configuration as TOML, secrets redacted.
@@ -268,15 +453,43 @@ impl Config {
     }
 }
 
+fn check_thresholds(section: &'static str, trigger: f64, target: f64) -> Result<(), ConfigError> {
+    if !(trigger > 0.0 && trigger <= 10.0 && target > 0.0 && target < trigger) {
+        return Err(ConfigError::Invalid {
+            key: section,
+            reason: format!(
+                "thresholds need 0 < target < trigger <= 10 (got trigger {trigger}, target {target})"
+            ),
+        });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn shipped_file_states_the_defaults() {
+    fn shipped_file_states_every_default() {
         let text = include_str!("../config/condense.toml");
         let parsed = Config::from_toml(text).unwrap();
         assert_eq!(parsed, Config::default());
+        // Not only equal in effect: the file spells out every key.
+        let file: toml::Value = toml::from_str(text).unwrap();
+        let defaults = toml::Value::try_from(Config::default()).unwrap();
+        assert_eq!(file, defaults);
+    }
+
+    #[test]
+    fn a_models_table_replaces_the_shipped_one() {
+        let c = Config::from_toml(
+            "[[models]]\nmatch = \"my-*\"\ncontext_window = 8192\nencoding = \"cl100k_base\"\ntrigger = 0.9\ntarget = 0.5\n",
+        )
+        .unwrap();
+        assert_eq!(c.models.len(), 1);
+        assert_eq!(c.models[0].encoding, Some(Encoding::Cl100k));
+        assert_eq!(c.thresholds(Some(&c.models[0])), (0.9, 0.5));
+        assert_eq!(c.thresholds(None), (0.8, 0.6));
     }
 
     #[test]
@@ -292,6 +505,18 @@ mod tests {
         assert!(Config::from_toml("[upstream]\nidle_timeout_seconds = 0\n").is_err());
         assert!(Config::from_toml("[server]\nlisten = \"nowhere\"\n").is_err());
         assert!(Config::from_toml("[log]\nformat = \"xml\"\n").is_err());
+        assert!(Config::from_toml("[compaction]\ntrigger = 0.5\ntarget = 0.7\n").is_err());
+        assert!(Config::from_toml("[[models]]\nmatch = \"x\"\ncontext_window = 10\n").is_err());
+        assert!(
+            Config::from_toml(
+                "[[models]]\nmatch = \"x\"\ncontext_window = 8192\nencoding = \"p50k\"\n"
+            )
+            .is_err()
+        );
+        assert!(
+            Config::from_toml("[[models]]\nmatch = \"x\"\ncontext_window = 8192\nwindow = 1\n")
+                .is_err()
+        );
     }
 
     #[test]

@@ -12,3 +12,4 @@ pub mod logging;
 pub mod metrics;
 pub mod proxy;
 pub mod server;
+pub mod tokens;

@@ -9,7 +9,8 @@ use std::collections::HashSet;
 use std::sync::Mutex;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Distinct model label values kept before new ones are folded into "other".
@@ -34,6 +35,11 @@ pub struct Metrics {
     pub proxy_errors_total: IntCounterVec,
     pub stream_interruptions_total: IntCounterVec,
     pub inflight_requests: IntGauge,
+    pub token_cache_hits_total: IntCounter,
+    pub token_cache_misses_total: IntCounter,
+    pub calibration_ratio: GaugeVec,
+    pub context_window_tokens: IntGaugeVec,
+    pub pressure_ratio: Histogram,
     models_seen: Mutex<HashSet<String>>,
 }
 
@@ -99,6 +105,42 @@ impl Metrics {
             "condense_inflight_requests",
             "Proxied requests currently in flight, streams included.",
         )?;
+        let token_cache_hits_total = IntCounter::new(
+            "condense_token_cache_hits_total",
+            "Message token counts served from the per-message cache.",
+        )?;
+        let token_cache_misses_total = IntCounter::new(
+            "condense_token_cache_misses_total",
+            "Messages (and tool lists) tokenized because their count was not cached.",
+        )?;
+        let calibration_ratio = GaugeVec::new(
+            Opts::new(
+                "condense_calibration_ratio",
+                "Upstream-reported prompt tokens / condense's raw estimate, per model (1.0 until observed).",
+            ),
+            &["model"],
+        )?;
+        let context_window_tokens = IntGaugeVec::new(
+            Opts::new(
+                "condense_context_window_tokens",
+                "Context window condense applies to a model (profile, listing or default).",
+            ),
+            &["model"],
+        )?;
+        let pressure_ratio = Histogram::with_opts(
+            HistogramOpts::new(
+                "condense_pressure_ratio",
+                "Calibrated prompt estimate / prompt budget of chat requests as received.",
+            )
+            .buckets(vec![
+                0.1, 0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0,
+            ]),
+        )?;
+        registry.register(Box::new(token_cache_hits_total.clone()))?;
+        registry.register(Box::new(token_cache_misses_total.clone()))?;
+        registry.register(Box::new(calibration_ratio.clone()))?;
+        registry.register(Box::new(context_window_tokens.clone()))?;
+        registry.register(Box::new(pressure_ratio.clone()))?;
         registry.register(Box::new(requests_total.clone()))?;
         registry.register(Box::new(upstream_seconds.clone()))?;
         registry.register(Box::new(overhead_seconds.clone()))?;
@@ -117,6 +159,11 @@ impl Metrics {
             proxy_errors_total,
             stream_interruptions_total,
             inflight_requests,
+            token_cache_hits_total,
+            token_cache_misses_total,
+            calibration_ratio,
+            context_window_tokens,
+            pressure_ratio,
             models_seen: Mutex::new(HashSet::new()),
         })
     }

@@ -26,6 +26,7 @@ use crate::error::openai_error_body;
 use crate::metrics::{Metrics, MetricsError, status_class};
 use crate::proxy::upstream::UpstreamError;
 use crate::proxy::{Proxy, ROUTE_CHAT, ROUTE_PASSTHROUGH};
+use crate::tokens::Encoding;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -55,7 +56,7 @@ impl AppState {
     pub fn new(config: &Config) -> Result<AppState, ServerError> {
         let metrics = Arc::new(Metrics::new()?);
         Ok(AppState {
-            proxy: Arc::new(Proxy::new(config, metrics.clone())?),
+            proxy: Arc::new(Proxy::new(Arc::new(config.clone()), metrics.clone())?),
             metrics,
             metrics_public: config.auth.metrics_public,
             shutting_down: Arc::new(AtomicBool::new(false)),
@@ -215,6 +216,10 @@ pub struct Server {
 impl Server {
     /// Binds `server.listen` (port 0 picks a free port) and starts serving.
     pub async fn start(config: &Config) -> Result<Server, ServerError> {
+        // Build the tokenizers now, not on the first request.
+        tokio::task::spawn_blocking(Encoding::warm_up)
+            .await
+            .map_err(std::io::Error::other)?;
         let state = AppState::new(config)?;
         let listener = TcpListener::bind(config.server.listen)
             .await

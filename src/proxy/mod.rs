@@ -7,25 +7,28 @@
 
 pub mod auth;
 pub mod headers;
+pub mod listing;
 pub mod relay;
 pub mod upstream;
 pub mod usage;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::StreamExt;
-use http::{HeaderMap, HeaderValue, Request, header};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, header};
 
 use crate::chat::ChatRequest;
 use crate::config::Config;
 use crate::error::ProxyError;
 use crate::metrics::Metrics;
+use crate::tokens::{Assessment, TokenService};
 use auth::Credentials;
+use listing::ListingFetcher;
 use relay::{InflightGuard, Tap, UsageCallback};
 use upstream::{Upstream, UpstreamError};
 use usage::{JsonTap, SseTap, UsageBook};
@@ -39,25 +42,58 @@ pub struct Proxy {
     pub credentials: Credentials,
     pub metrics: Arc<Metrics>,
     pub usage: Arc<UsageBook>,
+    pub tokens: Arc<TokenService>,
+    listing: ListingFetcher,
     max_body_bytes: u64,
     stream_usage: bool,
+    learn_windows: bool,
 }
 
 /// Timestamps that split a request's time between condense and the upstream.
 struct Timing {
     start: Instant,
     sent: Instant,
+    /// Time before `sent` spent waiting on the upstream for something else
+    /// (the `/models` listing).
+    upstream_wait: Duration,
 }
 
+/// A chat request ready to forward.
+struct Prepared {
+    body: Bytes,
+    model: Option<String>,
+    strip_usage: bool,
+    assessment: Option<Assessment>,
+}
+
+impl Prepared {
+    fn unchanged(body: Bytes, model: Option<String>) -> Prepared {
+        Prepared {
+            body,
+            model,
+            strip_usage: false,
+            assessment: None,
+        }
+    }
+}
+
+/// Response headers that tell the client what condense did.
+pub const X_TOKENS_BEFORE: HeaderName = HeaderName::from_static("x-condense-tokens-before");
+pub const X_TOKENS_AFTER: HeaderName = HeaderName::from_static("x-condense-tokens-after");
+pub const X_ACTIONS: HeaderName = HeaderName::from_static("x-condense-actions");
+
 impl Proxy {
-    pub fn new(config: &Config, metrics: Arc<Metrics>) -> Result<Proxy, UpstreamError> {
+    pub fn new(config: Arc<Config>, metrics: Arc<Metrics>) -> Result<Proxy, UpstreamError> {
         Ok(Proxy {
             upstream: Upstream::new(&config.upstream)?,
             credentials: Credentials::new(&config.auth, config.upstream.api_key.as_ref()),
+            tokens: Arc::new(TokenService::new(config.clone(), &metrics)),
             metrics,
             usage: Arc::new(UsageBook::default()),
+            listing: ListingFetcher::default(),
             max_body_bytes: config.server.max_body_bytes,
             stream_usage: config.upstream.stream_usage,
+            learn_windows: config.upstream.learn_windows,
         })
     }
 
@@ -107,7 +143,11 @@ impl Proxy {
             Tap::None,
             None,
             guard,
-            Timing { start, sent },
+            Timing {
+                start,
+                sent,
+                upstream_wait: Duration::ZERO,
+            },
         ))
     }
 
@@ -128,28 +168,6 @@ impl Proxy {
             .get(headers::X_CONDENSE)
             .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"off"));
 
-        let mut strip_usage = false;
-        let mut model = None;
-        let outgoing = match ChatRequest::parse(&bytes) {
-            Ok(mut chat) => {
-                model = chat.model();
-                if !opt_out
-                    && self.stream_usage
-                    && chat.is_stream()
-                    && !chat.client_wants_stream_usage()
-                {
-                    chat.request_stream_usage();
-                    strip_usage = true;
-                }
-                chat.to_bytes()
-            }
-            // Not a chat request condense understands: the upstream judges it.
-            Err(e) => {
-                tracing::debug!(error = %e, "chat body not parsed; forwarding unchanged");
-                bytes
-            }
-        };
-
         let mut headers = headers::to_upstream(&parts.headers, false);
         self.credentials.apply(&mut headers);
         // The usage tap reads the response, so ask for it uncompressed.
@@ -157,6 +175,27 @@ impl Proxy {
             header::ACCEPT_ENCODING,
             HeaderValue::from_static("identity"),
         );
+
+        let mut upstream_wait = Duration::ZERO;
+        let prepared = match ChatRequest::parse(&bytes) {
+            Ok(chat) if !opt_out => {
+                if self.learn_windows
+                    && let Some(model) = chat.model()
+                {
+                    upstream_wait = self
+                        .listing
+                        .ensure(&self.upstream, &self.tokens.listings, &model, &headers)
+                        .await;
+                }
+                self.prepare(chat, &bytes)
+            }
+            Ok(chat) => Prepared::unchanged(bytes, chat.model()),
+            // Not a chat request condense understands: the upstream judges it.
+            Err(e) => {
+                tracing::debug!(error = %e, "chat body not parsed; forwarding unchanged");
+                Prepared::unchanged(bytes, None)
+            }
+        };
 
         let guard = InflightGuard::new(self.metrics.clone());
         let sent = Instant::now();
@@ -166,7 +205,7 @@ impl Proxy {
                 parts.method,
                 url,
                 headers,
-                Some(reqwest::Body::from(outgoing)),
+                Some(reqwest::Body::from(prepared.body)),
             )
             .await?;
 
@@ -177,30 +216,81 @@ impl Proxy {
             .is_some_and(|v| v.starts_with("text/event-stream"));
         let tap = match (resp.status().is_success(), is_sse) {
             (false, _) => Tap::None,
-            (true, true) => Tap::Sse(SseTap::new(strip_usage)),
+            (true, true) => Tap::Sse(SseTap::new(prepared.strip_usage)),
             (true, false) => Tap::Json(JsonTap::new(resp.content_length())),
         };
-        let on_usage = model.map(|model| self.usage_callback(model));
+        let raw_estimate = prepared.assessment.as_ref().and_then(|a| a.tokens_raw);
+        let on_usage = prepared
+            .model
+            .map(|model| self.usage_callback(model, raw_estimate));
         let mut response = self.respond(
             ROUTE_CHAT,
             resp,
             tap,
             on_usage,
             guard,
-            Timing { start, sent },
+            Timing {
+                start,
+                sent,
+                upstream_wait,
+            },
         );
-        if strip_usage {
-            response.headers_mut().remove(header::CONTENT_LENGTH);
+        let h = response.headers_mut();
+        if prepared.strip_usage {
+            h.remove(header::CONTENT_LENGTH);
         }
+        if let Some(a) = &prepared.assessment {
+            h.insert(X_TOKENS_BEFORE, HeaderValue::from(a.tokens));
+            h.insert(X_TOKENS_AFTER, HeaderValue::from(a.tokens));
+        }
+        h.insert(X_ACTIONS, HeaderValue::from_static("none"));
         Ok(response)
     }
 
-    fn usage_callback(&self, model: String) -> UsageCallback {
+    /// Measures a parsed chat request and readies it for the upstream.
+    fn prepare(&self, mut chat: ChatRequest, body: &Bytes) -> Prepared {
+        let assessment = self
+            .tokens
+            .assess(self.upstream.base_url(), &chat, body, true);
+        self.metrics.pressure_ratio.observe(assessment.pressure);
+        let label = self.metrics.model_label(&assessment.model);
+        self.metrics
+            .context_window_tokens
+            .with_label_values(&[&label])
+            .set(i64::try_from(assessment.budget.window).unwrap_or(i64::MAX));
+        let mut strip_usage = false;
+        if self.stream_usage && chat.is_stream() && !chat.client_wants_stream_usage() {
+            chat.request_stream_usage();
+            strip_usage = true;
+        }
+        Prepared {
+            body: chat.to_bytes(),
+            model: chat.model(),
+            strip_usage,
+            assessment: Some(assessment),
+        }
+    }
+
+    /// What to do with the usage a response reports: count it, keep it, and
+    /// calibrate against `raw_estimate`, condense's count of the body sent.
+    fn usage_callback(&self, model: String, raw_estimate: Option<u64>) -> UsageCallback {
         let metrics = self.metrics.clone();
         let book = self.usage.clone();
+        let tokens = self.tokens.clone();
         let upstream = self.upstream.base_url().to_string();
         Box::new(move |usage| {
             let label = metrics.model_label(&model);
+            if let Some(estimate) = raw_estimate
+                && let Some(ratio) =
+                    tokens
+                        .calibration
+                        .observe(&upstream, &model, usage.prompt_tokens, estimate)
+            {
+                metrics
+                    .calibration_ratio
+                    .with_label_values(&[&label])
+                    .set(ratio);
+            }
             metrics
                 .upstream_prompt_tokens_total
                 .with_label_values(&[&label])
@@ -242,7 +332,8 @@ impl Proxy {
         let mut response = Response::new(body);
         *response.status_mut() = status;
         *response.headers_mut() = headers;
-        let overhead = (timing.sent - timing.start) + headers_at.elapsed();
+        let overhead = (timing.sent - timing.start).saturating_sub(timing.upstream_wait)
+            + headers_at.elapsed();
         self.metrics
             .overhead_seconds
             .with_label_values(&[route])

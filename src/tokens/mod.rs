@@ -1,0 +1,280 @@
+//! Token accounting: how full the model's context is, fast and calibrated.
+//!
+//! - `encoding`: the tokenizers, built once per process.
+//! - `count`: the counting rules for a request (messages, tools, images).
+//! - `image`: OpenAI's tile rule for image parts.
+//! - `cache`: per-message counts under a hash of the message's bytes.
+//! - `calibration`: the upstream's count relative to ours, per model.
+//! - `models`: profiles, learned windows, and which window applies.
+//! - `budget`: the prompt budget and the pressure on it.
+
+pub mod budget;
+pub mod cache;
+pub mod calibration;
+pub mod count;
+pub mod encoding;
+pub mod image;
+pub mod models;
+
+use std::sync::Arc;
+
+use serde::Serialize;
+use xxhash_rust::xxh3::xxh3_64;
+
+pub use budget::Budget;
+pub use encoding::Encoding;
+pub use models::{ModelInfo, WindowSource};
+
+use crate::chat::ChatRequest;
+use crate::config::{Config, ModelProfile};
+use crate::metrics::Metrics;
+use cache::CountCache;
+use calibration::Calibration;
+use models::Listings;
+
+/// Cache keys of tool schemas live apart from message keys.
+const TOOLS_DOMAIN: u64 = 0x5bd1_e995_0000_0001;
+
+/// A request's raw (uncalibrated) token count, per part.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Count {
+    pub per_message: Vec<u64>,
+    pub tools: u64,
+    pub total: u64,
+}
+
+/// Everything condense knows about a request's size before compacting it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Assessment {
+    pub model: String,
+    pub encoding: &'static str,
+    pub window_source: &'static str,
+    #[serde(flatten)]
+    pub budget: Budget,
+    pub trigger: f64,
+    pub target: f64,
+    pub calibration_ratio: f64,
+    /// The raw count; None when the request took the cheap path.
+    #[serde(skip)]
+    pub count: Option<Count>,
+    pub tokens_raw: Option<u64>,
+    /// The calibrated estimate (a byte-based one on the cheap path).
+    pub tokens: u64,
+    pub pressure: f64,
+    /// True when the request was judged far below the trigger from its byte
+    /// length alone and not tokenized.
+    pub cheap_path: bool,
+}
+
+pub struct TokenService {
+    cache: CountCache,
+    pub calibration: Calibration,
+    pub listings: Listings,
+    profiles: Vec<ModelProfile>,
+    config: Arc<Config>,
+}
+
+impl TokenService {
+    pub fn new(config: Arc<Config>, metrics: &Metrics) -> TokenService {
+        TokenService {
+            cache: CountCache::new(
+                config.tokens.cache_entries,
+                metrics.token_cache_hits_total.clone(),
+                metrics.token_cache_misses_total.clone(),
+            ),
+            calibration: Calibration::default(),
+            listings: Listings::default(),
+            profiles: config.models.clone(),
+            config,
+        }
+    }
+
+    /// The window, encoding and thresholds for a model on an upstream.
+    pub fn model_info(&self, upstream: &str, model: &str) -> ModelInfo {
+        let profile = models::best_profile(&self.profiles, model);
+        let listed = self.listings.get(upstream, model);
+        let (window, source) = match (listed, profile) {
+            (Some(l), Some(p)) if p.context_window < l => (p.context_window, WindowSource::Profile),
+            (Some(l), _) => (l, WindowSource::Listing),
+            (None, Some(p)) => (p.context_window, WindowSource::Profile),
+            (None, None) => (self.config.default_context_window, WindowSource::Default),
+        };
+        let (trigger, target) = self.config.thresholds(profile);
+        ModelInfo {
+            window,
+            source,
+            encoding: profile
+                .and_then(|p| p.encoding)
+                .unwrap_or_else(|| Encoding::for_model(model)),
+            trigger,
+            target,
+        }
+    }
+
+    /// The raw token count of a request; only messages not seen before are
+    /// tokenized.
+    pub fn count(&self, req: &ChatRequest, enc: Encoding) -> Count {
+        let per_message: Vec<u64> = req
+            .messages()
+            .iter()
+            .map(|m| self.cached(m.raw(), enc, 0, || count::message_tokens(enc, m.raw())))
+            .collect();
+        let tools: u64 = ["tools", "functions"]
+            .iter()
+            .filter_map(|k| req.field(k))
+            .map(|raw| self.cached(raw, enc, TOOLS_DOMAIN, || count::tools_tokens(enc, raw)))
+            .sum();
+        let total = count::REPLY_PRIMING + per_message.iter().sum::<u64>() + tools;
+        Count {
+            per_message,
+            tools,
+            total,
+        }
+    }
+
+    fn cached(&self, raw: &[u8], enc: Encoding, domain: u64, f: impl FnOnce() -> u64) -> u64 {
+        self.cache
+            .get_or_insert_with(xxh3_64(raw) ^ enc.salt() ^ domain, f)
+    }
+
+    /// Measures a request against its model's budget. With `allow_cheap`, a
+    /// request whose byte length proves it far below the trigger is not
+    /// tokenized (see [`upper_bound`]).
+    pub fn assess(
+        &self,
+        upstream: &str,
+        req: &ChatRequest,
+        body: &[u8],
+        allow_cheap: bool,
+    ) -> Assessment {
+        let model = req.model().unwrap_or_default();
+        let info = self.model_info(upstream, &model);
+        let budget = Budget::new(
+            info.window,
+            req.max_completion_tokens(),
+            self.config.tokens.default_completion_tokens,
+            self.config.tokens.reserve_ratio,
+        );
+        let ratio = self.calibration.ratio(upstream, &model);
+        let cheap = allow_cheap
+            && (upper_bound(body) as f64 * ratio) < info.trigger * budget.prompt_budget as f64;
+        let (count, tokens) = if cheap {
+            (None, (body.len().div_ceil(4) as f64 * ratio).round() as u64)
+        } else {
+            let c = self.count(req, info.encoding);
+            let t = (c.total as f64 * ratio).round() as u64;
+            (Some(c), t)
+        };
+        Assessment {
+            encoding: info.encoding.name(),
+            window_source: match info.source {
+                WindowSource::Listing => "listing",
+                WindowSource::Profile => "profile",
+                WindowSource::Default => "default",
+            },
+            model,
+            trigger: info.trigger,
+            target: info.target,
+            calibration_ratio: ratio,
+            tokens_raw: count.as_ref().map(|c| c.total),
+            count,
+            pressure: budget.pressure(tokens),
+            budget,
+            tokens,
+            cheap_path: cheap,
+        }
+    }
+}
+
+/// An upper bound on a request's token count from its bytes alone: every
+/// token of text is at least one byte of JSON, every message's overhead is
+/// smaller than its JSON punctuation, and the only things that cost more
+/// tokens than bytes are images (at most [`image::MAX_IMAGE_TOKENS`] each)
+/// and the fixed framing of tool schemas.
+pub fn upper_bound(body: &[u8]) -> u64 {
+    let images = memchr::memmem::find_iter(body, b"\"image_url\"").count() as u64;
+    let functions = memchr::memmem::find_iter(body, b"\"function\"").count() as u64;
+    body.len() as u64 + images * image::MAX_IMAGE_TOKENS + functions * 16 + 64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn service(config: Config) -> (TokenService, Arc<Metrics>) {
+        let metrics = Arc::new(Metrics::new().unwrap());
+        (TokenService::new(Arc::new(config), &metrics), metrics)
+    }
+
+    fn request(json: &str) -> ChatRequest {
+        ChatRequest::parse(&Bytes::copy_from_slice(json.as_bytes())).unwrap()
+    }
+
+    #[test]
+    fn resending_history_tokenizes_only_the_new_message() {
+        let (svc, metrics) = service(Config::default());
+        let first = request(
+            r#"{"model":"gpt-4o","messages":[{"role":"system","content":"sys"},{"role":"user","content":"one"}]}"#,
+        );
+        svc.count(&first, Encoding::O200k);
+        assert_eq!(metrics.token_cache_misses_total.get(), 2);
+        let second = request(
+            r#"{"model":"gpt-4o","messages":[{"role":"system","content":"sys"},{"role":"user","content":"one"},{"role":"assistant","content":"two"}]}"#,
+        );
+        let c = svc.count(&second, Encoding::O200k);
+        assert_eq!(metrics.token_cache_misses_total.get(), 3);
+        assert_eq!(metrics.token_cache_hits_total.get(), 2);
+        assert_eq!(c.per_message.len(), 3);
+        assert_eq!(c.total, 3 + c.per_message.iter().sum::<u64>());
+    }
+
+    #[test]
+    fn window_precedence_listing_profile_default() {
+        let (svc, _) = service(Config::default());
+        assert_eq!(svc.model_info("u", "gpt-4o").window, 128_000);
+        assert_eq!(
+            svc.model_info("u", "unknown-model").source,
+            WindowSource::Default
+        );
+        assert_eq!(svc.model_info("u", "unknown-model").window, 32_768);
+        svc.listings.learn("u", br#"{"data":[{"id":"unknown-model","max_model_len":65536},{"id":"gpt-4o","context_length":16384},{"id":"claude-x","context_length":1000000}]}"#);
+        assert_eq!(svc.model_info("u", "unknown-model").window, 65_536);
+        // A listing smaller than the profile wins; a larger one does not.
+        assert_eq!(svc.model_info("u", "gpt-4o").window, 16_384);
+        assert_eq!(svc.model_info("u", "claude-x").window, 200_000);
+        assert_eq!(svc.model_info("other", "unknown-model").window, 32_768);
+    }
+
+    #[test]
+    fn cheap_path_only_far_below_the_trigger() {
+        let (svc, metrics) = service(Config::default());
+        let small = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#;
+        let a = svc.assess("u", &request(small), small.as_bytes(), true);
+        assert!(a.cheap_path && a.count.is_none());
+        assert_eq!(metrics.token_cache_misses_total.get(), 0);
+        let a = svc.assess("u", &request(small), small.as_bytes(), false);
+        assert!(!a.cheap_path && a.tokens_raw.is_some());
+        // A body whose bytes could exceed the trigger is counted.
+        let big = format!(
+            r#"{{"model":"gpt-4","messages":[{{"role":"user","content":"{}"}}]}}"#,
+            "word ".repeat(2000)
+        );
+        let a = svc.assess("u", &request(&big), big.as_bytes(), true);
+        assert!(!a.cheap_path);
+        assert!(a.pressure > 0.2, "{}", a.pressure);
+    }
+
+    #[test]
+    fn bound_exceeds_the_count() {
+        let (svc, _) = service(Config::default());
+        let body = r#"{"model":"gpt-4o","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"https://x"}}]},{"role":"assistant","content":null,"tool_calls":[{"id":"a","type":"function","function":{"name":"f","arguments":"{}"}}]}],"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"a":{"type":"string"}}}}}]}"#;
+        let c = svc.count(&request(body), Encoding::O200k);
+        assert!(
+            upper_bound(body.as_bytes()) >= c.total,
+            "{} < {}",
+            upper_bound(body.as_bytes()),
+            c.total
+        );
+    }
+}

@@ -1,0 +1,214 @@
+//! Model profiles and context windows.
+//!
+//! A model's window comes from, in order of trust:
+//! 1. what condense learned at run time for this upstream: the upstream's own
+//!    `/models` listing (`max_model_len` from vLLM, `context_length` from
+//!    OpenRouter, Together and others, `context_window` from Groq,
+//!    `max_context_length` from Mistral);
+//! 2. the best-matching `[[models]]` profile;
+//! 3. `default_context_window`.
+//!
+//! When both a listing and a profile name a window, the smaller one counts:
+//! a listing smaller than the profile is the deployment's truth (a vLLM
+//! started with a short `--max-model-len`), a profile smaller than the
+//! listing is the user's wish to stay under it.
+//!
+//! Profiles match by glob (`*` any run, `?` one character), case-insensitive,
+//! against the model name and, failing that, against the part after its last
+//! `/` (so `gpt-4o*` also matches `openai/gpt-4o` on a router). The most
+//! specific pattern (most literal characters) wins; on a tie, the later
+//! entry, so an entry appended to the table overrides a shipped one.
+
+use std::collections::HashMap;
+use std::sync::RwLock;
+
+use serde_json::Value;
+
+use super::encoding::Encoding;
+use crate::config::ModelProfile;
+
+/// Where a model's window came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WindowSource {
+    Listing,
+    Profile,
+    Default,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelInfo {
+    pub window: u64,
+    pub source: WindowSource,
+    pub encoding: Encoding,
+    pub trigger: f64,
+    pub target: f64,
+}
+
+/// Matches `name` against a glob `pattern`, ASCII case-insensitively.
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    let (p, n) = (pattern.as_bytes(), name.as_bytes());
+    let (mut pi, mut ni) = (0, 0);
+    let mut backtrack: Option<(usize, usize)> = None;
+    while ni < n.len() {
+        if pi < p.len() && p[pi] == b'*' {
+            backtrack = Some((pi, ni));
+            pi += 1;
+        } else if pi < p.len() && (p[pi] == b'?' || p[pi].eq_ignore_ascii_case(&n[ni])) {
+            pi += 1;
+            ni += 1;
+        } else if let Some((bp, bn)) = backtrack {
+            pi = bp + 1;
+            ni = bn + 1;
+            backtrack = Some((bp, bn + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == b'*')
+}
+
+fn specificity(pattern: &str) -> usize {
+    pattern.bytes().filter(|&c| c != b'*' && c != b'?').count()
+}
+
+/// The profile for a model name, if any matches.
+pub fn best_profile<'a>(profiles: &'a [ModelProfile], model: &str) -> Option<&'a ModelProfile> {
+    let short = model.rsplit('/').next().unwrap_or(model);
+    let pick = |name: &str| {
+        profiles
+            .iter()
+            .filter(|p| glob_match(&p.pattern, name))
+            // max_by_key keeps the last of equal keys: later entries win ties.
+            .max_by_key(|p| specificity(&p.pattern))
+    };
+    pick(model).or_else(|| if short != model { pick(short) } else { None })
+}
+
+/// Windows learned from upstreams' `/models` listings, per (upstream, model).
+#[derive(Default)]
+pub struct Listings {
+    windows: RwLock<HashMap<(String, String), u64>>,
+}
+
+impl Listings {
+    pub fn get(&self, upstream: &str, model: &str) -> Option<u64> {
+        let w = self.windows.read().ok()?;
+        w.get(&(upstream.to_string(), model.to_string())).copied()
+    }
+
+    /// Stores the windows of a listing response body; returns how many.
+    pub fn learn(&self, upstream: &str, body: &[u8]) -> usize {
+        let found = parse_listing(body);
+        if let Ok(mut w) = self.windows.write() {
+            for (id, window) in &found {
+                w.insert((upstream.to_string(), id.clone()), *window);
+            }
+        }
+        found.len()
+    }
+}
+
+/// (model id, context window) for every model of a `/models` response that
+/// carries a window.
+pub fn parse_listing(body: &[u8]) -> Vec<(String, u64)> {
+    let Ok(v) = serde_json::from_slice::<Value>(body) else {
+        return Vec::new();
+    };
+    let Some(models) = v.get("data").and_then(Value::as_array) else {
+        return Vec::new();
+    };
+    let window_of = |m: &Value| {
+        [
+            "max_model_len",
+            "context_length",
+            "context_window",
+            "max_context_length",
+        ]
+        .iter()
+        .find_map(|k| m.get(*k).and_then(Value::as_u64))
+        .or_else(|| {
+            m.pointer("/top_provider/context_length")
+                .and_then(Value::as_u64)
+        })
+        .filter(|w| *w >= 256)
+    };
+    models
+        .iter()
+        .filter_map(|m| Some((m.get("id")?.as_str()?.to_string(), window_of(m)?)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile(pattern: &str, window: u64) -> ModelProfile {
+        ModelProfile {
+            pattern: pattern.to_string(),
+            context_window: window,
+            encoding: None,
+            trigger: None,
+            target: None,
+        }
+    }
+
+    #[test]
+    fn globs() {
+        assert!(glob_match("gpt-4o*", "gpt-4o-mini"));
+        assert!(glob_match("gpt-4o*", "GPT-4o"));
+        assert!(!glob_match("gpt-4o*", "gpt-4"));
+        assert!(glob_match(
+            "*llama-3.1*",
+            "meta-llama/Llama-3.1-8B-Instruct"
+        ));
+        assert!(glob_match("o?-mini", "o3-mini"));
+        assert!(glob_match("*", ""));
+        assert!(!glob_match("a*b", "acbc"));
+        assert!(glob_match("a*b*c", "axxbyyc"));
+    }
+
+    #[test]
+    fn most_specific_then_latest_profile_wins() {
+        let p = vec![
+            profile("gpt-4*", 8192),
+            profile("gpt-4o*", 128_000),
+            profile("gpt-4o-mini*", 64_000),
+            profile("gpt-4o*", 100_000),
+        ];
+        assert_eq!(best_profile(&p, "gpt-4-0613").unwrap().context_window, 8192);
+        assert_eq!(
+            best_profile(&p, "gpt-4o-2024-08-06")
+                .unwrap()
+                .context_window,
+            100_000
+        );
+        assert_eq!(
+            best_profile(&p, "gpt-4o-mini").unwrap().context_window,
+            64_000
+        );
+        assert_eq!(
+            best_profile(&p, "openai/gpt-4o").unwrap().context_window,
+            100_000
+        );
+        assert!(best_profile(&p, "claude-3").is_none());
+    }
+
+    #[test]
+    fn listings_of_vllm_and_openrouter() {
+        let vllm = br#"{"object":"list","data":[{"id":"Qwen/Qwen2.5-7B-Instruct","object":"model","max_model_len":16384}]}"#;
+        assert_eq!(
+            parse_listing(vllm),
+            vec![("Qwen/Qwen2.5-7B-Instruct".to_string(), 16384)]
+        );
+        let openrouter = br#"{"data":[{"id":"openai/gpt-4o","context_length":128000,"top_provider":{"context_length":128000}},{"id":"x/y","top_provider":{"context_length":32768}},{"id":"no/window"}]}"#;
+        assert_eq!(parse_listing(openrouter).len(), 2);
+        let openai =
+            br#"{"object":"list","data":[{"id":"gpt-4o","object":"model","owned_by":"system"}]}"#;
+        assert!(parse_listing(openai).is_empty());
+        assert!(parse_listing(b"<html>").is_empty());
+        let l = Listings::default();
+        assert_eq!(l.learn("u", vllm), 1);
+        assert_eq!(l.get("u", "Qwen/Qwen2.5-7B-Instruct"), Some(16384));
+        assert_eq!(l.get("other", "Qwen/Qwen2.5-7B-Instruct"), None);
+    }
+}
