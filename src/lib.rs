@@ -10,6 +10,7 @@ pub mod config;
 pub mod error;
 pub mod logging;
 pub mod metrics;
+pub mod offline;
 pub mod proxy;
 pub mod server;
 pub mod tokens;

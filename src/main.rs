@@ -1,11 +1,12 @@
 //! The `condense` command line.
 
-use std::io::Write;
-use std::path::PathBuf;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use condense::config::Config;
+use condense::offline::CompactOptions;
 use condense::server::Server;
 
 #[derive(Parser)]
@@ -28,6 +29,18 @@ enum Command {
     Serve,
     /// Validate the configuration and print it, secrets redacted.
     CheckConfig,
+    /// Compact one chat request body offline: the body goes to stdout, a
+    /// JSON report (tokens, window, budget, pressure, actions) to stderr.
+    Compact {
+        /// The request body file, or - for stdin.
+        file: PathBuf,
+        /// Treat the request as being for this model (window, encoding).
+        #[arg(long)]
+        model: Option<String>,
+        /// Use this context window instead of the model's.
+        #[arg(long, value_name = "N")]
+        window: Option<u64>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -48,6 +61,44 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Serve => serve(config),
+        Command::Compact {
+            file,
+            model,
+            window,
+        } => compact(&config, &file, CompactOptions { model, window }),
+    }
+}
+
+fn compact(config: &Config, file: &Path, options: CompactOptions) -> ExitCode {
+    let read = if file == Path::new("-") {
+        let mut buf = Vec::new();
+        std::io::stdin().read_to_end(&mut buf).map(|_| buf)
+    } else {
+        std::fs::read(file)
+    };
+    let body = match read {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("condense: cannot read {}: {e}", file.display());
+            return ExitCode::from(2);
+        }
+    };
+    match condense::offline::compact(config, body.into(), &options) {
+        Ok((out, report)) => {
+            let mut stdout = std::io::stdout().lock();
+            if stdout.write_all(&out).and_then(|_| stdout.flush()).is_err() {
+                return ExitCode::FAILURE;
+            }
+            match serde_json::to_string_pretty(&report) {
+                Ok(r) => eprintln!("{r}"),
+                Err(e) => eprintln!("condense: cannot render the report: {e}"),
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("condense: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 

@@ -141,3 +141,53 @@ async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() 
         "a key reached the logs:\n{log}"
     );
 }
+
+#[test]
+fn compact_prints_the_body_and_a_report() {
+    let dir = std::env::temp_dir().join(format!("condense-compact-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("req.json");
+    let body = r#"{"model":"gpt-4o", "messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"hello world"}],"max_tokens":100}"#;
+    std::fs::write(&file, body).unwrap();
+    let out = condense()
+        .arg("compact")
+        .arg(&file)
+        .args(["--window", "16000"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), body);
+    let report: serde_json::Value = serde_json::from_slice(&out.stderr).unwrap();
+    assert_eq!(report["window"], 16000);
+    assert_eq!(report["window_source"], "override");
+    assert_eq!(report["prompt_budget"], 16000 - 100 - 800);
+    // 3 priming + (3 + "system" + "Be brief.") + (3 + "user" + "hello world")
+    assert_eq!(report["tokens_before"], 3 + (3 + 1 + 3) + (3 + 1 + 2));
+    assert_eq!(report["actions"], serde_json::json!([]));
+    assert!(report["pressure"].as_f64().unwrap() > 0.0);
+
+    // --model picks the profile (gpt-3.5-turbo: 16385 tokens, cl100k).
+    let out = condense()
+        .args(["compact", "-", "--model", "gpt-3.5-turbo"])
+        .stdin(std::fs::File::open(&file).unwrap())
+        .output()
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stderr).unwrap();
+    assert_eq!(report["window"], 16385);
+    assert_eq!(report["encoding"], "cl100k_base");
+
+    let out = condense()
+        .args(["compact", "/nonexistent.json"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    std::fs::write(&file, "not json").unwrap();
+    let out = condense().arg("compact").arg(&file).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a chat completions request"));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -149,6 +149,21 @@ impl TokenService {
     ) -> Assessment {
         let model = req.model().unwrap_or_default();
         let info = self.model_info(upstream, &model);
+        self.assess_as(upstream, &model, info, req, body, allow_cheap)
+    }
+
+    /// [`TokenService::assess`] with the model name and its window, encoding
+    /// and thresholds given (offline tools override them).
+    pub fn assess_as(
+        &self,
+        upstream: &str,
+        model: &str,
+        info: ModelInfo,
+        req: &ChatRequest,
+        body: &[u8],
+        allow_cheap: bool,
+    ) -> Assessment {
+        let model = model.to_string();
         let budget = Budget::new(
             info.window,
             req.max_completion_tokens(),
@@ -171,6 +186,7 @@ impl TokenService {
                 WindowSource::Listing => "listing",
                 WindowSource::Profile => "profile",
                 WindowSource::Default => "default",
+                WindowSource::Override => "override",
             },
             model,
             trigger: info.trigger,
@@ -184,6 +200,22 @@ impl TokenService {
             cheap_path: cheap,
         }
     }
+}
+
+/// The raw count of a request without the cache: what [`TokenService::count`]
+/// must always equal.
+pub fn count_request(req: &ChatRequest, enc: Encoding) -> u64 {
+    let messages: u64 = req
+        .messages()
+        .iter()
+        .map(|m| count::message_tokens(enc, m.raw()))
+        .sum();
+    let tools: u64 = ["tools", "functions"]
+        .iter()
+        .filter_map(|k| req.field(k))
+        .map(|raw| count::tools_tokens(enc, raw))
+        .sum();
+    count::REPLY_PRIMING + messages + tools
 }
 
 /// An upper bound on a request's token count from its bytes alone: every

@@ -33,6 +33,8 @@ pub enum WindowSource {
     Listing,
     Profile,
     Default,
+    /// Given explicitly (`condense compact --window`).
+    Override,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -11,8 +11,12 @@
 //!   Chat completions answer like OpenAI: JSON, or SSE when `stream` is true,
 //!   with a usage chunk only when `stream_options.include_usage` is true and
 //!   `"usage":null` on the other chunks then.
-//!   `prompt_tokens` is the request body's length divided by `x-mock-bytes-per-token`
-//!   (default 4). Any other path echoes the request back as JSON.
+//!   `prompt_tokens` is condense's own uncached count of the body received
+//!   times `x-mock-token-factor` (a provider whose tokenizer counts
+//!   differently), or the body's length / 4 when no factor is given.
+//!   `/v1/models` lists `gpt-4o` (no window, like OpenAI) and `vllm-small`
+//!   with `max_model_len` 16384 (like vLLM). Any other path echoes the
+//!   request back as JSON.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
@@ -132,7 +136,8 @@ async fn handle(State(state): State<Arc<MockState>>, req: Request) -> Response {
     }
     if parts.uri.path() == "/v1/models" {
         return json_response(json!({"object": "list", "data": [
-            {"id": "gpt-4o", "object": "model", "created": 1, "owned_by": "mock"}
+            {"id": "gpt-4o", "object": "model", "created": 1, "owned_by": "mock"},
+            {"id": "vllm-small", "object": "model", "created": 1, "owned_by": "vllm", "max_model_len": 16384}
         ]}))
         .into_response();
     }
@@ -150,8 +155,17 @@ async fn handle(State(state): State<Arc<MockState>>, req: Request) -> Response {
 
 fn chat(state: Arc<MockState>, h: &HeaderMap, body: &Bytes) -> Response {
     let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    let per_token = header_u64(h, "x-mock-bytes-per-token").unwrap_or(4).max(1);
-    let prompt_tokens = body.len() as u64 / per_token;
+    let factor: Option<f64> = h
+        .get("x-mock-token-factor")
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let prompt_tokens = match (factor, condense::chat::ChatRequest::parse(body)) {
+        (Some(f), Ok(req)) => {
+            let model = req.model().unwrap_or_default();
+            let enc = condense::tokens::Encoding::for_model(&model);
+            (condense::tokens::count_request(&req, enc) as f64 * f).round() as u64
+        }
+        _ => body.len() as u64 / 4,
+    };
     let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": 3, "total_tokens": prompt_tokens + 3});
     let model = req["model"].as_str().unwrap_or("unknown").to_string();
     if req["stream"] != json!(true) {
