@@ -40,6 +40,7 @@ pub struct Metrics {
     pub calibration_ratio: GaugeVec,
     pub context_window_tokens: IntGaugeVec,
     pub pressure_ratio: Histogram,
+    pub compaction_failures_total: IntCounter,
     models_seen: Mutex<HashSet<String>>,
 }
 
@@ -136,6 +137,11 @@ impl Metrics {
                 0.1, 0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0,
             ]),
         )?;
+        let compaction_failures_total = IntCounter::new(
+            "condense_compaction_failures_total",
+            "Chat requests forwarded unchanged because measuring or compacting them failed inside condense.",
+        )?;
+        registry.register(Box::new(compaction_failures_total.clone()))?;
         registry.register(Box::new(token_cache_hits_total.clone()))?;
         registry.register(Box::new(token_cache_misses_total.clone()))?;
         registry.register(Box::new(calibration_ratio.clone()))?;
@@ -164,6 +170,7 @@ impl Metrics {
             calibration_ratio,
             context_window_tokens,
             pressure_ratio,
+            compaction_failures_total,
             models_seen: Mutex::new(HashSet::new()),
         })
     }

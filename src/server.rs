@@ -103,7 +103,7 @@ pub fn app(state: AppState) -> Router {
 }
 
 async fn chat(State(s): State<AppState>, req: Request) -> Response {
-    s.proxy.chat(req).await
+    s.proxy.clone().chat(req).await
 }
 
 async fn passthrough(State(s): State<AppState>, req: Request) -> Response {

@@ -12,6 +12,7 @@ pub mod relay;
 pub mod upstream;
 pub mod usage;
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -32,6 +33,9 @@ use listing::ListingFetcher;
 use relay::{InflightGuard, Tap, UsageCallback};
 use upstream::{Upstream, UpstreamError};
 use usage::{JsonTap, SseTap, UsageBook};
+
+/// Chat bodies at least this large are measured on the blocking pool.
+const BLOCKING_PREPARE_BYTES: usize = 128 * 1024;
 
 /// Route labels for metrics and logs.
 pub const ROUTE_CHAT: &str = "chat_completions";
@@ -152,14 +156,18 @@ impl Proxy {
     }
 
     /// `POST /v1/chat/completions`.
-    pub async fn chat(&self, req: Request<Body>) -> Response {
+    pub async fn chat(self: Arc<Self>, req: Request<Body>) -> Response {
         let start = Instant::now();
         self.chat_inner(req, start)
             .await
             .unwrap_or_else(|e| self.fail(ROUTE_CHAT, e))
     }
 
-    async fn chat_inner(&self, req: Request<Body>, start: Instant) -> Result<Response, ProxyError> {
+    async fn chat_inner(
+        self: &Arc<Self>,
+        req: Request<Body>,
+        start: Instant,
+    ) -> Result<Response, ProxyError> {
         let (parts, body) = req.into_parts();
         let url = self.upstream.url_for(parts.uri.path(), parts.uri.query())?;
         let bytes = read_body(body, self.max_body_bytes).await?;
@@ -187,7 +195,16 @@ impl Proxy {
                         .ensure(&self.upstream, &self.tokens.listings, &model, &headers)
                         .await;
                 }
-                self.prepare(chat, &bytes)
+                if bytes.len() >= BLOCKING_PREPARE_BYTES {
+                    // Counting a large history the cache has not seen takes
+                    // tens of milliseconds; keep it off the async workers.
+                    let (this, body) = (self.clone(), bytes.clone());
+                    tokio::task::spawn_blocking(move || this.prepare_or_forward(chat, &body))
+                        .await
+                        .unwrap_or_else(|_| Prepared::unchanged(bytes.clone(), None))
+                } else {
+                    self.prepare_or_forward(chat, &bytes)
+                }
             }
             Ok(chat) => Prepared::unchanged(bytes, chat.model()),
             // Not a chat request condense understands: the upstream judges it.
@@ -245,6 +262,21 @@ impl Proxy {
         }
         h.insert(X_ACTIONS, HeaderValue::from_static("none"));
         Ok(response)
+    }
+
+    /// [`Proxy::prepare`], failing open: if anything in it panics, the
+    /// client's request goes upstream exactly as it came, and the failure is
+    /// counted. A bug in condense must never become the client's error.
+    fn prepare_or_forward(&self, chat: ChatRequest, body: &Bytes) -> Prepared {
+        let model = chat.model();
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.prepare(chat, body))) {
+            Ok(prepared) => prepared,
+            Err(_) => {
+                self.metrics.compaction_failures_total.inc();
+                tracing::error!("preparing a chat request failed; forwarding it unchanged");
+                Prepared::unchanged(body.clone(), model)
+            }
+        }
     }
 
     /// Measures a parsed chat request and readies it for the upstream.
