@@ -123,6 +123,18 @@ pub struct CompactionConfig {
     pub trigger: f64,
     /// Pressure compaction brings a request down to once it starts.
     pub target: f64,
+    /// The last this many turns (assistant messages with what follows them)
+    /// are never masked.
+    pub recent_turns: usize,
+    /// ... nor, at least, the last this share of the window.
+    pub recent_share: f64,
+    /// Characters of key lines a masked tool result keeps.
+    pub placeholder_chars: usize,
+    /// Per-result allowance of `fade`, as a share of the budget.
+    pub fade_share: f64,
+    /// Largest share of the budget a single result or argument string may
+    /// take (`fit`).
+    pub fit_share: f64,
 }
 
 impl Default for CompactionConfig {
@@ -130,6 +142,11 @@ impl Default for CompactionConfig {
         CompactionConfig {
             trigger: 0.80,
             target: 0.60,
+            recent_turns: 3,
+            recent_share: 0.10,
+            placeholder_chars: 300,
+            fade_share: 0.05,
+            fit_share: 0.30,
         }
     }
 }

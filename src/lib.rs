@@ -6,11 +6,14 @@
 //! how the integration tests drive them.
 
 pub mod chat;
+pub mod compaction;
 pub mod config;
 pub mod error;
 pub mod logging;
 pub mod metrics;
 pub mod offline;
+pub mod pipeline;
 pub mod proxy;
+pub mod replay;
 pub mod server;
 pub mod tokens;

@@ -41,6 +41,26 @@ enum Command {
         #[arg(long, value_name = "N")]
         window: Option<u64>,
     },
+    /// Replay a recorded conversation turn by turn through the pipeline
+    /// (offline) and report tokens, prefix stability, probe retention and
+    /// fit per turn, next to two common strategies.
+    Replay {
+        /// A chat request whose messages are the whole conversation.
+        file: PathBuf,
+        /// Use this context window instead of the model's.
+        #[arg(long, value_name = "N")]
+        window: Option<u64>,
+        /// Treat the conversation as being for this model.
+        #[arg(long)]
+        model: Option<String>,
+        /// A JSON list of probes: {"text", "first_message_index"} facts
+        /// whose survival is measured.
+        #[arg(long, value_name = "FILE")]
+        probes: Option<PathBuf>,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -66,22 +86,80 @@ fn main() -> ExitCode {
             model,
             window,
         } => compact(&config, &file, CompactOptions { model, window }),
+        Command::Replay {
+            file,
+            window,
+            model,
+            probes,
+            json,
+        } => replay(
+            &config,
+            &file,
+            CompactOptions { model, window },
+            probes.as_deref(),
+            json,
+        ),
     }
 }
 
-fn compact(config: &Config, file: &Path, options: CompactOptions) -> ExitCode {
+fn read_input(file: &Path) -> Result<Vec<u8>, ExitCode> {
     let read = if file == Path::new("-") {
         let mut buf = Vec::new();
         std::io::stdin().read_to_end(&mut buf).map(|_| buf)
     } else {
         std::fs::read(file)
     };
-    let body = match read {
+    read.map_err(|e| {
+        eprintln!("condense: cannot read {}: {e}", file.display());
+        ExitCode::from(2)
+    })
+}
+
+fn replay(
+    config: &Config,
+    file: &Path,
+    options: CompactOptions,
+    probes: Option<&Path>,
+    json: bool,
+) -> ExitCode {
+    let body = match read_input(file) {
         Ok(b) => b,
+        Err(code) => return code,
+    };
+    let probes: Vec<condense::replay::Probe> = match probes {
+        None => Vec::new(),
+        Some(p) => match read_input(p).map(|b| serde_json::from_slice(&b)) {
+            Ok(Ok(list)) => list,
+            Ok(Err(e)) => {
+                eprintln!("condense: {} is not a probe list: {e}", p.display());
+                return ExitCode::from(2);
+            }
+            Err(code) => return code,
+        },
+    };
+    let report = match condense::replay::replay(config, &body.into(), &options, &probes) {
+        Ok(r) => r,
         Err(e) => {
-            eprintln!("condense: cannot read {}: {e}", file.display());
-            return ExitCode::from(2);
+            eprintln!("condense: {e}");
+            return ExitCode::FAILURE;
         }
+    };
+    let text = if json {
+        serde_json::to_string_pretty(&report).unwrap_or_default()
+    } else {
+        condense::replay::render(&report)
+    };
+    let mut out = std::io::stdout().lock();
+    if writeln!(out, "{text}").is_err() {
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
+}
+
+fn compact(config: &Config, file: &Path, options: CompactOptions) -> ExitCode {
+    let body = match read_input(file) {
+        Ok(b) => b,
+        Err(code) => return code,
     };
     match condense::offline::compact(config, body.into(), &options) {
         Ok((out, report)) => {

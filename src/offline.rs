@@ -1,6 +1,6 @@
-//! Offline tools behind `condense compact`: the same measurement (and, as the
-//! pipeline grows, the same compaction) the proxy applies, run on a request
-//! body from a file, with no upstream and no network.
+//! Offline tools behind `condense compact`: the same measurement and
+//! compaction the proxy applies, run on a request body from a file, with no
+//! upstream and no network.
 
 use std::sync::Arc;
 
@@ -8,9 +8,11 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use crate::chat::{ChatRequest, ParseError};
+use crate::compaction::StageReport;
 use crate::config::Config;
 use crate::metrics::{Metrics, MetricsError};
-use crate::tokens::{Assessment, TokenService, WindowSource};
+use crate::pipeline;
+use crate::tokens::{Assessment, ModelInfo, TokenService, WindowSource};
 
 #[derive(Debug, thiserror::Error)]
 pub enum OfflineError {
@@ -27,7 +29,10 @@ pub struct CompactReport {
     pub assessment: Assessment,
     pub tokens_before: u64,
     pub tokens_after: u64,
-    pub actions: Vec<String>,
+    pub pressure_after: f64,
+    pub fits: bool,
+    pub actions: Vec<&'static str>,
+    pub stages: Vec<StageReport>,
 }
 
 /// Overrides for the model name and its window.
@@ -37,16 +42,18 @@ pub struct CompactOptions {
     pub window: Option<u64>,
 }
 
-/// Measures (and, once the pipeline exists, compacts) one request body.
-/// Returns the body to send and the report.
-pub fn compact(
-    config: &Config,
-    body: Bytes,
-    options: &CompactOptions,
-) -> Result<(Bytes, CompactReport), OfflineError> {
-    let req = ChatRequest::parse(&body)?;
+/// A token service for offline use (fresh cache, no calibration).
+pub fn token_service(config: &Config) -> Result<TokenService, OfflineError> {
     let metrics = Metrics::new()?;
-    let tokens = TokenService::new(Arc::new(config.clone()), &metrics);
+    Ok(TokenService::new(Arc::new(config.clone()), &metrics))
+}
+
+/// The model name and window to use for a request under `options`.
+pub fn model_and_info(
+    tokens: &TokenService,
+    req: &ChatRequest,
+    options: &CompactOptions,
+) -> (String, ModelInfo) {
     let model = options
         .model
         .clone()
@@ -57,12 +64,42 @@ pub fn compact(
         info.window = w;
         info.source = WindowSource::Override;
     }
-    let assessment = tokens.assess_as("", &model, info, &req, &body, false);
+    (model, info)
+}
+
+/// Measures and compacts one request body. Returns the body to send and the
+/// report.
+pub fn compact(
+    config: &Config,
+    body: Bytes,
+    options: &CompactOptions,
+) -> Result<(Bytes, CompactReport), OfflineError> {
+    let req = ChatRequest::parse(&body)?;
+    let tokens = token_service(config)?;
+    let (model, info) = model_and_info(&tokens, &req, options);
+    let p = pipeline::process(
+        &tokens,
+        &config.compaction,
+        "",
+        &model,
+        info,
+        req,
+        &body,
+        false,
+    );
+    let stages = p
+        .outcome
+        .as_ref()
+        .map(|o| o.stages.clone())
+        .unwrap_or_default();
     let report = CompactReport {
-        tokens_before: assessment.tokens,
-        tokens_after: assessment.tokens,
-        actions: Vec::new(),
-        assessment,
+        tokens_before: p.assessment.tokens,
+        tokens_after: p.tokens_after,
+        pressure_after: p.assessment.budget.pressure(p.tokens_after),
+        fits: p.tokens_after <= p.assessment.budget.prompt_budget,
+        actions: stages.iter().map(|s| s.stage).collect(),
+        stages,
+        assessment: p.assessment,
     };
-    Ok((req.to_bytes(), report))
+    Ok((p.request.to_bytes(), report))
 }

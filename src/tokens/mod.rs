@@ -117,7 +117,7 @@ impl TokenService {
         let per_message: Vec<u64> = req
             .messages()
             .iter()
-            .map(|m| self.cached(m.raw(), enc, 0, || count::message_tokens(enc, m.raw())))
+            .map(|m| self.message_tokens(m.raw(), enc))
             .collect();
         let tools: u64 = ["tools", "functions"]
             .iter()
@@ -130,6 +130,11 @@ impl TokenService {
             tools,
             total,
         }
+    }
+
+    /// Tokens of one message, from the cache when it was seen before.
+    pub fn message_tokens(&self, raw: &[u8], enc: Encoding) -> u64 {
+        self.cached(raw, enc, 0, || count::message_tokens(enc, raw))
     }
 
     fn cached(&self, raw: &[u8], enc: Encoding, domain: u64, f: impl FnOnce() -> u64) -> u64 {

@@ -1,0 +1,232 @@
+//! What the stages need to know about a conversation: roles, which tool
+//! result belongs to which call, the atomic units a drop must keep together,
+//! which messages are protected, and which carry epistemic markers.
+//!
+//! Tool results are paired with their call by position: a result belongs to
+//! the nearest earlier assistant message that made a call with its id. Real
+//! agents reuse ids across turns (the tau-bench trace does), so pairing by id
+//! alone would tie a result to the wrong turn.
+
+use serde_json::Value;
+
+use super::text::content_text;
+use crate::chat::Message;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    System,
+    Developer,
+    User,
+    Assistant,
+    Tool,
+    Other,
+}
+
+impl Role {
+    fn of(m: &Message) -> Role {
+        match m.role() {
+            Some("system") => Role::System,
+            Some("developer") => Role::Developer,
+            Some("user") => Role::User,
+            Some("assistant") => Role::Assistant,
+            Some("tool") | Some("function") => Role::Tool,
+            _ => Role::Other,
+        }
+    }
+}
+
+/// Words and phrases by which a model (or user) revises itself; messages with
+/// them are kept verbatim longer.
+const MARKERS: &[&str] = &[
+    "wait",
+    "actually",
+    "let me reconsider",
+    "i was wrong",
+    "hmm",
+    "on second thought",
+    "double-check",
+    "double check",
+    "hold on",
+];
+
+#[derive(Debug, Clone)]
+pub struct Analysis {
+    pub roles: Vec<Role>,
+    /// Index of the first message after the leading system/developer ones.
+    pub base: usize,
+    /// The task: user messages before the first assistant message.
+    pub pinned: Vec<bool>,
+    /// The last user message.
+    pub last_user: Option<usize>,
+    /// For a tool result, the assistant message that made its call.
+    pub owner: Vec<Option<usize>>,
+    /// Messages that must be dropped together (a call and its results),
+    /// ordered by their first message.
+    pub units: Vec<Vec<usize>>,
+    /// Indices of assistant messages, ascending.
+    pub assistants: Vec<usize>,
+    /// Which messages carry an epistemic marker (their own text, or for a
+    /// tool result, the assistant message that answered it).
+    pub marker: Vec<bool>,
+    /// Tool results answered by a later assistant message.
+    pub consumed: Vec<bool>,
+}
+
+impl Analysis {
+    pub fn of(messages: &[Message]) -> Analysis {
+        let n = messages.len();
+        let roles: Vec<Role> = messages.iter().map(Role::of).collect();
+        let base = roles
+            .iter()
+            .position(|r| !matches!(r, Role::System | Role::Developer))
+            .unwrap_or(n);
+        let first_assistant = roles
+            .iter()
+            .position(|r| *r == Role::Assistant)
+            .unwrap_or(n);
+        let pinned: Vec<bool> = (0..n)
+            .map(|i| i < first_assistant && roles[i] == Role::User)
+            .collect();
+        let last_user = roles.iter().rposition(|r| *r == Role::User);
+        let assistants: Vec<usize> = (0..n).filter(|&i| roles[i] == Role::Assistant).collect();
+
+        let call_ids: Vec<Vec<String>> = messages
+            .iter()
+            .map(|m| {
+                m.tool_calls()
+                    .map(|calls| {
+                        calls
+                            .iter()
+                            .filter_map(|c| c.get("id").and_then(Value::as_str).map(str::to_string))
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            })
+            .collect();
+        let mut owner = vec![None; n];
+        for i in 0..n {
+            if roles[i] != Role::Tool {
+                continue;
+            }
+            let Some(id) = messages[i].tool_call_id() else {
+                continue;
+            };
+            owner[i] = (0..i)
+                .rev()
+                .find(|&j| roles[j] == Role::Assistant && call_ids[j].iter().any(|c| c == id));
+        }
+
+        // Units: each message alone, except a call with its results.
+        let mut unit_of: Vec<usize> = (0..n).collect();
+        for i in 0..n {
+            if let Some(o) = owner[i] {
+                unit_of[i] = o;
+            }
+        }
+        let mut units: Vec<Vec<usize>> = Vec::new();
+        let mut index_of_unit = std::collections::HashMap::new();
+        for i in 0..n {
+            let u = unit_of[i];
+            let slot = *index_of_unit.entry(u).or_insert_with(|| {
+                units.push(Vec::new());
+                units.len() - 1
+            });
+            units[slot].push(i);
+        }
+
+        let own_marker: Vec<bool> = (0..n)
+            .map(|i| matches!(roles[i], Role::Assistant | Role::User) && has_marker(&messages[i]))
+            .collect();
+        let mut marker = own_marker.clone();
+        let mut consumed = vec![false; n];
+        for i in 0..n {
+            if roles[i] != Role::Tool {
+                continue;
+            }
+            // The first assistant message after a result answers it.
+            if let Some(&next) = assistants.iter().find(|&&a| a > i) {
+                consumed[i] = true;
+                marker[i] = own_marker[next];
+            }
+        }
+        Analysis {
+            roles,
+            base,
+            pinned,
+            last_user,
+            owner,
+            units,
+            assistants,
+            marker,
+            consumed,
+        }
+    }
+
+    /// Whether message `i` must come out byte-identical: system/developer
+    /// messages, the last user message, and unconsumed tool results.
+    pub fn protected(&self, i: usize) -> bool {
+        matches!(self.roles[i], Role::System | Role::Developer)
+            || self.last_user == Some(i)
+            || (self.roles[i] == Role::Tool && !self.consumed[i])
+    }
+}
+
+fn has_marker(m: &Message) -> bool {
+    let Some(text) = content_text(m.content()) else {
+        return false;
+    };
+    let lower = text.to_lowercase();
+    MARKERS.iter().any(|k| contains_word(&lower, k))
+}
+
+/// `needle` in `hay` with no letter or digit directly around it.
+fn contains_word(hay: &str, needle: &str) -> bool {
+    hay.match_indices(needle).any(|(i, _)| {
+        let before = hay[..i].chars().next_back();
+        let after = hay[i + needle.len()..].chars().next();
+        !before.is_some_and(char::is_alphanumeric) && !after.is_some_and(char::is_alphanumeric)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn msgs(list: &[&str]) -> Vec<Message> {
+        list.iter()
+            .map(|s| Message::from_bytes(Bytes::copy_from_slice(s.as_bytes())))
+            .collect()
+    }
+
+    #[test]
+    fn pairs_repeated_ids_by_position() {
+        let m = msgs(&[
+            r#"{"role":"system","content":"s"}"#,
+            r#"{"role":"user","content":"task"}"#,
+            r#"{"role":"assistant","content":null,"tool_calls":[{"id":"x","type":"function","function":{"name":"f","arguments":"{}"}}]}"#,
+            r#"{"role":"tool","tool_call_id":"x","content":"one"}"#,
+            r#"{"role":"assistant","content":null,"tool_calls":[{"id":"x","type":"function","function":{"name":"f","arguments":"{}"}}]}"#,
+            r#"{"role":"tool","tool_call_id":"x","content":"two"}"#,
+        ]);
+        let a = Analysis::of(&m);
+        assert_eq!(a.owner[3], Some(2));
+        assert_eq!(a.owner[5], Some(4));
+        assert_eq!(a.units, vec![vec![0], vec![1], vec![2, 3], vec![4, 5]]);
+        assert!(a.consumed[3] && !a.consumed[5]);
+        assert!(a.protected(0) && a.protected(1) && a.protected(5) && !a.protected(3));
+        assert_eq!(a.base, 1);
+        assert!(a.pinned[1]);
+    }
+
+    #[test]
+    fn markers_are_words() {
+        let m = msgs(&[
+            r#"{"role":"assistant","content":"Wait, the test expects None."}"#,
+            r#"{"role":"assistant","content":"I will await the result while waiting."}"#,
+            r#"{"role":"assistant","content":"Hmm. On second thought, no."}"#,
+        ]);
+        let a = Analysis::of(&m);
+        assert_eq!(a.marker, vec![true, false, true]);
+    }
+}

@@ -1,0 +1,281 @@
+//! Extractive placeholders: what is left of an old tool result.
+//!
+//! Blind head+tail keeps whatever happened to be first and last. An agent
+//! needs the lines it may refer to again: file paths, error and exception
+//! lines, failing test names, definitions, counts. The placeholder keeps
+//! those lines verbatim (within a character budget, in their original
+//! order), and says what was elided and how much. JSON output gets a shape
+//! digest ("array of 15 objects with keys id, name, status") plus the
+//! identifier-like values it held (ids, codes, numbers), which is what a
+//! later step looks up again.
+//!
+//! Placeholders depend on the text alone, never on the budget or the turn,
+//! so a masked message is byte-identical on every later turn.
+
+use serde_json::Value;
+
+use super::text::MARK;
+
+/// The placeholder for a tool result's text, with about `budget` characters
+/// of kept content.
+pub fn placeholder(text: &str, budget: usize) -> String {
+    let chars = text.chars().count();
+    let lines = text.lines().count();
+    let trimmed = text.trim_start();
+    if (trimmed.starts_with('{') || trimmed.starts_with('['))
+        && let Ok(v) = serde_json::from_str::<Value>(text)
+    {
+        return format!(
+            "{MARK} earlier tool output elided: {chars} chars of JSON, {}]",
+            json_digest(&v, budget)
+        );
+    }
+    let kept = key_lines(text, budget);
+    if kept.is_empty() {
+        format!("{MARK} earlier tool output elided: {chars} chars, {lines} lines]")
+    } else {
+        format!(
+            "{MARK} earlier tool output elided: {chars} chars, {lines} lines; key lines kept:]\n{kept}"
+        )
+    }
+}
+
+/// How likely a line is to matter again.
+fn score(line: &str) -> u32 {
+    let l = line.trim();
+    if l.is_empty() || l.len() > 400 {
+        return 0;
+    }
+    let lower = l.to_ascii_lowercase();
+    let mut s = 0;
+    if [
+        "error",
+        "exception",
+        "traceback",
+        "failed",
+        "fail:",
+        "panic",
+        "fatal",
+        "denied",
+        "not found",
+        "no such",
+        "cannot",
+        "invalid",
+    ]
+    .iter()
+    .any(|k| lower.contains(k))
+    {
+        s += 4;
+    }
+    if lower.starts_with("def ")
+        || lower.starts_with("class ")
+        || lower.starts_with("fn ")
+        || lower.starts_with("pub fn ")
+        || lower.starts_with("function ")
+        || lower.starts_with("async def ")
+        || lower.contains(" def ")
+    {
+        s += 3;
+    }
+    if looks_like_path(l) {
+        s += 3;
+    }
+    if lower.contains("passed")
+        || lower.contains(" tests")
+        || lower.contains("warning")
+        || lower.starts_with("file \"")
+    {
+        s += 2;
+    }
+    if lower.contains("test_") || lower.contains("assert") {
+        s += 1;
+    }
+    s
+}
+
+fn looks_like_path(l: &str) -> bool {
+    l.split(|c: char| {
+        c.is_whitespace() || matches!(c, '"' | '\'' | '(' | ')' | ',' | ':' | '[' | ']')
+    })
+    .any(|w| {
+        let slash = w.matches('/').count();
+        slash >= 2
+            || (slash >= 1
+                && w.rsplit('/')
+                    .next()
+                    .is_some_and(|f| f.contains('.') && f.len() > 2))
+    })
+}
+
+/// The highest-scoring lines, in their original order, within `budget`
+/// characters (a line longer than a third of the budget is cut).
+pub fn key_lines(text: &str, budget: usize) -> String {
+    let mut ranked: Vec<(u32, usize, &str)> = text
+        .lines()
+        .enumerate()
+        .map(|(i, l)| (score(l), i, l.trim_end()))
+        .filter(|(s, _, _)| *s > 0)
+        .collect();
+    // Best first; among equals the later line (the final error, the last
+    // test summary) first.
+    ranked.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
+    let mut chosen: Vec<(usize, String)> = Vec::new();
+    let mut used = 0;
+    let max_line = (budget / 3).max(40);
+    for (_, i, line) in ranked {
+        let line = if line.chars().count() > max_line {
+            let cut: String = line.chars().take(max_line).collect();
+            format!("{cut}…")
+        } else {
+            line.to_string()
+        };
+        let cost = line.chars().count() + 1;
+        if used + cost > budget {
+            continue;
+        }
+        used += cost;
+        chosen.push((i, line));
+    }
+    chosen.sort_by_key(|(i, _)| *i);
+    chosen
+        .into_iter()
+        .map(|(_, l)| l)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// "array of 15 objects with keys id, name, status; values: JG7FMM, ..."
+pub fn json_digest(v: &Value, budget: usize) -> String {
+    let shape = shape(v);
+    let mut ids = Vec::new();
+    collect_identifiers(v, &mut ids, 0);
+    let mut out = shape;
+    let mut used = out.len();
+    let mut first = true;
+    for id in ids {
+        if used + id.len() + 2 > budget + 60 {
+            break;
+        }
+        out.push_str(if first { "; values: " } else { ", " });
+        first = false;
+        used += id.len() + 2;
+        out.push_str(&id);
+    }
+    out
+}
+
+fn shape(v: &Value) -> String {
+    let keys = |o: &serde_json::Map<String, Value>| {
+        let mut k: Vec<&str> = o.keys().map(String::as_str).take(12).collect();
+        if o.len() > 12 {
+            k.push("…");
+        }
+        k.join(", ")
+    };
+    match v {
+        Value::Array(a) => match a.first() {
+            Some(Value::Object(o)) if a.iter().all(Value::is_object) => {
+                format!("array of {} objects with keys {}", a.len(), keys(o))
+            }
+            Some(first) => format!("array of {} {}", a.len(), kind(first)),
+            None => "empty array".to_string(),
+        },
+        Value::Object(o) => format!("object with keys {}", keys(o)),
+        other => kind(other).to_string(),
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "nulls",
+        Value::Bool(_) => "booleans",
+        Value::Number(_) => "numbers",
+        Value::String(_) => "strings",
+        Value::Array(_) => "arrays",
+        Value::Object(_) => "objects",
+    }
+}
+
+/// Short strings (keys or values) that look like identifiers: no spaces,
+/// 3 to 40 characters, with a digit or in capitals; and numbers with a unit
+/// of meaning (amounts). Deduplicated, in document order.
+fn collect_identifiers(v: &Value, out: &mut Vec<String>, depth: usize) {
+    if depth > 8 || out.len() > 200 {
+        return;
+    }
+    fn push(out: &mut Vec<String>, s: &str) {
+        let ok = (3..=40).contains(&s.len())
+            && !s.contains(char::is_whitespace)
+            && (s.chars().any(|c| c.is_ascii_digit())
+                || s.chars()
+                    .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit()))
+            && !out.iter().any(|o| o == s);
+        if ok {
+            out.push(s.to_string());
+        }
+    }
+    match v {
+        Value::String(s) => push(out, s),
+        Value::Object(o) => {
+            for (k, v) in o {
+                push(out, k);
+                collect_identifiers(v, out, depth + 1);
+            }
+        }
+        Value::Array(a) => {
+            for v in a {
+                collect_identifiers(v, out, depth + 1);
+            }
+        }
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keeps_paths_errors_and_definitions() {
+        let mut text = String::new();
+        for i in 0..200 {
+            text.push_str(&format!("noise line {i} with nothing in it\n"));
+        }
+        text.push_str("  File \"/app/src/models/base.py\", line 42, in save\n");
+        text.push_str("RuntimeError: Model class app.Foo doesn't declare an explicit app_label\n");
+        text.push_str("def relabeled_clone(self, relabels):\n");
+        let p = placeholder(&text, 300);
+        assert!(p.contains("/app/src/models/base.py"), "{p}");
+        assert!(
+            p.contains("RuntimeError: Model class app.Foo doesn't declare an explicit app_label"),
+            "{p}"
+        );
+        assert!(p.contains("def relabeled_clone"), "{p}");
+        assert!(!p.contains("noise line"));
+        assert!(p.starts_with("[condense:"));
+        assert!(p.len() < 500, "{}", p.len());
+    }
+
+    #[test]
+    fn json_gets_a_shape_and_its_identifiers() {
+        let v = r#"[{"id":"JG7FMM","name":"a","status":"ok"},{"id":"LQ940Q","name":"b","status":"ok"}]"#;
+        let p = placeholder(v, 300);
+        assert!(
+            p.contains("array of 2 objects with keys id, name, status"),
+            "{p}"
+        );
+        assert!(p.contains("JG7FMM") && p.contains("LQ940Q"), "{p}");
+        let o = r#"{"payment_methods":{"credit_card_2929732":{"brand":"visa"}},"reservations":["2FBBAH"]}"#;
+        let p = placeholder(o, 300);
+        assert!(
+            p.contains("credit_card_2929732") && p.contains("2FBBAH"),
+            "{p}"
+        );
+    }
+
+    #[test]
+    fn placeholders_are_pure() {
+        let t = "error: x\n".repeat(100);
+        assert_eq!(placeholder(&t, 300), placeholder(&t, 300));
+    }
+}

@@ -1,0 +1,130 @@
+//! `mask`: old tool output replaced by an extractive placeholder, and long
+//! tool-call arguments of the same old turns shortened.
+//!
+//! Applies below the frontier that `plan.rs` replays (one boundary for both,
+//! so only one boundary ever moves). Only consumed results are masked (the
+//! frontier never passes the last assistant message), assistant text is
+//! never touched, and a message already rewritten by condense is left as it
+//! is. Both transforms depend on the message alone, so a masked message is
+//! byte-identical on every later turn.
+
+use bytes::Bytes;
+use serde_json::Value;
+
+use super::conversation::{Analysis, Role};
+use super::extract::placeholder;
+use super::text::{MARK, content_text, head_tail, with_json_field, with_string_field};
+use crate::chat::Message;
+
+/// Tool-call arguments longer than this are shortened below the frontier.
+const ARGS_MAX_CHARS: usize = 600;
+/// A string inside arguments longer than this is cut to its head and tail.
+const ARG_VALUE_MAX_CHARS: usize = 300;
+const ARG_VALUE_KEEP_CHARS: usize = 200;
+
+/// The masked form of message `i`, if masking would change it.
+pub fn masked(
+    a: &Analysis,
+    messages: &[Message],
+    i: usize,
+    placeholder_chars: usize,
+) -> Option<Bytes> {
+    let m = &messages[i];
+    match a.roles[i] {
+        Role::Tool => {
+            let text = content_text(m.content())?;
+            if text.starts_with(MARK) || text.len() <= placeholder_chars + 200 {
+                return None;
+            }
+            with_string_field(m.raw(), "content", &placeholder(&text, placeholder_chars))
+        }
+        Role::Assistant => {
+            shorten_args(m, ARGS_MAX_CHARS, ARG_VALUE_MAX_CHARS, ARG_VALUE_KEEP_CHARS)
+        }
+        _ => None,
+    }
+}
+
+/// The assistant message with every tool-call arguments string longer than
+/// `max_chars` shortened: long string values inside the JSON cut to
+/// `keep` characters (the arguments stay valid JSON, which gateways that
+/// translate tool calls for other providers require), or, for arguments that
+/// are not JSON, the whole string cut.
+pub fn shorten_args(m: &Message, max_chars: usize, value_max: usize, keep: usize) -> Option<Bytes> {
+    let calls = m.tool_calls()?;
+    let mut changed = false;
+    let new_calls: Vec<Value> = calls
+        .iter()
+        .map(|call| {
+            let mut call = call.clone();
+            let args = call.pointer("/function/arguments").and_then(Value::as_str);
+            if let Some(args) = args.filter(|a| a.len() > max_chars) {
+                let short = match serde_json::from_str::<Value>(args) {
+                    Ok(mut v) => {
+                        shorten_strings(&mut v, value_max, keep);
+                        v.to_string()
+                    }
+                    Err(_) => head_tail(args, keep),
+                };
+                if short.len() < args.len() {
+                    changed = true;
+                    if let Some(slot) = call.pointer_mut("/function/arguments") {
+                        *slot = Value::String(short);
+                    }
+                }
+            }
+            call
+        })
+        .collect();
+    if !changed {
+        return None;
+    }
+    with_json_field(m.raw(), "tool_calls", &Value::Array(new_calls))
+}
+
+fn shorten_strings(v: &mut Value, max: usize, keep: usize) {
+    match v {
+        Value::String(s) if s.len() > max => *s = head_tail(s, keep),
+        Value::Array(a) => a.iter_mut().for_each(|x| shorten_strings(x, max, keep)),
+        Value::Object(o) => o.values_mut().for_each(|x| shorten_strings(x, max, keep)),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(s: &str) -> Message {
+        Message::from_bytes(Bytes::copy_from_slice(s.as_bytes()))
+    }
+
+    #[test]
+    fn long_arguments_stay_valid_json_and_keep_short_fields() {
+        let text = "x".repeat(5000);
+        let args =
+            serde_json::json!({"command": "create", "path": "/repo/a.py", "file_text": text})
+                .to_string();
+        let raw = serde_json::json!({"role": "assistant", "content": "Creating it.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "edit", "arguments": args}}]});
+        let m = msg(&raw.to_string());
+        let out = shorten_args(&m, 600, 300, 200).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        let new_args: Value = serde_json::from_str(
+            v["tool_calls"][0]["function"]["arguments"]
+                .as_str()
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(new_args["path"], "/repo/a.py");
+        assert!(
+            new_args["file_text"]
+                .as_str()
+                .unwrap()
+                .contains("[condense:")
+        );
+        assert_eq!(v["content"], "Creating it.");
+        // Idempotent.
+        assert!(shorten_args(&msg(std::str::from_utf8(&out).unwrap()), 600, 300, 200).is_none());
+    }
+}

@@ -1,0 +1,466 @@
+//! The compaction pipeline: free, deterministic stages that bring a long
+//! conversation under its budget without a model call. A pure library: it
+//! knows nothing of HTTP; the proxy and `condense compact`/`replay` call
+//! [`compact`] the same way.
+//!
+//! Stages, in order, each only while the request is still above the target:
+//!
+//! | stage       | file           | what                                                 |
+//! |-------------|----------------|------------------------------------------------------|
+//! | `prune`     | `prune.rs`     | old units dropped, a digest in their place (replayed, only when masking cannot get under the budget) |
+//! | `mask`      | `mask.rs`      | old tool output → extractive placeholder, old long arguments shortened (replayed frontier) |
+//! | `fade`      | `fade.rs`      | recent large results shrunk by pressure band and age |
+//! | `fit`       | `fit.rs`       | no single result or argument string over 30% of the budget |
+//! | `emergency` | `emergency.rs` | everything but system/developer and the last user message shortened |
+//!
+//! Where the boundaries of `mask` and `prune` stand is decided by
+//! `plan.rs`, replayed over the turns the request contains, so they stay put
+//! for many turns and the provider's prompt cache stays warm.
+//!
+//! Invariants (property-tested in `tests/compaction.rs`): system and developer
+//! messages, the last user message and unconsumed tool results come out
+//! byte-identical (except under `emergency`); every tool result still
+//! follows the call it answers; the output never has more tokens than the
+//! input; a request under the trigger is returned unchanged; compacting the
+//! output again changes nothing.
+
+pub mod conversation;
+pub mod emergency;
+pub mod extract;
+pub mod fade;
+pub mod fit;
+pub mod mask;
+pub mod plan;
+pub mod prune;
+pub mod text;
+
+use bytes::Bytes;
+use serde::Serialize;
+
+use crate::chat::Message;
+use crate::config::CompactionConfig;
+use conversation::{Analysis, Role};
+use text::{MARK, content_text, head_tail, with_string_field};
+
+/// Counts the tokens of one message (the proxy's implementation caches by
+/// the message's bytes).
+pub trait Counter {
+    fn message(&self, raw: &[u8]) -> u64;
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    pub trigger: f64,
+    pub target: f64,
+    pub recent_turns: usize,
+    pub recent_share: f64,
+    pub placeholder_chars: usize,
+    pub fade_share: f64,
+    pub fit_share: f64,
+}
+
+impl Settings {
+    /// The settings for a model whose thresholds are `trigger` and `target`.
+    pub fn new(c: &CompactionConfig, trigger: f64, target: f64) -> Settings {
+        Settings {
+            trigger,
+            target,
+            recent_turns: c.recent_turns,
+            recent_share: c.recent_share,
+            placeholder_chars: c.placeholder_chars,
+            fade_share: c.fade_share,
+            fit_share: c.fit_share,
+        }
+    }
+}
+
+/// The room a request has, in raw (uncalibrated) tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub budget: f64,
+    pub window: f64,
+    /// Tokens outside the messages (reply priming, tool schemas).
+    pub fixed: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StageReport {
+    pub stage: &'static str,
+    pub messages: usize,
+    pub tokens_saved: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// The new message list, or None when nothing changed.
+    pub messages: Option<Vec<Message>>,
+    pub stages: Vec<StageReport>,
+    pub tokens_before: u64,
+    pub tokens_after: u64,
+    /// Whether the result is within the budget.
+    pub fits: bool,
+}
+
+impl Outcome {
+    /// Stage names applied, comma-separated, or `none`.
+    pub fn actions(&self) -> String {
+        if self.stages.is_empty() {
+            "none".to_string()
+        } else {
+            self.stages
+                .iter()
+                .map(|s| s.stage)
+                .collect::<Vec<_>>()
+                .join(",")
+        }
+    }
+}
+
+/// The working copy: the current bytes and cost of every message.
+struct Work<'a> {
+    src: &'a [Message],
+    bytes: Vec<Option<Bytes>>,
+    cost: Vec<u64>,
+    dropped: Vec<bool>,
+    digest: Option<(Bytes, u64)>,
+    fixed: u64,
+    stages: Vec<StageReport>,
+}
+
+impl Work<'_> {
+    fn total(&self) -> u64 {
+        let kept: u64 = (0..self.cost.len())
+            .filter(|&i| !self.dropped[i])
+            .map(|i| self.cost[i])
+            .sum();
+        self.fixed + kept + self.digest.as_ref().map_or(0, |d| d.1)
+    }
+
+    fn current(&self, i: usize) -> Message {
+        match &self.bytes[i] {
+            Some(b) => Message::from_bytes(b.clone()),
+            None => self.src[i].clone(),
+        }
+    }
+
+    /// Replaces message `i` when that saves tokens; returns the saving.
+    fn replace(&mut self, i: usize, bytes: Bytes, counter: &dyn Counter) -> u64 {
+        let cost = counter.message(&bytes);
+        if cost >= self.cost[i] {
+            return 0;
+        }
+        let saved = self.cost[i] - cost;
+        self.bytes[i] = Some(bytes);
+        self.cost[i] = cost;
+        saved
+    }
+
+    fn record(&mut self, stage: &'static str, messages: usize, saved: u64) {
+        if messages == 0 {
+            return;
+        }
+        match self.stages.iter_mut().find(|s| s.stage == stage) {
+            Some(s) => {
+                s.messages += messages;
+                s.tokens_saved += saved;
+            }
+            None => self.stages.push(StageReport {
+                stage,
+                messages,
+                tokens_saved: saved,
+            }),
+        }
+    }
+
+    fn into_messages(self) -> Vec<Message> {
+        let mut out = Vec::with_capacity(self.src.len());
+        let mut digest = self.digest.map(|d| d.0);
+        for i in 0..self.src.len() {
+            if self.dropped[i] {
+                if let Some(d) = digest.take() {
+                    out.push(Message::from_bytes(d));
+                }
+                continue;
+            }
+            out.push(match &self.bytes[i] {
+                Some(b) => Message::from_bytes(b.clone()),
+                None => self.src[i].clone(),
+            });
+        }
+        out
+    }
+}
+
+/// Compacts a conversation to its budget. Pure: the same messages, limits
+/// and settings give the same result.
+pub fn compact(
+    messages: &[Message],
+    limits: &Limits,
+    s: &Settings,
+    counter: &dyn Counter,
+) -> Outcome {
+    let full: Vec<u64> = messages.iter().map(|m| counter.message(m.raw())).collect();
+    let before = limits.fixed + full.iter().sum::<u64>();
+    let unchanged = |fits| Outcome {
+        messages: None,
+        stages: Vec::new(),
+        tokens_before: before,
+        tokens_after: before,
+        fits,
+    };
+    if (before as f64) < s.trigger * limits.budget {
+        return unchanged(true);
+    }
+    let a = Analysis::of(messages);
+    let n = messages.len();
+    let target = s.target * limits.budget;
+
+    // The masked form of every message that has one.
+    let masked_bytes: Vec<Option<Bytes>> = (0..n)
+        .map(|i| {
+            let eligible = i >= a.base
+                && !a.protected(i)
+                && matches!(a.roles[i], Role::Tool | Role::Assistant);
+            if eligible {
+                mask::masked(&a, messages, i, s.placeholder_chars)
+            } else {
+                None
+            }
+        })
+        .collect();
+    let masked_cost: Vec<u64> = (0..n)
+        .map(|i| match &masked_bytes[i] {
+            Some(b) => counter.message(b).min(full[i]),
+            None => full[i],
+        })
+        .collect();
+    // The plan masks messages with epistemic markers only as a last resort.
+    let plan_masked: Vec<u64> = (0..n)
+        .map(|i| if a.marker[i] { full[i] } else { masked_cost[i] })
+        .collect();
+    let plan = plan::plan(
+        &a,
+        &plan::Costs {
+            full: &full,
+            masked: &plan_masked,
+            fixed: limits.fixed,
+            budget: limits.budget,
+            window: limits.window,
+            trigger: s.trigger,
+            target: s.target,
+            recent_turns: s.recent_turns,
+            recent_share: s.recent_share,
+        },
+    );
+
+    let mut w = Work {
+        src: messages,
+        bytes: vec![None; n],
+        cost: full.clone(),
+        dropped: plan.dropped.clone(),
+        digest: None,
+        fixed: limits.fixed,
+        stages: Vec::new(),
+    };
+
+    // prune (as planned)
+    let dropped_count = w.dropped.iter().filter(|d| **d).count();
+    if dropped_count > 0 {
+        let d = prune::digest(messages, &w.dropped);
+        let d_cost = counter.message(&d);
+        let removed: u64 = (0..n).filter(|&i| w.dropped[i]).map(|i| full[i]).sum();
+        w.digest = Some((d, d_cost));
+        w.record("prune", dropped_count, removed.saturating_sub(d_cost));
+    }
+
+    // mask (below the planned frontier; markers only if still needed)
+    for markers in [false, true] {
+        if markers && (w.total() as f64) < s.trigger * limits.budget {
+            break;
+        }
+        let (mut count, mut saved) = (0, 0);
+        for i in a.base..plan.frontier.min(n) {
+            if w.dropped[i] || a.marker[i] != markers || w.bytes[i].is_some() {
+                continue;
+            }
+            if let Some(b) = masked_bytes[i].clone() {
+                let sv = w.replace(i, b, counter);
+                if sv > 0 {
+                    count += 1;
+                    saved += sv;
+                }
+            }
+        }
+        w.record("mask", count, saved);
+    }
+
+    // The planned boundaries leave the request between target and trigger
+    // on most turns; that is the hysteresis working, not a reason to cut
+    // more. Only a request still at the trigger goes on to the per-request
+    // stages, which then aim at the target.
+    if (w.total() as f64) >= s.trigger * limits.budget {
+        fade_stage(&mut w, &a, limits, s, counter);
+        if (w.total() as f64) > target {
+            fit_stage(&mut w, &a, limits, s, counter);
+        }
+    }
+    if (w.total() as f64) > limits.budget {
+        emergency_stage(&mut w, &a, target, counter);
+    }
+
+    let after = w.total();
+    if w.stages.is_empty() || after >= before {
+        return unchanged((before as f64) <= limits.budget);
+    }
+    let fits = (after as f64) <= limits.budget;
+    let stages = std::mem::take(&mut w.stages);
+    Outcome {
+        messages: Some(w.into_messages()),
+        stages,
+        tokens_before: before,
+        tokens_after: after,
+        fits,
+    }
+}
+
+/// Candidates for shrinking a tool result: consumed, unprotected, not yet
+/// rewritten by condense.
+fn shrinkable_result(w: &Work, a: &Analysis, i: usize) -> Option<String> {
+    if w.dropped[i] || a.roles[i] != Role::Tool || a.protected(i) {
+        return None;
+    }
+    let text = content_text(w.current(i).content())?;
+    (!text.starts_with(MARK)).then_some(text)
+}
+
+/// Cuts message `i`'s text content to `limit` tokens (proportionally in
+/// characters); returns the saving.
+fn cut_content(w: &mut Work, i: usize, text: &str, limit: f64, counter: &dyn Counter) -> u64 {
+    let cost = w.cost[i] as f64;
+    if cost <= limit || cost == 0.0 {
+        return 0;
+    }
+    let keep = ((text.len() as f64) * limit / cost) as usize;
+    let Some(b) = with_string_field(
+        w.current(i).raw(),
+        "content",
+        &head_tail(text, keep.max(emergency::MIN_CHARS)),
+    ) else {
+        return 0;
+    };
+    w.replace(i, b, counter)
+}
+
+fn fade_stage(w: &mut Work, a: &Analysis, limits: &Limits, s: &Settings, counter: &dyn Counter) {
+    let pressure = w.total() as f64 / limits.budget;
+    let candidates: Vec<(usize, String)> = (0..w.cost.len())
+        .filter_map(|i| shrinkable_result(w, a, i).map(|t| (i, t)))
+        .collect();
+    let (mut count, mut saved) = (0, 0);
+    let k = candidates.len();
+    for (rank, (i, text)) in candidates.into_iter().enumerate() {
+        let limit = fade::allowance(limits.budget, s.fade_share, pressure, rank, k);
+        let sv = cut_content(w, i, &text, limit, counter);
+        if sv > 0 {
+            count += 1;
+            saved += sv;
+        }
+    }
+    w.record("fade", count, saved);
+}
+
+fn fit_stage(w: &mut Work, a: &Analysis, limits: &Limits, s: &Settings, counter: &dyn Counter) {
+    let limit = fit::limit(limits.budget, s.fit_share);
+    let (mut count, mut saved) = (0, 0);
+    for i in 0..w.cost.len() {
+        if w.dropped[i] || (w.cost[i] as f64) <= limit {
+            continue;
+        }
+        let sv = match a.roles[i] {
+            Role::Tool => match shrinkable_result(w, a, i) {
+                Some(text) => cut_content(w, i, &text, limit, counter),
+                None => 0,
+            },
+            Role::Assistant => {
+                let m = w.current(i);
+                let chars = args_chars(&m);
+                let keep = ((chars as f64) * limit / w.cost[i] as f64) as usize;
+                let keep = keep.max(emergency::MIN_CHARS);
+                match mask::shorten_args(&m, keep, keep, keep) {
+                    Some(b) => w.replace(i, b, counter),
+                    None => 0,
+                }
+            }
+            _ => 0,
+        };
+        if sv > 0 {
+            count += 1;
+            saved += sv;
+        }
+    }
+    w.record("fit", count, saved);
+}
+
+fn args_chars(m: &Message) -> usize {
+    m.tool_calls()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.pointer("/function/arguments").and_then(|a| a.as_str()))
+        .map(str::len)
+        .max()
+        .unwrap_or(0)
+}
+
+fn emergency_stage(w: &mut Work, a: &Analysis, target: f64, counter: &dyn Counter) {
+    let snapshot: Vec<(Option<Bytes>, u64)> = w
+        .bytes
+        .iter()
+        .cloned()
+        .zip(w.cost.iter().copied())
+        .collect();
+    let eligible: Vec<usize> = (0..w.cost.len())
+        .filter(|&i| {
+            !w.dropped[i]
+                && !matches!(a.roles[i], Role::System | Role::Developer)
+                && a.last_user != Some(i)
+        })
+        .collect();
+    let before = w.total();
+    let mut touched = 0;
+    for &share in emergency::STEPS {
+        for (i, (b, c)) in snapshot.iter().enumerate() {
+            w.bytes[i] = b.clone();
+            w.cost[i] = *c;
+        }
+        touched = 0;
+        for &i in &eligible {
+            let m = w.current(i);
+            let mut changed = false;
+            if let Some(text) = content_text(m.content()) {
+                let keep = ((text.len() as f64 * share) as usize).max(emergency::MIN_CHARS);
+                if keep < text.len()
+                    && let Some(bytes) =
+                        with_string_field(m.raw(), "content", &head_tail(&text, keep))
+                    && w.replace(i, bytes, counter) > 0
+                {
+                    changed = true;
+                }
+            }
+            let m = w.current(i);
+            let chars = args_chars(&m);
+            let keep = ((chars as f64 * share) as usize).max(emergency::MIN_CHARS);
+            if keep < chars
+                && let Some(bytes) = mask::shorten_args(&m, keep, keep, keep)
+                && w.replace(i, bytes, counter) > 0
+            {
+                changed = true;
+            }
+            touched += usize::from(changed);
+        }
+        if (w.total() as f64) <= target {
+            break;
+        }
+    }
+    let saved = before.saturating_sub(w.total());
+    w.record("emergency", touched, saved);
+}

@@ -1,0 +1,150 @@
+//! The replayed plan: where the mask frontier stands and which old units are
+//! dropped, derived from the request alone.
+//!
+//! Providers cache prompt prefixes. A boundary that moves a little every turn
+//! rewrites the prefix every turn and throws that cache away. Here a boundary
+//! moves only on a turn where the compacted request would cross the trigger,
+//! and then jumps straight to the target, so it stays put for many turns.
+//! condense keeps no state for this: it replays the same decision over the
+//! earlier turns the request itself contains (every prefix that ends before
+//! an assistant message, then the whole request), using cached per-message
+//! counts, so every replica and every restart reaches the same boundaries.
+//!
+//! Drops (the `prune` stage) are replayed the same way, and only when masking
+//! everything outside the recent window still leaves the request over its
+//! budget; they also jump to the target, so they are rare and large. They
+//! come before `fade` and `fit` because a boundary that is not replayed
+//! cannot stay put; `fade` and `fit` then work on the current request only.
+
+use super::conversation::Analysis;
+
+/// What the plan costs a digest message in place of dropped units (an upper
+/// bound; the plan must not depend on the digest's exact text).
+pub const DIGEST_ESTIMATE: u64 = 400;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// Messages in `[base, frontier)` are compacted (masked where maskable).
+    pub frontier: usize,
+    pub dropped: Vec<bool>,
+}
+
+/// Token figures the plan works with, all in raw (uncalibrated) tokens.
+pub struct Costs<'a> {
+    /// Each message as it is.
+    pub full: &'a [u64],
+    /// Each message masked (equal to `full` when masking does not apply).
+    pub masked: &'a [u64],
+    /// Tokens outside the messages (reply priming, tool schemas).
+    pub fixed: u64,
+    pub budget: f64,
+    pub window: f64,
+    pub trigger: f64,
+    pub target: f64,
+    pub recent_turns: usize,
+    pub recent_share: f64,
+}
+
+struct Sums {
+    full: Vec<u64>,
+    masked: Vec<u64>,
+}
+
+impl Sums {
+    fn new(c: &Costs) -> Sums {
+        let prefix = |v: &[u64]| {
+            let mut out = Vec::with_capacity(v.len() + 1);
+            out.push(0);
+            for x in v {
+                out.push(out.last().copied().unwrap_or(0) + x);
+            }
+            out
+        };
+        Sums {
+            full: prefix(c.full),
+            masked: prefix(c.masked),
+        }
+    }
+}
+
+pub fn plan(a: &Analysis, c: &Costs) -> Plan {
+    let n = c.full.len();
+    let sums = Sums::new(c);
+    let mut frontier = a.base;
+    let mut dropped = vec![false; n];
+    let mut dropped_cost = 0u64;
+    let mut ends: Vec<usize> = a.assistants.clone();
+    ends.push(n);
+    let cost = |e: usize, f: usize, dropped_cost: u64| -> f64 {
+        let digest = if dropped_cost > 0 { DIGEST_ESTIMATE } else { 0 };
+        (c.fixed + sums.masked[f] + (sums.full[e] - sums.full[f]) + digest)
+            .saturating_sub(dropped_cost) as f64
+    };
+    for &e in &ends {
+        if e <= a.base || e < frontier {
+            continue;
+        }
+        if cost(e, frontier, dropped_cost) < c.trigger * c.budget {
+            continue;
+        }
+        let limit = protect_start(a, &sums, c, e);
+        if limit > frontier {
+            // Candidate boundaries: turn starts (assistant messages) up to
+            // the recent window; the smallest that reaches the target.
+            let lo = a.assistants.partition_point(|&x| x <= frontier);
+            let hi = a.assistants.partition_point(|&x| x <= limit);
+            let mut candidates: Vec<usize> = a.assistants[lo..hi].to_vec();
+            if candidates.last() != Some(&limit) {
+                candidates.push(limit);
+            }
+            let first_ok =
+                candidates.partition_point(|&f| cost(e, f, dropped_cost) > c.target * c.budget);
+            frontier = candidates.get(first_ok).copied().unwrap_or(limit);
+        }
+        if cost(e, frontier, dropped_cost) > c.budget {
+            for u in drop_order(a, frontier, &dropped) {
+                if cost(e, frontier, dropped_cost) <= c.target * c.budget {
+                    break;
+                }
+                for &i in &a.units[u] {
+                    dropped[i] = true;
+                    dropped_cost += c.masked[i];
+                }
+            }
+        }
+    }
+    Plan { frontier, dropped }
+}
+
+/// Where the protected recent window starts in the prefix ending at `e`: the
+/// larger of the last `recent_turns` turns and the last `recent_share` of
+/// the window, starting at an assistant message (so everything before it is
+/// consumed).
+fn protect_start(a: &Analysis, sums: &Sums, c: &Costs, e: usize) -> usize {
+    let idx = a.assistants.partition_point(|&x| x < e);
+    if idx < c.recent_turns.max(1) {
+        return a.base;
+    }
+    let mut pos = idx - c.recent_turns.max(1);
+    let min_tokens = c.recent_share * c.window;
+    while pos > 0 && ((sums.full[e] - sums.full[a.assistants[pos]]) as f64) < min_tokens {
+        pos -= 1;
+    }
+    a.assistants[pos].max(a.base)
+}
+
+/// Units that may be dropped below `frontier`, in the order to drop them:
+/// the oldest first, those with epistemic markers after all others. Never
+/// the task, the last user message, or anything of the recent window.
+fn drop_order(a: &Analysis, frontier: usize, dropped: &[bool]) -> Vec<usize> {
+    let eligible = |u: &Vec<usize>| {
+        u.iter().all(|&i| {
+            i >= a.base && i < frontier && !a.pinned[i] && a.last_user != Some(i) && !dropped[i]
+        })
+    };
+    let mut order: Vec<usize> = (0..a.units.len())
+        .filter(|&u| eligible(&a.units[u]))
+        .collect();
+    order.sort_by_key(|&u| (a.units[u].iter().any(|&i| a.marker[i]), a.units[u][0]));
+    order
+}

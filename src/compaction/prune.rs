@@ -1,0 +1,48 @@
+//! `prune`: whole old units (an assistant call with its results, or a single
+//! message) dropped when even masking leaves the request over its budget,
+//! with one short digest message in their place.
+//!
+//! Which units go is decided by the replayed plan (`plan.rs`): the oldest
+//! first, those with epistemic markers last, never the task, the last user
+//! message or the recent window, and a call always together with its
+//! results (so no orphan remains). The digest lists the key lines and paths
+//! the dropped messages held; a drop breaks the cached prefix anyway, so the
+//! digest costs nothing extra in cache terms.
+
+use bytes::Bytes;
+use serde_json::json;
+
+use super::extract::key_lines;
+use super::text::{MARK, content_text};
+use crate::chat::Message;
+
+/// Characters of key lines a digest keeps.
+const DIGEST_CHARS: usize = 1200;
+
+/// The digest message for the dropped messages.
+pub fn digest(messages: &[Message], dropped: &[bool]) -> Bytes {
+    let mut text = String::new();
+    let mut count = 0;
+    for (m, _) in messages.iter().zip(dropped).filter(|(_, d)| **d) {
+        count += 1;
+        if let Some(t) = content_text(m.content()) {
+            text.push_str(&t);
+            text.push('\n');
+        }
+        for call in m.tool_calls().into_iter().flatten() {
+            if let Some(args) = call.pointer("/function/arguments").and_then(|a| a.as_str()) {
+                text.push_str(args);
+                text.push('\n');
+            }
+        }
+    }
+    let kept = key_lines(&text, DIGEST_CHARS);
+    let body = if kept.is_empty() {
+        format!("{MARK} {count} earlier messages were removed to fit the context window.]")
+    } else {
+        format!(
+            "{MARK} {count} earlier messages were removed to fit the context window; key lines they held:]\n{kept}"
+        )
+    };
+    Bytes::from(json!({"role": "user", "content": body}).to_string())
+}

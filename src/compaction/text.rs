@@ -1,0 +1,114 @@
+//! Text helpers shared by the stages: reading a message's text, writing a
+//! message back with new text (every other field byte-identical), and
+//! head+tail truncation that never splits a character.
+
+use bytes::Bytes;
+use serde_json::Value;
+
+use crate::chat::RawObject;
+use crate::chat::object::write_json_string;
+
+/// The marker every text condense writes starts with, so a later pass (and
+/// an idempotent second compaction) recognises its own work.
+pub const MARK: &str = "[condense:";
+
+/// A message's text content: the string, or its text parts joined.
+pub fn content_text(content: Option<&Value>) -> Option<String> {
+    match content? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(parts) => {
+            let texts: Vec<&str> = parts
+                .iter()
+                .filter(|p| p.get("type").and_then(Value::as_str) == Some("text"))
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect();
+            (!texts.is_empty()).then(|| texts.join("\n"))
+        }
+        _ => None,
+    }
+}
+
+/// The message `raw` with `key` set to the JSON string `text`; other fields
+/// keep their bytes and order.
+pub fn with_string_field(raw: &[u8], key: &str, text: &str) -> Option<Bytes> {
+    let mut obj = RawObject::parse(&Bytes::copy_from_slice(raw)).ok()?;
+    let mut value = Vec::with_capacity(text.len() + 2);
+    write_json_string(&mut value, text);
+    obj.set(key, Bytes::from(value));
+    Some(Bytes::from(obj.to_vec()))
+}
+
+/// The message `raw` with `key` set to the JSON value `value`.
+pub fn with_json_field(raw: &[u8], key: &str, value: &Value) -> Option<Bytes> {
+    let mut obj = RawObject::parse(&Bytes::copy_from_slice(raw)).ok()?;
+    obj.set(key, Bytes::from(value.to_string()));
+    Some(Bytes::from(obj.to_vec()))
+}
+
+/// The largest char boundary at or below `i`.
+pub fn floor_boundary(s: &str, i: usize) -> usize {
+    let mut i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+/// The smallest char boundary at or above `i`.
+pub fn ceil_boundary(s: &str, i: usize) -> usize {
+    let mut i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i += 1;
+    }
+    i
+}
+
+/// `s` cut to about `keep` bytes: its head and tail with a marker saying how
+/// much was elided between them. Text already short enough comes back as is.
+pub fn head_tail(s: &str, keep: usize) -> String {
+    if s.len() <= keep {
+        return s.to_string();
+    }
+    let head_len = floor_boundary(s, keep * 2 / 3);
+    let tail_start = ceil_boundary(s, s.len() - (keep - keep * 2 / 3));
+    let elided = &s[head_len..tail_start];
+    format!(
+        "{}\n{MARK} {} chars, {} lines elided]\n{}",
+        &s[..head_len],
+        elided.chars().count(),
+        elided.matches('\n').count(),
+        &s[tail_start..]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_tail_keeps_both_ends_and_char_boundaries() {
+        let s = "é".repeat(1000);
+        let out = head_tail(&s, 300);
+        assert!(out.starts_with("éé") && out.ends_with("éé"));
+        assert!(out.contains("[condense:"));
+        assert!(out.len() < 400);
+        assert_eq!(head_tail("short", 300), "short");
+    }
+
+    #[test]
+    fn rewriting_keeps_other_fields() {
+        let raw = br#"{"role":"tool","tool_call_id":"c1","content":"long","x-extra":{"a":1}}"#;
+        let out = with_string_field(raw, "content", "short \"q\"").unwrap();
+        assert_eq!(
+            &out[..],
+            br#"{"role":"tool","tool_call_id":"c1","content":"short \"q\"","x-extra":{"a":1}}"#
+        );
+    }
+
+    #[test]
+    fn text_of_parts() {
+        let v: Value = serde_json::from_str(r#"[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"b"}]"#).unwrap();
+        assert_eq!(content_text(Some(&v)).as_deref(), Some("a\nb"));
+        assert_eq!(content_text(Some(&Value::Null)), None);
+    }
+}

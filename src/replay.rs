@@ -1,0 +1,370 @@
+//! `condense replay`: a recorded conversation fed through the pipeline turn
+//! by turn, as the agent sent it (each prefix that ends before an assistant
+//! message is one request, then the whole conversation), with two common
+//! strategies run in the same pass for comparison:
+//!
+//! - `drop_oldest`: drop the oldest messages (a call with its results) until
+//!   the request fits;
+//! - `last_10_results`: above the trigger, replace every tool result but the
+//!   last ten with a short placeholder (sliding observation masking).
+//!
+//! Reported per turn and in total: tokens sent, stages applied, prefix
+//! stability (the token-weighted share of a turn's request that is a
+//! byte-identical prefix of the previous turn's), uncached tokens (the rest,
+//! which a provider bills at full price), probe retention (the share of
+//! known facts from earlier messages still present verbatim), and whether
+//! each turn fit its budget.
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::chat::{ChatRequest, Message, ParseError};
+use crate::compaction::Counter;
+use crate::compaction::conversation::{Analysis, Role};
+use crate::compaction::text::content_text;
+use crate::config::Config;
+use crate::offline::{self, CompactOptions, OfflineError};
+use crate::pipeline::{self, CachedCounter};
+use crate::tokens::Budget;
+
+/// A fact an agent needs later: its exact text and where it first appears.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Probe {
+    pub text: String,
+    pub first_message_index: usize,
+    #[serde(default)]
+    pub kind: Option<String>,
+}
+
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct Strategy {
+    pub tokens: u64,
+    pub stability: f64,
+    pub uncached: u64,
+    pub retention: Option<f64>,
+    pub fits: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Turn {
+    pub turn: usize,
+    pub messages: usize,
+    pub tokens_before: u64,
+    pub actions: String,
+    pub condense: Strategy,
+    pub drop_oldest: Strategy,
+    pub last_10_results: Strategy,
+}
+
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct Totals {
+    pub tokens_sent: u64,
+    pub uncached_tokens: u64,
+    /// Token-weighted over all turns.
+    pub prefix_stability: f64,
+    /// Mean over turns that had probes.
+    pub probe_retention: Option<f64>,
+    pub turns_not_fit: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub model: String,
+    pub window: u64,
+    pub prompt_budget: u64,
+    pub turns: Vec<Turn>,
+    pub condense: Totals,
+    pub drop_oldest: Totals,
+    pub last_10_results: Totals,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error(transparent)]
+    Offline(#[from] OfflineError),
+    #[error("not a chat completions request: {0}")]
+    NotChat(#[from] ParseError),
+}
+
+/// One strategy's running state across turns.
+#[derive(Default)]
+struct Track {
+    previous: Option<Vec<Bytes>>,
+    totals: Totals,
+    stable_tokens: u64,
+    retention_sum: f64,
+    retention_turns: usize,
+}
+
+impl Track {
+    fn turn(
+        &mut self,
+        messages: &[Message],
+        fixed: u64,
+        budget: u64,
+        counter: &dyn Counter,
+        probes: &[&Probe],
+    ) -> Strategy {
+        let costs: Vec<u64> = messages.iter().map(|m| counter.message(m.raw())).collect();
+        let tokens = fixed + costs.iter().sum::<u64>();
+        let raws: Vec<Bytes> = messages
+            .iter()
+            .map(|m| Bytes::copy_from_slice(m.raw()))
+            .collect();
+        let stable = match &self.previous {
+            Some(prev) => {
+                let common = prev.iter().zip(&raws).take_while(|(a, b)| a == b).count();
+                fixed + costs[..common].iter().sum::<u64>()
+            }
+            None => 0,
+        };
+        self.previous = Some(raws);
+        let retention = retention(messages, probes);
+        self.totals.tokens_sent += tokens;
+        self.totals.uncached_tokens += tokens - stable;
+        self.stable_tokens += stable;
+        if let Some(r) = retention {
+            self.retention_sum += r;
+            self.retention_turns += 1;
+        }
+        let fits = tokens <= budget;
+        if !fits {
+            self.totals.turns_not_fit += 1;
+        }
+        Strategy {
+            tokens,
+            stability: if tokens == 0 {
+                1.0
+            } else {
+                stable as f64 / tokens as f64
+            },
+            uncached: tokens - stable,
+            retention,
+            fits,
+        }
+    }
+
+    fn finish(mut self) -> Totals {
+        self.totals.prefix_stability = if self.totals.tokens_sent == 0 {
+            1.0
+        } else {
+            self.stable_tokens as f64 / self.totals.tokens_sent as f64
+        };
+        self.totals.probe_retention =
+            (self.retention_turns > 0).then(|| self.retention_sum / self.retention_turns as f64);
+        self.totals
+    }
+}
+
+/// The share of `probes` whose text is still present in `messages`.
+fn retention(messages: &[Message], probes: &[&Probe]) -> Option<f64> {
+    if probes.is_empty() {
+        return None;
+    }
+    let mut hay = String::new();
+    for m in messages {
+        if let Some(t) = content_text(m.content()) {
+            hay.push_str(&t);
+            hay.push('\n');
+        }
+        for call in m.tool_calls().into_iter().flatten() {
+            if let Some(args) = call.pointer("/function/arguments").and_then(|a| a.as_str()) {
+                hay.push_str(args);
+                hay.push('\n');
+            }
+        }
+    }
+    let kept = probes.iter().filter(|p| hay.contains(&p.text)).count();
+    Some(kept as f64 / probes.len() as f64)
+}
+
+/// Replays `body` (a chat request whose messages are the whole
+/// conversation).
+pub fn replay(
+    config: &Config,
+    body: &Bytes,
+    options: &CompactOptions,
+    probes: &[Probe],
+) -> Result<Report, ReplayError> {
+    let full = ChatRequest::parse(body)?;
+    let tokens = offline::token_service(config)?;
+    let (model, info) = offline::model_and_info(&tokens, &full, options);
+    let counter = CachedCounter {
+        tokens: &tokens,
+        encoding: info.encoding,
+    };
+    let all = full.messages().to_vec();
+    let mut ends: Vec<usize> = all
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.role() == Some("assistant"))
+        .map(|(i, _)| i)
+        .filter(|&i| i > 0)
+        .collect();
+    ends.push(all.len());
+    ends.dedup();
+
+    let budget = Budget::new(
+        info.window,
+        full.max_completion_tokens(),
+        config.tokens.default_completion_tokens,
+        config.tokens.reserve_ratio,
+    );
+    let fixed = tokens.count(&full, info.encoding).tools + crate::tokens::count::REPLY_PRIMING;
+    let (mut ours, mut drop, mut sliding) = (Track::default(), Track::default(), Track::default());
+    let mut turns = Vec::new();
+    for (t, &end) in ends.iter().enumerate() {
+        let prefix = &all[..end];
+        let probes_here: Vec<&Probe> = probes
+            .iter()
+            .filter(|p| p.first_message_index < end)
+            .collect();
+        let mut req = full.clone();
+        req.set_messages(prefix.to_vec());
+        let turn_body = req.to_bytes();
+        let before = fixed + prefix.iter().map(|m| counter.message(m.raw())).sum::<u64>();
+
+        let p = pipeline::process(
+            &tokens,
+            &config.compaction,
+            "",
+            &model,
+            info.clone(),
+            req,
+            &turn_body,
+            false,
+        );
+        let condense = ours.turn(
+            p.request.messages(),
+            fixed,
+            budget.prompt_budget,
+            &counter,
+            &probes_here,
+        );
+        let d = drop_oldest(prefix, fixed, budget.prompt_budget, &counter);
+        let drop_s = drop.turn(&d, fixed, budget.prompt_budget, &counter, &probes_here);
+        let s = last_10_results(prefix, before, info.trigger * budget.prompt_budget as f64);
+        let sliding_s = sliding.turn(&s, fixed, budget.prompt_budget, &counter, &probes_here);
+        turns.push(Turn {
+            turn: t + 1,
+            messages: end,
+            tokens_before: before,
+            actions: p.actions(),
+            condense,
+            drop_oldest: drop_s,
+            last_10_results: sliding_s,
+        });
+    }
+    Ok(Report {
+        model,
+        window: info.window,
+        prompt_budget: budget.prompt_budget,
+        turns,
+        condense: ours.finish(),
+        drop_oldest: drop.finish(),
+        last_10_results: sliding.finish(),
+    })
+}
+
+/// Baseline: drop the oldest units (a call with its results) after the
+/// system messages until the request fits; the last user message stays.
+fn drop_oldest(
+    messages: &[Message],
+    fixed: u64,
+    budget: u64,
+    counter: &dyn Counter,
+) -> Vec<Message> {
+    let a = Analysis::of(messages);
+    let costs: Vec<u64> = messages.iter().map(|m| counter.message(m.raw())).collect();
+    let mut total = fixed + costs.iter().sum::<u64>();
+    let mut dropped = vec![false; messages.len()];
+    for unit in &a.units {
+        if total <= budget {
+            break;
+        }
+        if unit.iter().any(|&i| i < a.base || a.last_user == Some(i)) {
+            continue;
+        }
+        for &i in unit {
+            dropped[i] = true;
+            total -= costs[i];
+        }
+    }
+    messages
+        .iter()
+        .zip(&dropped)
+        .filter(|(_, d)| !**d)
+        .map(|(m, _)| m.clone())
+        .collect()
+}
+
+/// Baseline: above the trigger, every tool result but the last ten becomes
+/// a fixed placeholder.
+fn last_10_results(messages: &[Message], tokens: u64, trigger: f64) -> Vec<Message> {
+    if (tokens as f64) < trigger {
+        return messages.to_vec();
+    }
+    let a = Analysis::of(messages);
+    let results: Vec<usize> = (0..messages.len())
+        .filter(|&i| a.roles[i] == Role::Tool)
+        .collect();
+    let keep_from = results.len().saturating_sub(10);
+    let mut out = messages.to_vec();
+    for &i in &results[..keep_from] {
+        let id = messages[i].tool_call_id().unwrap_or_default();
+        let m = json!({"role": "tool", "tool_call_id": id, "content": "[tool output elided]"});
+        out[i] = Message::from_bytes(Bytes::from(m.to_string()));
+    }
+    out
+}
+
+/// The report as a table for people.
+pub fn render(r: &Report) -> String {
+    let mut s = format!(
+        "model {}  window {}  prompt budget {}\n\n",
+        r.model, r.window, r.prompt_budget
+    );
+    s.push_str("turn  msgs   before  condense  stab  keep  fit | drop_old  stab  keep  fit | last_10  stab  keep  fit | actions\n");
+    let pct = |x: Option<f64>| x.map_or("   -".to_string(), |v| format!("{:>4.0}%", v * 100.0));
+    let yn = |b: bool| if b { "yes" } else { " NO" };
+    for t in &r.turns {
+        s.push_str(&format!(
+            "{:>4} {:>5} {:>8} {:>9} {:>5.2} {} {} | {:>8} {:>5.2} {} {} | {:>7} {:>5.2} {} {} | {}\n",
+            t.turn,
+            t.messages,
+            t.tokens_before,
+            t.condense.tokens,
+            t.condense.stability,
+            pct(t.condense.retention),
+            yn(t.condense.fits),
+            t.drop_oldest.tokens,
+            t.drop_oldest.stability,
+            pct(t.drop_oldest.retention),
+            yn(t.drop_oldest.fits),
+            t.last_10_results.tokens,
+            t.last_10_results.stability,
+            pct(t.last_10_results.retention),
+            yn(t.last_10_results.fits),
+            t.actions
+        ));
+    }
+    s.push_str("\nstrategy          tokens sent  uncached  prefix stability  probe retention  turns not fit\n");
+    for (name, t) in [
+        ("condense", &r.condense),
+        ("drop_oldest", &r.drop_oldest),
+        ("last_10_results", &r.last_10_results),
+    ] {
+        s.push_str(&format!(
+            "{:<17} {:>11} {:>9} {:>17.3} {:>16} {:>14}\n",
+            name,
+            t.tokens_sent,
+            t.uncached_tokens,
+            t.prefix_stability,
+            t.probe_retention
+                .map_or("-".to_string(), |v| format!("{v:.3}")),
+            t.turns_not_fit
+        ));
+    }
+    s
+}
