@@ -41,18 +41,28 @@ impl Processed {
     }
 }
 
-/// Measures `req` for `model` with `info`, and compacts it when its
-/// pressure reaches the trigger.
+/// Which model on which upstream a request is measured for.
+pub struct Subject<'a> {
+    pub upstream: &'a str,
+    pub model: &'a str,
+    pub info: ModelInfo,
+}
+
+/// Measures `req` for `subject`, and compacts it when its pressure reaches
+/// the trigger.
 pub fn process(
     tokens: &TokenService,
     compaction_config: &CompactionConfig,
-    upstream: &str,
-    model: &str,
-    info: ModelInfo,
+    subject: Subject<'_>,
     mut req: ChatRequest,
     body: &Bytes,
     allow_cheap: bool,
 ) -> Processed {
+    let Subject {
+        upstream,
+        model,
+        info,
+    } = subject;
     let assessment = tokens.assess_as(upstream, model, info.clone(), &req, body, allow_cheap);
     let Some(count) = assessment
         .count
