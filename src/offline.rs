@@ -80,9 +80,11 @@ pub fn compact(
     let p = pipeline::process(
         &tokens,
         &config.compaction,
-        "",
-        &model,
-        info,
+        pipeline::Subject {
+            upstream: "",
+            model: &model,
+            info: info,
+        },
         req,
         &body,
         false,

@@ -228,9 +228,11 @@ pub fn replay(
         let p = pipeline::process(
             &tokens,
             &config.compaction,
-            "",
-            &model,
-            info.clone(),
+            pipeline::Subject {
+                upstream: "",
+                model: &model,
+                info: info.clone(),
+            },
             req,
             &turn_body,
             false,
