@@ -83,7 +83,7 @@ pub fn compact(
         pipeline::Subject {
             upstream: "",
             model: &model,
-            info: info,
+            info,
         },
         req,
         &body,
