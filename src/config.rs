@@ -140,8 +140,8 @@ pub struct CompactionConfig {
 impl Default for CompactionConfig {
     fn default() -> Self {
         CompactionConfig {
-            trigger: 0.80,
-            target: 0.60,
+            trigger: 0.90,
+            target: 0.50,
             recent_turns: 3,
             recent_share: 0.10,
             placeholder_chars: 300,
@@ -506,7 +506,7 @@ mod tests {
         assert_eq!(c.models.len(), 1);
         assert_eq!(c.models[0].encoding, Some(Encoding::Cl100k));
         assert_eq!(c.thresholds(Some(&c.models[0])), (0.9, 0.5));
-        assert_eq!(c.thresholds(None), (0.8, 0.6));
+        assert_eq!(c.thresholds(None), (0.9, 0.5));
     }
 
     #[test]

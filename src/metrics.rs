@@ -41,6 +41,10 @@ pub struct Metrics {
     pub context_window_tokens: IntGaugeVec,
     pub pressure_ratio: Histogram,
     pub compaction_failures_total: IntCounter,
+    pub compactions_total: IntCounterVec,
+    pub tokens_saved_total: IntCounterVec,
+    pub prompt_tokens_received_total: IntCounter,
+    pub prompt_tokens_forwarded_total: IntCounter,
     models_seen: Mutex<HashSet<String>>,
 }
 
@@ -141,6 +145,32 @@ impl Metrics {
             "condense_compaction_failures_total",
             "Chat requests forwarded unchanged because measuring or compacting them failed inside condense.",
         )?;
+        let compactions_total = IntCounterVec::new(
+            Opts::new(
+                "condense_compactions_total",
+                "Chat requests a compaction stage changed, by stage.",
+            ),
+            &["stage"],
+        )?;
+        let tokens_saved_total = IntCounterVec::new(
+            Opts::new(
+                "condense_tokens_saved_total",
+                "Prompt tokens (calibrated estimate) removed by each compaction stage.",
+            ),
+            &["stage"],
+        )?;
+        let prompt_tokens_received_total = IntCounter::new(
+            "condense_prompt_tokens_received_total",
+            "Prompt tokens (calibrated estimate) of chat requests as clients sent them.",
+        )?;
+        let prompt_tokens_forwarded_total = IntCounter::new(
+            "condense_prompt_tokens_forwarded_total",
+            "Prompt tokens (calibrated estimate) of chat requests as condense forwarded them.",
+        )?;
+        registry.register(Box::new(compactions_total.clone()))?;
+        registry.register(Box::new(tokens_saved_total.clone()))?;
+        registry.register(Box::new(prompt_tokens_received_total.clone()))?;
+        registry.register(Box::new(prompt_tokens_forwarded_total.clone()))?;
         registry.register(Box::new(compaction_failures_total.clone()))?;
         registry.register(Box::new(token_cache_hits_total.clone()))?;
         registry.register(Box::new(token_cache_misses_total.clone()))?;
@@ -171,6 +201,10 @@ impl Metrics {
             context_window_tokens,
             pressure_ratio,
             compaction_failures_total,
+            compactions_total,
+            tokens_saved_total,
+            prompt_tokens_received_total,
+            prompt_tokens_forwarded_total,
             models_seen: Mutex::new(HashSet::new()),
         })
     }

@@ -57,7 +57,9 @@ async fn calibrates_to(factor: f64, stream: bool) {
         send(&h, &conversation(model, turns, stream), factor).await;
     }
     let (headers, _) = send(&h, &conversation(model, 25, stream), factor).await;
-    let estimate = header_u64(&headers, "x-condense-tokens-before") as f64;
+    // The estimate of what was sent (compacted or not) against what the
+    // upstream counted for it.
+    let estimate = header_u64(&headers, "x-condense-tokens-after") as f64;
     // What the mock reported for that last body.
     let req = condense::chat::ChatRequest::parse(&h.mock.last().body).unwrap();
     let truth =

@@ -7,11 +7,16 @@
 //!
 //! | stage       | file           | what                                                 |
 //! |-------------|----------------|------------------------------------------------------|
+//! | `fit`       | `fit.rs`       | no single result or argument string over 30% of the budget |
 //! | `prune`     | `prune.rs`     | old units dropped, a digest in their place (replayed, only when masking cannot get under the budget) |
 //! | `mask`      | `mask.rs`      | old tool output → extractive placeholder, old long arguments shortened (replayed frontier) |
 //! | `fade`      | `fade.rs`      | recent large results shrunk by pressure band and age |
-//! | `fit`       | `fit.rs`       | no single result or argument string over 30% of the budget |
 //! | `emergency` | `emergency.rs` | everything but system/developer and the last user message shortened |
+//!
+//! `fit` runs first, whenever compaction is active: it depends on a message
+//! and the budget alone, so it can be part of the replayed plan's costs and
+//! a fitted message stays byte-identical on later turns. `fade` only runs
+//! when the planned request is still at the trigger.
 //!
 //! Where the boundaries of `mask` and `prune` stand is decided by
 //! `plan.rs`, replayed over the turns the request contains, so they stay put
@@ -215,6 +220,20 @@ pub fn compact(
     let n = messages.len();
     let target = s.target * limits.budget;
 
+    let mut w = Work {
+        src: messages,
+        bytes: vec![None; n],
+        cost: full.clone(),
+        dropped: vec![false; n],
+        digest: None,
+        fixed: limits.fixed,
+        stages: Vec::new(),
+    };
+
+    // fit first: it depends on the message and the budget alone, so the
+    // plan below can count on it and it stays the same turn after turn.
+    fit_stage(&mut w, &a, limits, s, counter);
+
     // The masked form of every message that has one.
     let masked_bytes: Vec<Option<Bytes>> = (0..n)
         .map(|i| {
@@ -230,18 +249,24 @@ pub fn compact(
         .collect();
     let masked_cost: Vec<u64> = (0..n)
         .map(|i| match &masked_bytes[i] {
-            Some(b) => counter.message(b).min(full[i]),
-            None => full[i],
+            Some(b) => counter.message(b).min(w.cost[i]),
+            None => w.cost[i],
         })
         .collect();
     // The plan masks messages with epistemic markers only as a last resort.
     let plan_masked: Vec<u64> = (0..n)
-        .map(|i| if a.marker[i] { full[i] } else { masked_cost[i] })
+        .map(|i| {
+            if a.marker[i] {
+                w.cost[i]
+            } else {
+                masked_cost[i]
+            }
+        })
         .collect();
     let plan = plan::plan(
         &a,
         &plan::Costs {
-            full: &full,
+            full: &w.cost,
             masked: &plan_masked,
             fixed: limits.fixed,
             budget: limits.budget,
@@ -252,23 +277,14 @@ pub fn compact(
             recent_share: s.recent_share,
         },
     );
-
-    let mut w = Work {
-        src: messages,
-        bytes: vec![None; n],
-        cost: full.clone(),
-        dropped: plan.dropped.clone(),
-        digest: None,
-        fixed: limits.fixed,
-        stages: Vec::new(),
-    };
+    w.dropped = plan.dropped.clone();
 
     // prune (as planned)
     let dropped_count = w.dropped.iter().filter(|d| **d).count();
     if dropped_count > 0 {
         let d = prune::digest(messages, &w.dropped);
         let d_cost = counter.message(&d);
-        let removed: u64 = (0..n).filter(|&i| w.dropped[i]).map(|i| full[i]).sum();
+        let removed: u64 = (0..n).filter(|&i| w.dropped[i]).map(|i| w.cost[i]).sum();
         w.digest = Some((d, d_cost));
         w.record("prune", dropped_count, removed.saturating_sub(d_cost));
     }
@@ -280,7 +296,7 @@ pub fn compact(
         }
         let (mut count, mut saved) = (0, 0);
         for i in a.base..plan.frontier.min(n) {
-            if w.dropped[i] || a.marker[i] != markers || w.bytes[i].is_some() {
+            if w.dropped[i] || a.marker[i] != markers {
                 continue;
             }
             if let Some(b) = masked_bytes[i].clone() {
@@ -300,9 +316,6 @@ pub fn compact(
     // stages, which then aim at the target.
     if (w.total() as f64) >= s.trigger * limits.budget {
         fade_stage(&mut w, &a, limits, s, counter);
-        if (w.total() as f64) > target {
-            fit_stage(&mut w, &a, limits, s, counter);
-        }
     }
     if (w.total() as f64) > limits.budget {
         emergency_stage(&mut w, &a, target, counter);

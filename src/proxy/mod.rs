@@ -24,10 +24,12 @@ use futures_util::StreamExt;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, header};
 
 use crate::chat::ChatRequest;
+use crate::config::CompactionConfig;
 use crate::config::Config;
 use crate::error::ProxyError;
 use crate::metrics::Metrics;
-use crate::tokens::{Assessment, TokenService};
+use crate::pipeline;
+use crate::tokens::TokenService;
 use auth::Credentials;
 use listing::ListingFetcher;
 use relay::{InflightGuard, Tap, UsageCallback};
@@ -48,6 +50,7 @@ pub struct Proxy {
     pub usage: Arc<UsageBook>,
     pub tokens: Arc<TokenService>,
     listing: ListingFetcher,
+    compaction: CompactionConfig,
     max_body_bytes: u64,
     stream_usage: bool,
     learn_windows: bool,
@@ -67,7 +70,18 @@ struct Prepared {
     body: Bytes,
     model: Option<String>,
     strip_usage: bool,
-    assessment: Option<Assessment>,
+    /// What the response headers report; None when condense did not measure.
+    report: Option<Report>,
+}
+
+/// What condense measured and did, for the response headers.
+struct Report {
+    tokens_before: u64,
+    tokens_after: u64,
+    actions: String,
+    /// The raw count of the body sent, for calibration (None on the cheap
+    /// path).
+    raw_after: Option<u64>,
 }
 
 impl Prepared {
@@ -76,7 +90,7 @@ impl Prepared {
             body,
             model,
             strip_usage: false,
-            assessment: None,
+            report: None,
         }
     }
 }
@@ -95,6 +109,7 @@ impl Proxy {
             metrics,
             usage: Arc::new(UsageBook::default()),
             listing: ListingFetcher::default(),
+            compaction: config.compaction.clone(),
             max_body_bytes: config.server.max_body_bytes,
             stream_usage: config.upstream.stream_usage,
             learn_windows: config.upstream.learn_windows,
@@ -236,7 +251,7 @@ impl Proxy {
             (true, true) => Tap::Sse(SseTap::new(prepared.strip_usage)),
             (true, false) => Tap::Json(JsonTap::new(resp.content_length())),
         };
-        let raw_estimate = prepared.assessment.as_ref().and_then(|a| a.tokens_raw);
+        let raw_estimate = prepared.report.as_ref().and_then(|r| r.raw_after);
         let on_usage = prepared
             .model
             .map(|model| self.usage_callback(model, raw_estimate));
@@ -256,11 +271,19 @@ impl Proxy {
         if prepared.strip_usage {
             h.remove(header::CONTENT_LENGTH);
         }
-        if let Some(a) = &prepared.assessment {
-            h.insert(X_TOKENS_BEFORE, HeaderValue::from(a.tokens));
-            h.insert(X_TOKENS_AFTER, HeaderValue::from(a.tokens));
+        match &prepared.report {
+            Some(r) => {
+                h.insert(X_TOKENS_BEFORE, HeaderValue::from(r.tokens_before));
+                h.insert(X_TOKENS_AFTER, HeaderValue::from(r.tokens_after));
+                h.insert(
+                    X_ACTIONS,
+                    HeaderValue::from_str(&r.actions).unwrap_or(HeaderValue::from_static("none")),
+                );
+            }
+            None => {
+                h.insert(X_ACTIONS, HeaderValue::from_static("none"));
+            }
         }
-        h.insert(X_ACTIONS, HeaderValue::from_static("none"));
         Ok(response)
     }
 
@@ -279,17 +302,52 @@ impl Proxy {
         }
     }
 
-    /// Measures a parsed chat request and readies it for the upstream.
-    fn prepare(&self, mut chat: ChatRequest, body: &Bytes) -> Prepared {
-        let assessment = self
-            .tokens
-            .assess(self.upstream.base_url(), &chat, body, true);
-        self.metrics.pressure_ratio.observe(assessment.pressure);
-        let label = self.metrics.model_label(&assessment.model);
-        self.metrics
-            .context_window_tokens
+    /// Measures a parsed chat request, compacts it when it is under
+    /// pressure, and readies it for the upstream.
+    fn prepare(&self, chat: ChatRequest, body: &Bytes) -> Prepared {
+        let upstream = self.upstream.base_url();
+        let model = chat.model().unwrap_or_default();
+        let info = self.tokens.model_info(upstream, &model);
+        let subject = pipeline::Subject {
+            upstream,
+            model: &model,
+            info,
+        };
+        let p = pipeline::process(&self.tokens, &self.compaction, subject, chat, body, true);
+        let m = &self.metrics;
+        m.pressure_ratio.observe(p.assessment.pressure);
+        let label = m.model_label(&model);
+        m.context_window_tokens
             .with_label_values(&[&label])
-            .set(i64::try_from(assessment.budget.window).unwrap_or(i64::MAX));
+            .set(i64::try_from(p.assessment.budget.window).unwrap_or(i64::MAX));
+        m.prompt_tokens_received_total.inc_by(p.assessment.tokens);
+        m.prompt_tokens_forwarded_total.inc_by(p.tokens_after);
+        if let Some(outcome) = &p.outcome {
+            let ratio = p.assessment.calibration_ratio;
+            for stage in &outcome.stages {
+                m.compactions_total.with_label_values(&[stage.stage]).inc();
+                m.tokens_saved_total
+                    .with_label_values(&[stage.stage])
+                    .inc_by((stage.tokens_saved as f64 * ratio).round() as u64);
+            }
+            if !outcome.stages.is_empty() {
+                tracing::debug!(
+                    model,
+                    before = p.assessment.tokens,
+                    after = p.tokens_after,
+                    actions = %outcome.actions(),
+                    fits = outcome.fits,
+                    "compacted"
+                );
+            }
+        }
+        let report = Report {
+            tokens_before: p.assessment.tokens,
+            tokens_after: p.tokens_after,
+            actions: p.actions(),
+            raw_after: p.raw_after,
+        };
+        let mut chat = p.request;
         let mut strip_usage = false;
         if self.stream_usage && chat.is_stream() && !chat.client_wants_stream_usage() {
             chat.request_stream_usage();
@@ -297,9 +355,9 @@ impl Proxy {
         }
         Prepared {
             body: chat.to_bytes(),
-            model: chat.model(),
+            model: Some(model).filter(|m| !m.is_empty()),
             strip_usage,
-            assessment: Some(assessment),
+            report: Some(report),
         }
     }
 
