@@ -64,9 +64,10 @@ pub fn ceil_boundary(s: &str, i: usize) -> usize {
 }
 
 /// `s` cut to about `keep` bytes: its head and tail with a marker saying how
-/// much was elided between them. Text already short enough comes back as is.
+/// much was elided between them. Text already short enough, or already cut
+/// by condense, comes back as is (so a second compaction changes nothing).
 pub fn head_tail(s: &str, keep: usize) -> String {
-    if s.len() <= keep {
+    if s.len() <= keep || s.contains(MARK) {
         return s.to_string();
     }
     let head_len = floor_boundary(s, keep * 2 / 3);

@@ -1,0 +1,555 @@
+//! The compaction pipeline: invariants over generated conversations,
+//! scenarios for each stage, and replays of a recorded session.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use condense::chat::{ChatRequest, Message};
+use condense::compaction::{self, Limits, Outcome, Settings};
+use condense::config::{CompactionConfig, Config};
+use condense::metrics::Metrics;
+use condense::pipeline::CachedCounter;
+use condense::tokens::{Encoding, TokenService};
+use proptest::prelude::*;
+use serde_json::{Value, json};
+
+fn service() -> TokenService {
+    TokenService::new(Arc::new(Config::default()), &Metrics::new().unwrap())
+}
+
+fn msg(v: Value) -> Message {
+    Message::from_bytes(Bytes::from(v.to_string()))
+}
+
+fn settings() -> Settings {
+    let c = CompactionConfig::default();
+    Settings::new(&c, c.trigger, c.target)
+}
+
+fn run(svc: &TokenService, messages: &[Message], budget: f64) -> Outcome {
+    let counter = CachedCounter {
+        tokens: svc,
+        encoding: Encoding::O200k,
+    };
+    let limits = Limits {
+        budget,
+        window: budget * 1.3,
+        fixed: 3,
+    };
+    compaction::compact(messages, &limits, &settings(), &counter)
+}
+
+fn tokens(svc: &TokenService, messages: &[Message]) -> u64 {
+    3 + messages
+        .iter()
+        .map(|m| svc.message_tokens(m.raw(), Encoding::O200k))
+        .sum::<u64>()
+}
+
+fn json_of(m: &Message) -> Value {
+    serde_json::from_slice(m.raw()).unwrap()
+}
+
+/// Every tool message answers an earlier call (nearest earlier assistant
+/// with the id) and every call has an answer.
+fn well_paired(messages: &[Message]) -> bool {
+    let mut open: Vec<(usize, String)> = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
+        let v = json_of(m);
+        match v["role"].as_str() {
+            Some("assistant") => {
+                for c in v["tool_calls"].as_array().into_iter().flatten() {
+                    open.push((i, c["id"].as_str().unwrap().to_string()));
+                }
+            }
+            Some("tool") => {
+                let id = v["tool_call_id"].as_str().unwrap();
+                match open.iter().rposition(|(_, o)| o == id) {
+                    Some(p) => {
+                        open.remove(p);
+                    }
+                    None => return false,
+                }
+            }
+            _ => {}
+        }
+    }
+    open.is_empty()
+}
+
+// ---------------------------------------------------------------- generator
+
+#[derive(Debug, Clone)]
+enum Output {
+    Text(usize),
+    Json(usize),
+    Empty,
+    Parts(usize),
+}
+
+#[derive(Debug, Clone)]
+struct TurnSpec {
+    text: Option<String>,
+    calls: Vec<(u8, Output)>,
+    user_after: Option<String>,
+}
+
+fn output_strategy() -> impl Strategy<Value = Output> {
+    prop_oneof![
+        (0usize..6000).prop_map(Output::Text),
+        (1usize..60).prop_map(Output::Json),
+        Just(Output::Empty),
+        (0usize..2000).prop_map(Output::Parts),
+    ]
+}
+
+fn turn_strategy() -> impl Strategy<Value = TurnSpec> {
+    (
+        prop::option::of(prop_oneof![
+            Just("Looking at the file now.".to_string()),
+            Just("Wait, that is not right; let me reconsider.".to_string()),
+            Just("The test fails in parse_header.".to_string()),
+        ]),
+        prop::collection::vec((0u8..4, output_strategy()), 0..3),
+        prop::option::of(Just("Please also check the docs.".to_string())),
+    )
+        .prop_map(|(text, calls, user_after)| TurnSpec {
+            text,
+            calls,
+            user_after,
+        })
+}
+
+fn render_output(o: &Output, seed: usize) -> Value {
+    match o {
+        Output::Text(n) => {
+            let mut s = String::new();
+            let mut i = 0;
+            while s.len() < *n {
+                s.push_str(&format!(
+                    "line {i} of output /src/mod_{seed}.rs: value={i}\n"
+                ));
+                if i % 17 == 3 {
+                    s.push_str(&format!("Error: cannot parse item {seed}-{i}\n"));
+                }
+                i += 1;
+            }
+            Value::String(s)
+        }
+        Output::Json(n) => {
+            let items: Vec<Value> = (0..*n)
+                .map(|i| json!({"id": format!("ID{seed}X{i}"), "name": "item", "status": "ok"}))
+                .collect();
+            Value::String(Value::Array(items).to_string())
+        }
+        Output::Empty => Value::String(String::new()),
+        Output::Parts(n) => json!([
+            {"type": "text", "text": "x".repeat(*n)},
+            {"type": "image_url", "image_url": {"url": "https://example.com/shot.png", "detail": "low"}}
+        ]),
+    }
+}
+
+fn build(turns: &[TurnSpec], end_with_user: bool) -> Vec<Message> {
+    let mut out = vec![
+        msg(json!({"role": "system", "content": "You are an agent."})),
+        msg(json!({"role": "user", "content": "Fix the bug in the parser."})),
+    ];
+    for (t, turn) in turns.iter().enumerate() {
+        let calls: Vec<Value> = turn
+            .calls
+            .iter()
+            .map(|(id, _)| json!({"id": format!("call_{id}"), "type": "function", "function": {"name": "run", "arguments": json!({"cmd": format!("cat src/{t}.rs"), "body": "y".repeat(700 * (t % 3))}).to_string()}}))
+            .collect();
+        // Ids within one turn must be distinct for the request to be valid.
+        let mut seen = std::collections::HashSet::new();
+        let calls: Vec<Value> = calls
+            .into_iter()
+            .filter(|c| seen.insert(c["id"].as_str().unwrap().to_string()))
+            .collect();
+        let mut a = json!({"role": "assistant", "content": turn.text});
+        if !calls.is_empty() {
+            a["tool_calls"] = Value::Array(calls.clone());
+        }
+        out.push(msg(a));
+        for (k, c) in calls.iter().enumerate() {
+            let content = render_output(&turn.calls[k].1, t * 10 + k);
+            out.push(msg(
+                json!({"role": "tool", "tool_call_id": c["id"], "content": content}),
+            ));
+        }
+        if let Some(u) = &turn.user_after {
+            out.push(msg(json!({"role": "user", "content": u})));
+        }
+    }
+    if end_with_user {
+        out.push(msg(json!({"role": "user", "content": "What now?"})));
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
+
+    #[test]
+    fn invariants_hold(turns in prop::collection::vec(turn_strategy(), 1..14), end_with_user: bool, budget in 300.0f64..12000.0) {
+        let svc = service();
+        let input = build(&turns, end_with_user);
+        let before = tokens(&svc, &input);
+        let out = run(&svc, &input, budget);
+        let result = out.messages.clone().unwrap_or_else(|| input.clone());
+        let emergency = out.stages.iter().any(|s| s.stage == "emergency");
+
+        // Output never grows; the report matches the messages.
+        prop_assert!(out.tokens_after <= out.tokens_before);
+        prop_assert_eq!(out.tokens_before, before);
+        prop_assert_eq!(tokens(&svc, &result), out.tokens_after);
+        // Under the trigger nothing changes.
+        if (before as f64) < 0.9 * budget {
+            prop_assert!(out.messages.is_none());
+        }
+        // Valid JSON messages, tool calls still paired.
+        prop_assert!(well_paired(&input));
+        prop_assert!(well_paired(&result), "pairing broken: {:?}", out.stages);
+        // Protected messages are byte-identical and still there.
+        let a = compaction::conversation::Analysis::of(&input);
+        for i in 0..input.len() {
+            let system = matches!(a.roles[i], compaction::conversation::Role::System);
+            let last_user = a.last_user == Some(i);
+            let unconsumed = a.roles[i] == compaction::conversation::Role::Tool && !a.consumed[i];
+            if system || last_user || (unconsumed && !emergency) {
+                prop_assert!(result.iter().any(|m| m.raw() == input[i].raw()), "protected message {} changed ({:?})", i, out.stages);
+            }
+        }
+        prop_assert!(result[0].raw() == input[0].raw(), "system prompt changed");
+        // Idempotence: compacting the output again changes nothing.
+        let again = run(&svc, &result, budget);
+        prop_assert!(again.messages.is_none(), "second pass changed it: {:?} then {:?}", out.stages, again.stages);
+    }
+}
+
+// ---------------------------------------------------------------- scenarios
+
+fn agent_turns(n: usize, result_chars: usize) -> Vec<Message> {
+    let mut out = vec![
+        msg(json!({"role": "system", "content": "You are an agent."})),
+        msg(json!({"role": "user", "content": "Fix the failing test test_parse_header."})),
+    ];
+    for t in 0..n {
+        let id = format!("call_{t}");
+        out.push(msg(json!({"role": "assistant", "content": format!("Step {t}: reading a file."), "tool_calls": [{"id": id, "type": "function", "function": {"name": "run", "arguments": json!({"cmd": format!("cat -n src/module_{t}.py")}).to_string()}}]})));
+        let mut body = String::new();
+        for l in 0..result_chars / 40 {
+            body.push_str(&format!("{l:>4}  x_{t}_{l} = compute({l})\n"));
+        }
+        body.push_str(&format!(
+            "Traceback: File \"/repo/src/module_{t}.py\", line 7\nValueError: bad header {t}\n"
+        ));
+        out.push(msg(
+            json!({"role": "tool", "tool_call_id": id, "content": body}),
+        ));
+    }
+    out
+}
+
+fn content(m: &Message) -> String {
+    json_of(m)["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[test]
+fn under_the_trigger_nothing_changes() {
+    let svc = service();
+    let m = agent_turns(4, 400);
+    let out = run(&svc, &m, 100_000.0);
+    assert!(out.messages.is_none());
+    assert_eq!(out.actions(), "none");
+}
+
+#[test]
+fn mask_replaces_old_results_with_extractive_placeholders() {
+    let svc = service();
+    let m = agent_turns(12, 4000);
+    let before = tokens(&svc, &m);
+    let out = run(&svc, &m, before as f64 / 1.2);
+    assert!(out.actions().contains("mask"), "{}", out.actions());
+    let result = out.messages.unwrap();
+    assert_eq!(result.len(), m.len());
+    let first_result = content(&result[3]);
+    assert!(
+        first_result.starts_with("[condense: earlier tool output elided:"),
+        "{first_result}"
+    );
+    assert!(
+        first_result.contains("chars, "),
+        "says how much was elided: {first_result}"
+    );
+    assert!(
+        first_result.contains("/repo/src/module_0.py"),
+        "keeps the path: {first_result}"
+    );
+    assert!(
+        first_result.contains("ValueError: bad header 0"),
+        "keeps the error: {first_result}"
+    );
+    // Assistant messages are never masked; the recent turns stay verbatim.
+    assert_eq!(result[2].raw(), m[2].raw());
+    let n = m.len();
+    for i in n - 6..n {
+        assert_eq!(result[i].raw(), m[i].raw(), "recent message {i} changed");
+    }
+    assert!(out.tokens_after as f64 <= 0.9 * before as f64 / 1.2);
+}
+
+#[test]
+fn json_results_get_a_shape_digest() {
+    let svc = service();
+    let mut m = agent_turns(8, 3000);
+    let items: Vec<Value> = (0..40)
+        .map(|i| json!({"id": format!("RES{i:03}"), "name": "flight", "status": "booked"}))
+        .collect();
+    m[3] = msg(
+        json!({"role": "tool", "tool_call_id": "call_0", "content": Value::Array(items).to_string()}),
+    );
+    let before = tokens(&svc, &m);
+    let result = run(&svc, &m, before as f64 / 1.3).messages.unwrap();
+    let c = content(&result[3]);
+    assert!(
+        c.contains("array of 40 objects with keys id, name, status"),
+        "{c}"
+    );
+    assert!(c.contains("RES000"), "{c}");
+}
+
+#[test]
+fn boundaries_stay_put_between_steps() {
+    // Turn after turn, the compacted prefix is byte-identical until the
+    // frontier has to move again: most turns keep everything but the new
+    // messages.
+    let svc = service();
+    let all = agent_turns(40, 2500);
+    let budget = 9000.0;
+    let mut previous: Option<Vec<Message>> = None;
+    let (mut steady, mut moves) = (0, 0);
+    for end in (4..all.len()).step_by(2) {
+        let prefix = &all[..end];
+        let out = run(&svc, prefix, budget);
+        let now = out.messages.unwrap_or_else(|| prefix.to_vec());
+        assert!(tokens(&svc, &now) as f64 <= budget);
+        if let Some(prev) = &previous {
+            let common = prev
+                .iter()
+                .zip(&now)
+                .take_while(|(a, b)| a.raw() == b.raw())
+                .count();
+            if common == prev.len() {
+                steady += 1;
+            } else {
+                moves += 1;
+            }
+        }
+        previous = Some(now);
+    }
+    assert!(
+        steady >= 2 * moves,
+        "the boundary moved on {moves} turns and stayed on {steady}"
+    );
+}
+
+#[test]
+fn fit_cuts_a_single_huge_result() {
+    let svc = service();
+    let mut m = agent_turns(3, 300);
+    let huge = "0123456789 abcdefghij\n".repeat(3000);
+    m[5] = msg(json!({"role": "tool", "tool_call_id": "call_1", "content": huge}));
+    let before = tokens(&svc, &m);
+    let budget = before as f64 / 1.05;
+    let out = run(&svc, &m, budget);
+    assert!(out.actions().contains("fit"), "{}", out.actions());
+    let result = out.messages.unwrap();
+    let cut = svc.message_tokens(result[5].raw(), Encoding::O200k) as f64;
+    assert!(
+        cut <= 0.3 * budget * 1.05,
+        "{cut} tokens left of a {budget}-token budget"
+    );
+    assert!(content(&result[5]).contains("[condense:"));
+}
+
+#[test]
+fn unconsumed_results_are_untouched_until_emergency() {
+    let svc = service();
+    let mut m = agent_turns(2, 300);
+    // The newest result is unconsumed: no assistant message after it.
+    let huge = "data row\n".repeat(4000);
+    let last = m.len() - 1;
+    m[last] = msg(json!({"role": "tool", "tool_call_id": "call_1", "content": huge}));
+    let before = tokens(&svc, &m);
+    // A budget the unconsumed result alone exceeds: only emergency can help.
+    let out = run(&svc, &m, before as f64 / 4.0);
+    assert!(out.actions().contains("emergency"), "{}", out.actions());
+    assert!(out.fits);
+    let result = out.messages.unwrap();
+    assert_eq!(result[0].raw(), m[0].raw());
+    assert!(
+        result.last().unwrap().raw() != m[last].raw(),
+        "emergency shortened it"
+    );
+    // When masking older results is enough, the unconsumed one stays.
+    let mut m = agent_turns(8, 4000);
+    let last = m.len() - 1;
+    m[last] =
+        msg(json!({"role": "tool", "tool_call_id": "call_7", "content": "data row\n".repeat(800)}));
+    let before = tokens(&svc, &m);
+    let out = run(&svc, &m, before as f64 / 1.3);
+    assert!(out.actions().contains("mask"), "{}", out.actions());
+    assert!(!out.actions().contains("emergency"), "{}", out.actions());
+    assert!(
+        out.messages.unwrap().last().unwrap().raw() == m[last].raw(),
+        "the unconsumed result changed"
+    );
+}
+
+#[test]
+fn prune_drops_whole_units_and_leaves_a_digest() {
+    let svc = service();
+    let m = agent_turns(30, 1500);
+    let before = tokens(&svc, &m);
+    let budget = before as f64 / 6.0;
+    let out = run(&svc, &m, budget);
+    assert!(out.actions().contains("prune"), "{}", out.actions());
+    let result = out.messages.unwrap();
+    assert!(well_paired(&result));
+    assert!(result.len() < m.len());
+    // The system prompt and the task stay; a digest stands in for the rest.
+    assert_eq!(result[0].raw(), m[0].raw());
+    assert_eq!(result[1].raw(), m[1].raw());
+    let digest = content(&result[2]);
+    assert!(
+        digest.starts_with("[condense:") && digest.contains("earlier messages were removed"),
+        "{digest}"
+    );
+    assert!(digest.contains("ValueError: bad header"), "{digest}");
+    assert!(out.tokens_after as f64 <= budget);
+}
+
+#[test]
+fn repeated_ids_are_paired_by_position_when_pruning() {
+    let svc = service();
+    let mut m = vec![
+        msg(json!({"role": "system", "content": "s"})),
+        msg(json!({"role": "user", "content": "task"})),
+    ];
+    for t in 0..30 {
+        m.push(msg(json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_same", "type": "function", "function": {"name": "lookup", "arguments": format!("{{\"n\":{t}}}")}}]})));
+        m.push(msg(json!({"role": "tool", "tool_call_id": "call_same", "content": format!("result {t}: ").repeat(200)})));
+    }
+    let before = tokens(&svc, &m);
+    let out = run(&svc, &m, before as f64 / 8.0);
+    let result = out.messages.unwrap();
+    assert!(well_paired(&result), "{:?}", out.stages);
+}
+
+#[test]
+fn messages_with_epistemic_markers_are_kept_longer() {
+    let svc = service();
+    let mut m = agent_turns(14, 3000);
+    // The assistant message at 6 revises itself; the result it answers
+    // (message 5) is kept longer.
+    m[6] = msg(
+        json!({"role": "assistant", "content": "Wait, I was wrong about the header; let me reconsider.", "tool_calls": [{"id": "call_2", "type": "function", "function": {"name": "run", "arguments": "{}"}}]}),
+    );
+    let before = tokens(&svc, &m);
+    let out = run(&svc, &m, before as f64 / 1.4);
+    let result = out.messages.unwrap();
+    assert!(
+        content(&result[3]).starts_with("[condense:"),
+        "an ordinary old result is masked"
+    );
+    assert_eq!(
+        result[5].raw(),
+        m[5].raw(),
+        "the result the model reconsidered is kept"
+    );
+}
+
+#[test]
+fn compacted_bodies_stay_valid_requests() {
+    let svc = service();
+    let m = agent_turns(20, 3000);
+    let body = json!({"model": "gpt-4o", "messages": m.iter().map(json_of).collect::<Vec<_>>(), "temperature": 0.2, "x_vendor": {"keep": true}});
+    let mut req = ChatRequest::parse(&Bytes::from(body.to_string())).unwrap();
+    let out = run(&svc, req.messages(), 8000.0);
+    req.set_messages(out.messages.unwrap());
+    let v: Value = serde_json::from_slice(&req.to_bytes()).unwrap();
+    assert_eq!(v["temperature"], 0.2);
+    assert_eq!(v["x_vendor"]["keep"], true);
+    assert!(v["messages"].as_array().unwrap().len() >= 3);
+}
+
+// ---------------------------------------------------------------- replay
+
+#[test]
+fn replay_of_the_example_session_fits_every_turn_and_keeps_facts() {
+    let body = Bytes::from(std::fs::read("examples/agent-session.json").unwrap());
+    let probes: Vec<condense::replay::Probe> =
+        serde_json::from_slice(&std::fs::read("examples/agent-session.probes.json").unwrap())
+            .unwrap();
+    let options = condense::offline::CompactOptions {
+        model: None,
+        window: Some(12_000),
+    };
+    let r = condense::replay::replay(&Config::default(), &body, &options, &probes).unwrap();
+    assert_eq!(r.condense.turns_not_fit, 0);
+    assert!(
+        r.turns.iter().any(|t| t.actions != "none"),
+        "the replay never compacted"
+    );
+    assert!(
+        r.condense.prefix_stability >= 0.6,
+        "{}",
+        r.condense.prefix_stability
+    );
+    let ours = r.condense.probe_retention.unwrap();
+    assert!(
+        ours >= r.drop_oldest.probe_retention.unwrap(),
+        "{ours} vs drop-oldest"
+    );
+    assert!(r.condense.tokens_sent <= r.last_10_results.tokens_sent);
+}
+
+#[test]
+fn replay_of_the_shared_traces_when_present() {
+    // ../shared/traces is internal material beside the repository; it is
+    // not part of the project, so this check runs only where it exists.
+    let dir = std::path::Path::new("../shared/traces");
+    if !dir.exists() {
+        return;
+    }
+    for name in ["oh_django-14351", "tau_airline_task2_trial1"] {
+        let body =
+            Bytes::from(std::fs::read(dir.join(format!("conversations/{name}.json"))).unwrap());
+        let probes: Vec<condense::replay::Probe> = serde_json::from_slice(
+            &std::fs::read(dir.join(format!("probes/{name}.json"))).unwrap(),
+        )
+        .unwrap();
+        let options = condense::offline::CompactOptions {
+            model: None,
+            window: Some(32_000),
+        };
+        let r = condense::replay::replay(&Config::default(), &body, &options, &probes).unwrap();
+        assert_eq!(r.condense.turns_not_fit, 0, "{name}");
+        assert!(
+            r.condense.prefix_stability >= 0.85,
+            "{name}: {}",
+            r.condense.prefix_stability
+        );
+        assert!(
+            r.condense.probe_retention >= r.drop_oldest.probe_retention,
+            "{name}"
+        );
+    }
+}
