@@ -19,6 +19,15 @@ impl Counter for CachedCounter<'_> {
     fn message(&self, raw: &[u8]) -> u64 {
         self.tokens.message_tokens(raw, self.encoding)
     }
+
+    fn derived(
+        &self,
+        kind: u64,
+        raw: &[u8],
+        build: &mut dyn FnMut() -> Option<Bytes>,
+    ) -> Option<Bytes> {
+        self.tokens.memo.get_or_build(kind, raw, build)
+    }
 }
 
 /// A request measured and, when over its trigger, compacted.

@@ -35,6 +35,7 @@ pub mod extract;
 pub mod fade;
 pub mod fit;
 pub mod mask;
+pub mod memo;
 pub mod plan;
 pub mod prune;
 pub mod text;
@@ -48,9 +49,21 @@ use conversation::{Analysis, Role};
 use text::{MARK, content_text, head_tail, with_string_field};
 
 /// Counts the tokens of one message (the proxy's implementation caches by
-/// the message's bytes).
+/// the message's bytes), and may remember per-message transforms.
 pub trait Counter {
     fn message(&self, raw: &[u8]) -> u64;
+
+    /// The pure transform `kind` of message `raw`, made by `build`. The
+    /// proxy's implementation remembers it across requests.
+    fn derived(
+        &self,
+        kind: u64,
+        raw: &[u8],
+        build: &mut dyn FnMut() -> Option<Bytes>,
+    ) -> Option<Bytes> {
+        let _ = (kind, raw);
+        build()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -241,7 +254,12 @@ pub fn compact(
                 && !a.protected(i)
                 && matches!(a.roles[i], Role::Tool | Role::Assistant);
             if eligible {
-                mask::masked(&a, messages, i, s.placeholder_chars)
+                // The masked form depends on the message and the placeholder
+                // size alone (the role is in the bytes).
+                let kind = 0x6d61_736b_0000_0000 ^ s.placeholder_chars as u64;
+                counter.derived(kind, messages[i].raw(), &mut || {
+                    mask::masked(&a, messages, i, s.placeholder_chars)
+                })
             } else {
                 None
             }

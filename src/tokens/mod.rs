@@ -26,11 +26,15 @@ pub use encoding::Encoding;
 pub use models::{ModelInfo, WindowSource};
 
 use crate::chat::ChatRequest;
+use crate::compaction::memo::Memo;
 use crate::config::{Config, ModelProfile};
 use crate::metrics::Metrics;
 use cache::CountCache;
 use calibration::Calibration;
 use models::Listings;
+
+/// Bytes of masked message forms remembered across requests.
+const MEMO_BYTES: usize = 16 * 1024 * 1024;
 
 /// Cache keys of tool schemas live apart from message keys.
 const TOOLS_DOMAIN: u64 = 0x5bd1_e995_0000_0001;
@@ -66,8 +70,14 @@ pub struct Assessment {
     pub cheap_path: bool,
 }
 
+/// Token accounting and the per-message caches that make it cheap: counts
+/// under a hash of each message, and (for the compaction stages) masked
+/// forms of old messages.
 pub struct TokenService {
     cache: CountCache,
+    /// Per-message transforms of the compaction stages, remembered across
+    /// requests (bounded in bytes).
+    pub memo: Memo,
     pub calibration: Calibration,
     pub listings: Listings,
     profiles: Vec<ModelProfile>,
@@ -82,6 +92,7 @@ impl TokenService {
                 metrics.token_cache_hits_total.clone(),
                 metrics.token_cache_misses_total.clone(),
             ),
+            memo: Memo::new(MEMO_BYTES),
             calibration: Calibration::default(),
             listings: Listings::default(),
             profiles: config.models.clone(),
