@@ -52,6 +52,8 @@ pub struct Turn {
     pub messages: usize,
     pub tokens_before: u64,
     pub actions: String,
+    /// Probes condense lost on this turn (present in the uncompacted turn).
+    pub lost: Vec<String>,
     pub condense: Strategy,
     pub drop_oldest: Strategy,
     pub last_10_results: Strategy,
@@ -162,6 +164,14 @@ fn retention(messages: &[Message], probes: &[&Probe]) -> Option<f64> {
     if probes.is_empty() {
         return None;
     }
+    let hay = haystack(messages);
+    let kept = probes.iter().filter(|p| hay.contains(&p.text)).count();
+    Some(kept as f64 / probes.len() as f64)
+}
+
+/// The text a probe is looked for in: message contents and tool-call
+/// arguments.
+fn haystack(messages: &[Message]) -> String {
     let mut hay = String::new();
     for m in messages {
         if let Some(t) = content_text(m.content()) {
@@ -175,8 +185,7 @@ fn retention(messages: &[Message], probes: &[&Probe]) -> Option<f64> {
             }
         }
     }
-    let kept = probes.iter().filter(|p| hay.contains(&p.text)).count();
-    Some(kept as f64 / probes.len() as f64)
+    hay
 }
 
 /// Replays `body` (a chat request whose messages are the whole
@@ -248,11 +257,18 @@ pub fn replay(
         let drop_s = drop.turn(&d, fixed, budget.prompt_budget, &counter, &probes_here);
         let s = last_10_results(prefix, before, info.trigger * budget.prompt_budget as f64);
         let sliding_s = sliding.turn(&s, fixed, budget.prompt_budget, &counter, &probes_here);
+        let hay = haystack(p.request.messages());
+        let lost = probes_here
+            .iter()
+            .filter(|pr| !hay.contains(&pr.text))
+            .map(|pr| pr.text.clone())
+            .collect();
         turns.push(Turn {
             turn: t + 1,
             messages: end,
             tokens_before: before,
             actions: p.actions(),
+            lost,
             condense,
             drop_oldest: drop_s,
             last_10_results: sliding_s,

@@ -54,7 +54,7 @@ pub struct Analysis {
     pub roles: Vec<Role>,
     /// Index of the first message after the leading system/developer ones.
     pub base: usize,
-    /// The task: user messages before the first assistant message.
+    /// The task: the last user message before the first assistant message.
     pub pinned: Vec<bool>,
     /// The last user message.
     pub last_user: Option<usize>,

@@ -40,20 +40,44 @@ pub fn placeholder(text: &str, budget: usize) -> String {
     }
 }
 
-/// How likely a line is to matter again.
-fn score(line: &str) -> u32 {
+/// How likely a line is to matter again, and the path it names (so that a
+/// traceback's twenty frames in one file count once).
+fn score(line: &str) -> (u32, Option<&str>) {
     let l = line.trim();
-    if l.is_empty() || l.len() > 400 {
-        return 0;
+    if l.is_empty() || l.len() > 600 {
+        return (0, None);
     }
     let lower = l.to_ascii_lowercase();
     let mut s = 0;
-    if [
+    // "ValueError: ...", "requests.exceptions.ProxyError: ...": the line a
+    // traceback ends with.
+    let head = l.split(':').next().unwrap_or("");
+    if l.contains(':')
+        && !head.contains(' ')
+        && [
+            "Error",
+            "Exception",
+            "Warning",
+            "Failure",
+            "Interrupt",
+            "Exit",
+        ]
+        .iter()
+        .any(|k| head.ends_with(k))
+    {
+        s += 8;
+    } else if l.starts_with("FAILED ")
+        || l.starts_with("ERROR ")
+        || l.starts_with("E   ")
+        || lower.starts_with("error:")
+        || lower.starts_with("error[")
+    {
+        s += 7;
+    } else if [
         "error",
         "exception",
         "traceback",
         "failed",
-        "fail:",
         "panic",
         "fatal",
         "denied",
@@ -67,37 +91,51 @@ fn score(line: &str) -> u32 {
     {
         s += 4;
     }
-    if lower.starts_with("def ")
-        || lower.starts_with("class ")
-        || lower.starts_with("fn ")
-        || lower.starts_with("pub fn ")
-        || lower.starts_with("function ")
-        || lower.starts_with("async def ")
-        || lower.contains(" def ")
+    let t = lower.trim_start_matches(|c: char| {
+        c.is_ascii_digit() || c == ' ' || c == '\t' || c == '|' || c == ':'
+    });
+    if [
+        "def ",
+        "class ",
+        "fn ",
+        "pub fn ",
+        "async def ",
+        "function ",
+        "func ",
+        "struct ",
+        "impl ",
+        "interface ",
+        "type ",
+    ]
+    .iter()
+    .any(|k| t.starts_with(k))
     {
+        s += 4;
+    }
+    let path = path_in(l);
+    if path.is_some() {
         s += 3;
     }
-    if looks_like_path(l) {
-        s += 3;
-    }
-    if lower.contains("passed")
-        || lower.contains(" tests")
+    if lower.starts_with("file \"")
+        || lower.contains(" passed")
+        || lower.contains(" failed")
         || lower.contains("warning")
-        || lower.starts_with("file \"")
     {
         s += 2;
     }
     if lower.contains("test_") || lower.contains("assert") {
         s += 1;
     }
-    s
+    (s, path)
 }
 
-fn looks_like_path(l: &str) -> bool {
+/// The first path-like word of a line (two slashes, or one slash and a file
+/// name with an extension).
+fn path_in(l: &str) -> Option<&str> {
     l.split(|c: char| {
-        c.is_whitespace() || matches!(c, '"' | '\'' | '(' | ')' | ',' | ':' | '[' | ']')
+        c.is_whitespace() || matches!(c, '"' | '\'' | '(' | ')' | ',' | ':' | '[' | ']' | '`')
     })
-    .any(|w| {
+    .find(|w| {
         let slash = w.matches('/').count();
         slash >= 2
             || (slash >= 1
@@ -108,21 +146,31 @@ fn looks_like_path(l: &str) -> bool {
 }
 
 /// The highest-scoring lines, in their original order, within `budget`
-/// characters (a line longer than a third of the budget is cut).
+/// characters. A line naming a path already kept counts only for its other
+/// merits; long lines are cut (error lines less than others).
 pub fn key_lines(text: &str, budget: usize) -> String {
-    let mut ranked: Vec<(u32, usize, &str)> = text
-        .lines()
-        .enumerate()
-        .map(|(i, l)| (score(l), i, l.trim_end()))
-        .filter(|(s, _, _)| *s > 0)
-        .collect();
+    let mut seen_paths: Vec<&str> = Vec::new();
+    let mut scored: Vec<(u32, usize, &str)> = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let (mut s, path) = score(line);
+        if let Some(p) = path {
+            if seen_paths.contains(&p) {
+                s = s.saturating_sub(3);
+            } else {
+                seen_paths.push(p);
+            }
+        }
+        if s > 0 {
+            scored.push((s, i, line.trim_end()));
+        }
+    }
     // Best first; among equals the later line (the final error, the last
     // test summary) first.
-    ranked.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
+    scored.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
     let mut chosen: Vec<(usize, String)> = Vec::new();
     let mut used = 0;
-    let max_line = (budget / 3).max(40);
-    for (_, i, line) in ranked {
+    for (s, i, line) in scored {
+        let max_line = if s >= 7 { 240 } else { (budget / 2).max(60) };
         let line = if line.chars().count() > max_line {
             let cut: String = line.chars().take(max_line).collect();
             format!("{cut}…")

@@ -12,8 +12,11 @@ use bytes::Bytes;
 use serde_json::Value;
 
 use super::conversation::{Analysis, Role};
-use super::extract::placeholder;
-use super::text::{MARK, content_text, head_tail, with_json_field, with_string_field};
+use super::extract::{key_lines, placeholder};
+use super::text::{
+    MARK, ceil_boundary, content_text, floor_boundary, head_tail, with_json_field,
+    with_string_field,
+};
 use crate::chat::Message;
 
 /// Tool-call arguments longer than this are shortened below the frontier.
@@ -33,7 +36,9 @@ pub fn masked(
     match a.roles[i] {
         Role::Tool => {
             let text = content_text(m.content())?;
-            if text.starts_with(MARK) || text.len() <= placeholder_chars + 200 {
+            // Short results cost little and often hold exactly the line
+            // that matters; masking them would save little and lose it.
+            if text.starts_with(MARK) || text.len() <= placeholder_chars * 3 {
                 return None;
             }
             with_string_field(m.raw(), "content", &placeholder(&text, placeholder_chars))
@@ -84,11 +89,33 @@ pub fn shorten_args(m: &Message, max_chars: usize, value_max: usize, keep: usize
 
 fn shorten_strings(v: &mut Value, max: usize, keep: usize) {
     match v {
-        Value::String(s) if s.len() > max => *s = head_tail(s, keep),
+        Value::String(s) if s.len() > max => *s = extractive_cut(s, keep),
         Value::Array(a) => a.iter_mut().for_each(|x| shorten_strings(x, max, keep)),
         Value::Object(o) => o.values_mut().for_each(|x| shorten_strings(x, max, keep)),
         _ => {}
     }
+}
+
+/// A long string (typically code an agent wrote) cut to about `keep`
+/// characters: its head and tail, with the definitions and error lines of
+/// the middle kept between them.
+pub fn extractive_cut(s: &str, keep: usize) -> String {
+    if s.len() <= keep || s.contains(MARK) || !s.contains('\n') {
+        return head_tail(s, keep);
+    }
+    let head = floor_boundary(s, keep / 3);
+    let tail = ceil_boundary(s, s.len() - keep / 6);
+    if tail <= head {
+        return head_tail(s, keep);
+    }
+    let middle = &s[head..tail];
+    let kept = key_lines(middle, keep / 2);
+    format!(
+        "{}\n{MARK} {} chars elided; key lines kept:]\n{kept}\n{MARK} end]\n{}",
+        &s[..head],
+        middle.chars().count(),
+        &s[tail..]
+    )
 }
 
 #[cfg(test)]
