@@ -13,8 +13,18 @@
 //! Drops (the `prune` stage) are replayed the same way, and only when masking
 //! everything outside the recent window still leaves the request over its
 //! budget; they also jump to the target, so they are rare and large. They
-//! come before `fade` and `fit` because a boundary that is not replayed
-//! cannot stay put; `fade` and `fit` then work on the current request only.
+//! come before `fade` because a boundary that is not replayed cannot stay
+//! put; `fade` then works on the current request only.
+//!
+//! The recent window (the larger of `recent_turns` turns and `recent_share`
+//! of the window) is protected from masking, with one exception: when the
+//! recent turns alone still hold the request at the trigger after drops
+//! (a 16k window with 5k-token results), the frontier moves into them, turn
+//! by turn, newest last. Results answered by no assistant message yet are
+//! never reached. An extractive placeholder that stays put keeps more and
+//! breaks the cache less than `fade` cutting the same results differently
+//! on every turn (on the shared traces at 16k: prefix stability 0.80 and
+//! probe retention 0.91, against 0.76 and 0.90).
 
 use super::conversation::Analysis;
 
@@ -110,6 +120,20 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
                     dropped[i] = true;
                     dropped_cost += c.masked[i];
                 }
+            }
+        }
+        // When the recent turns alone hold the request at the trigger, the
+        // recent window yields to masking (turn by turn, newest last): an
+        // extractive placeholder that stays put beats cutting the same
+        // results differently on every turn.
+        if cost(e, frontier, dropped_cost) >= c.trigger * c.budget {
+            let last = a.assistants.partition_point(|&x| x < e);
+            let lo = a.assistants.partition_point(|&x| x <= frontier);
+            let candidates: Vec<usize> = a.assistants[lo..last].to_vec();
+            let first_ok =
+                candidates.partition_point(|&f| cost(e, f, dropped_cost) > c.target * c.budget);
+            if let Some(&f) = candidates.get(first_ok).or(candidates.last()) {
+                frontier = f;
             }
         }
     }
