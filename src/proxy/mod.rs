@@ -50,6 +50,8 @@ pub struct Proxy {
     pub usage: Arc<UsageBook>,
     pub tokens: Arc<TokenService>,
     listing: ListingFetcher,
+    /// Slots for measuring large bodies on the blocking pool, one per core.
+    prepare_slots: Arc<tokio::sync::Semaphore>,
     compaction: CompactionConfig,
     max_body_bytes: u64,
     stream_usage: bool,
@@ -109,6 +111,9 @@ impl Proxy {
             metrics,
             usage: Arc::new(UsageBook::default()),
             listing: ListingFetcher::default(),
+            prepare_slots: Arc::new(tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(2, |n| n.get()),
+            )),
             compaction: config.compaction.clone(),
             max_body_bytes: config.server.max_body_bytes,
             stream_usage: config.upstream.stream_usage,
@@ -212,11 +217,19 @@ impl Proxy {
                 }
                 if bytes.len() >= BLOCKING_PREPARE_BYTES {
                     // Counting a large history the cache has not seen takes
-                    // tens of milliseconds; keep it off the async workers.
+                    // tens of milliseconds; keep it off the async workers,
+                    // and run at most one such job per core: a burst of new
+                    // conversations then queues instead of starting hundreds
+                    // of threads that all count the same messages at once
+                    // (the ones that wait find them cached).
+                    let permit = self.prepare_slots.clone().acquire_owned().await;
                     let (this, body) = (self.clone(), bytes.clone());
-                    tokio::task::spawn_blocking(move || this.prepare_or_forward(chat, &body))
-                        .await
-                        .unwrap_or_else(|_| Prepared::unchanged(bytes.clone(), None))
+                    let prepared = tokio::task::spawn_blocking(move || {
+                        let _permit = permit;
+                        this.prepare_or_forward(chat, &body)
+                    })
+                    .await;
+                    prepared.unwrap_or_else(|_| Prepared::unchanged(bytes.clone(), None))
                 } else {
                     self.prepare_or_forward(chat, &bytes)
                 }
