@@ -8,6 +8,7 @@
 //! real window. A failed fetch changes nothing: profiles and the default
 //! window still apply.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use http::{HeaderMap, HeaderValue, Method, header};
@@ -20,9 +21,23 @@ const REFRESH: Duration = Duration::from_secs(600);
 const TIMEOUT: Duration = Duration::from_secs(3);
 const MAX_BYTES: usize = 8 * 1024 * 1024;
 
-#[derive(Default)]
 pub struct ListingFetcher {
     last_attempt: Mutex<Option<Instant>>,
+    /// Seconds since `started` of the last attempt (0: none yet), read
+    /// without the lock so that the common case (nothing to do) costs every
+    /// request one atomic load, not a turn on a shared mutex.
+    attempted_at: AtomicU64,
+    started: Instant,
+}
+
+impl Default for ListingFetcher {
+    fn default() -> Self {
+        ListingFetcher {
+            last_attempt: Mutex::new(None),
+            attempted_at: AtomicU64::new(0),
+            started: Instant::now(),
+        }
+    }
 }
 
 impl ListingFetcher {
@@ -38,6 +53,10 @@ impl ListingFetcher {
         if listings.get(upstream.base_url(), model).is_some() {
             return Duration::ZERO;
         }
+        let at = self.attempted_at.load(Ordering::Relaxed);
+        if at > 0 && self.started.elapsed().as_secs().saturating_sub(at) < REFRESH.as_secs() {
+            return Duration::ZERO;
+        }
         let mut last = self.last_attempt.lock().await;
         if listings.get(upstream.base_url(), model).is_some()
             || last.is_some_and(|t| t.elapsed() < REFRESH)
@@ -45,6 +64,8 @@ impl ListingFetcher {
             return Duration::ZERO;
         }
         *last = Some(Instant::now());
+        self.attempted_at
+            .store(self.started.elapsed().as_secs().max(1), Ordering::Relaxed);
         let started = Instant::now();
         match tokio::time::timeout(TIMEOUT, fetch(upstream, request_headers)).await {
             Ok(Some(body)) => {

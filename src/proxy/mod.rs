@@ -36,7 +36,8 @@ use relay::{InflightGuard, Tap, UsageCallback};
 use upstream::{Upstream, UpstreamError};
 use usage::{JsonTap, SseTap, UsageBook};
 
-/// Chat bodies at least this large are measured on the blocking pool.
+/// Chat bodies with at least this many bytes of messages not seen before are
+/// measured on the blocking pool.
 const BLOCKING_PREPARE_BYTES: usize = 128 * 1024;
 
 /// Route labels for metrics and logs.
@@ -215,7 +216,9 @@ impl Proxy {
                         .ensure(&self.upstream, &self.tokens.listings, &model, &headers)
                         .await;
                 }
-                if bytes.len() >= BLOCKING_PREPARE_BYTES {
+                if bytes.len() >= BLOCKING_PREPARE_BYTES
+                    && self.cold_bytes(&chat) >= BLOCKING_PREPARE_BYTES
+                {
                     // Counting a large history the cache has not seen takes
                     // tens of milliseconds; keep it off the async workers,
                     // and run at most one such job per core: a burst of new
@@ -298,6 +301,16 @@ impl Proxy {
             }
         }
         Ok(response)
+    }
+
+    /// Bytes of `chat`'s messages the token cache has not seen.
+    fn cold_bytes(&self, chat: &ChatRequest) -> usize {
+        let model = chat.model().unwrap_or_default();
+        let enc = self
+            .tokens
+            .model_info(self.upstream.base_url(), &model)
+            .encoding;
+        self.tokens.uncached_bytes(chat, enc)
     }
 
     /// [`Proxy::prepare`], failing open: if anything in it panics, the

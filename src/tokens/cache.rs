@@ -77,6 +77,12 @@ impl CountCache {
         n
     }
 
+    /// Whether `key` is cached (no counters, no promotion).
+    pub fn contains(&self, key: u64) -> bool {
+        self.shard(key)
+            .is_some_and(|s| s.young.contains_key(&key) || s.old.contains_key(&key))
+    }
+
     fn shard(&self, key: u64) -> Option<std::sync::MutexGuard<'_, Shard>> {
         // The top bits pick the shard; the map uses the whole key.
         self.shards[(key >> 60) as usize % SHARDS].lock().ok()

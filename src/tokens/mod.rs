@@ -143,6 +143,16 @@ impl TokenService {
         }
     }
 
+    /// Bytes of the request's messages whose counts are not cached: the work
+    /// a count of it would do.
+    pub fn uncached_bytes(&self, req: &ChatRequest, enc: Encoding) -> usize {
+        req.messages()
+            .iter()
+            .filter(|m| !self.cache.contains(xxh3_64(m.raw()) ^ enc.salt()))
+            .map(|m| m.raw().len())
+            .sum()
+    }
+
     /// Tokens of one message, from the cache when it was seen before.
     pub fn message_tokens(&self, raw: &[u8], enc: Encoding) -> u64 {
         self.cached(raw, enc, 0, || count::message_tokens(enc, raw))
