@@ -137,6 +137,17 @@ pub struct CompactionConfig {
     pub fit_share: f64,
 }
 
+impl CompactionConfig {
+    /// These settings with a model's own trigger and target.
+    pub fn for_model(&self, trigger: f64, target: f64) -> CompactionConfig {
+        CompactionConfig {
+            trigger,
+            target,
+            ..self.clone()
+        }
+    }
+}
+
 impl Default for CompactionConfig {
     fn default() -> Self {
         CompactionConfig {

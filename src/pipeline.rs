@@ -5,7 +5,7 @@
 use bytes::Bytes;
 
 use crate::chat::ChatRequest;
-use crate::compaction::{self, Counter, Limits, Outcome, Settings};
+use crate::compaction::{self, Counter, Limits, Outcome};
 use crate::config::CompactionConfig;
 use crate::tokens::{Assessment, Encoding, ModelInfo, TokenService};
 
@@ -92,7 +92,7 @@ pub fn process(
         window: assessment.budget.window as f64 / ratio,
         fixed: count.total - count.per_message.iter().sum::<u64>(),
     };
-    let settings = Settings::new(compaction_config, info.trigger, info.target);
+    let settings = compaction_config.for_model(info.trigger, info.target);
     let counter = CachedCounter {
         tokens,
         encoding: info.encoding,

@@ -22,7 +22,7 @@ use serde_json::json;
 use crate::chat::{ChatRequest, Message, ParseError};
 use crate::compaction::Counter;
 use crate::compaction::conversation::{Analysis, Role};
-use crate::compaction::text::content_text;
+use crate::compaction::text::message_text;
 use crate::config::Config;
 use crate::offline::{self, CompactOptions, OfflineError};
 use crate::pipeline::{self, CachedCounter};
@@ -172,20 +172,11 @@ fn retention(messages: &[Message], probes: &[&Probe]) -> Option<f64> {
 /// The text a probe is looked for in: message contents and tool-call
 /// arguments.
 fn haystack(messages: &[Message]) -> String {
-    let mut hay = String::new();
-    for m in messages {
-        if let Some(t) = content_text(m.content()) {
-            hay.push_str(&t);
-            hay.push('\n');
-        }
-        for call in m.tool_calls().into_iter().flatten() {
-            if let Some(args) = call.pointer("/function/arguments").and_then(|a| a.as_str()) {
-                hay.push_str(args);
-                hay.push('\n');
-            }
-        }
-    }
-    hay
+    messages
+        .iter()
+        .map(message_text)
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// Replays `body` (a chat request whose messages are the whole

@@ -24,8 +24,7 @@ fn msg(v: Value) -> Message {
 }
 
 fn settings() -> Settings {
-    let c = CompactionConfig::default();
-    Settings::new(&c, c.trigger, c.target)
+    CompactionConfig::default()
 }
 
 fn run(svc: &TokenService, messages: &[Message], budget: f64) -> Outcome {

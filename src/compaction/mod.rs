@@ -66,31 +66,9 @@ pub trait Counter {
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
-pub struct Settings {
-    pub trigger: f64,
-    pub target: f64,
-    pub recent_turns: usize,
-    pub recent_share: f64,
-    pub placeholder_chars: usize,
-    pub fade_share: f64,
-    pub fit_share: f64,
-}
-
-impl Settings {
-    /// The settings for a model whose thresholds are `trigger` and `target`.
-    pub fn new(c: &CompactionConfig, trigger: f64, target: f64) -> Settings {
-        Settings {
-            trigger,
-            target,
-            recent_turns: c.recent_turns,
-            recent_share: c.recent_share,
-            placeholder_chars: c.placeholder_chars,
-            fade_share: c.fade_share,
-            fit_share: c.fit_share,
-        }
-    }
-}
+/// The stage settings: `[compaction]` with the model's own trigger and
+/// target (see [`CompactionConfig::for_model`]).
+pub type Settings = CompactionConfig;
 
 /// The room a request has, in raw (uncalibrated) tokens.
 #[derive(Debug, Clone, Copy)]

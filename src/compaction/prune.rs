@@ -13,7 +13,7 @@ use bytes::Bytes;
 use serde_json::json;
 
 use super::extract::key_lines;
-use super::text::{MARK, content_text};
+use super::text::{MARK, message_text};
 use crate::chat::Message;
 
 /// Characters of key lines a digest keeps.
@@ -25,16 +25,8 @@ pub fn digest(messages: &[Message], dropped: &[bool]) -> Bytes {
     let mut count = 0;
     for (m, _) in messages.iter().zip(dropped).filter(|(_, d)| **d) {
         count += 1;
-        if let Some(t) = content_text(m.content()) {
-            text.push_str(&t);
-            text.push('\n');
-        }
-        for call in m.tool_calls().into_iter().flatten() {
-            if let Some(args) = call.pointer("/function/arguments").and_then(|a| a.as_str()) {
-                text.push_str(args);
-                text.push('\n');
-            }
-        }
+        text.push_str(&message_text(m));
+        text.push('\n');
     }
     let kept = key_lines(&text, DIGEST_CHARS);
     let body = if kept.is_empty() {

@@ -28,6 +28,19 @@ pub fn content_text(content: Option<&Value>) -> Option<String> {
     }
 }
 
+/// Everything a message says in text: its content and the arguments of its
+/// tool calls, one per line.
+pub fn message_text(m: &crate::chat::Message) -> String {
+    let mut text = content_text(m.content()).unwrap_or_default();
+    for call in m.tool_calls().into_iter().flatten() {
+        if let Some(args) = call.pointer("/function/arguments").and_then(Value::as_str) {
+            text.push('\n');
+            text.push_str(args);
+        }
+    }
+    text
+}
+
 /// The message `raw` with `key` set to the JSON string `text`; other fields
 /// keep their bytes and order.
 pub fn with_string_field(raw: &[u8], key: &str, text: &str) -> Option<Bytes> {
