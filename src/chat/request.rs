@@ -95,11 +95,6 @@ impl ChatRequest {
         self.changed = true;
     }
 
-    /// Whether serializing would produce anything but the original bytes.
-    pub fn is_changed(&self) -> bool {
-        self.changed
-    }
-
     /// The request body: the client's bytes when nothing changed; otherwise
     /// re-serialized with every untouched value and message byte-identical.
     pub fn to_bytes(&self) -> Bytes {

@@ -44,17 +44,19 @@ pub fn message_text(m: &crate::chat::Message) -> String {
 /// The message `raw` with `key` set to the JSON string `text`; other fields
 /// keep their bytes and order.
 pub fn with_string_field(raw: &[u8], key: &str, text: &str) -> Option<Bytes> {
-    let mut obj = RawObject::parse(&Bytes::copy_from_slice(raw)).ok()?;
     let mut value = Vec::with_capacity(text.len() + 2);
     write_json_string(&mut value, text);
-    obj.set(key, Bytes::from(value));
-    Some(Bytes::from(obj.to_vec()))
+    with_field(raw, key, Bytes::from(value))
 }
 
 /// The message `raw` with `key` set to the JSON value `value`.
 pub fn with_json_field(raw: &[u8], key: &str, value: &Value) -> Option<Bytes> {
+    with_field(raw, key, Bytes::from(value.to_string()))
+}
+
+fn with_field(raw: &[u8], key: &str, value: Bytes) -> Option<Bytes> {
     let mut obj = RawObject::parse(&Bytes::copy_from_slice(raw)).ok()?;
-    obj.set(key, Bytes::from(value.to_string()));
+    obj.set(key, value);
     Some(Bytes::from(obj.to_vec()))
 }
 
