@@ -29,7 +29,7 @@ use crate::config::Config;
 use crate::error::ProxyError;
 use crate::metrics::Metrics;
 use crate::pipeline;
-use crate::tokens::TokenService;
+use crate::tokens::{ModelInfo, TokenService};
 use auth::Credentials;
 use listing::ListingFetcher;
 use relay::{InflightGuard, Tap, UsageCallback};
@@ -208,16 +208,16 @@ impl Proxy {
         let mut upstream_wait = Duration::ZERO;
         let prepared = match ChatRequest::parse(&bytes) {
             Ok(chat) if !opt_out => {
-                if self.learn_windows
-                    && let Some(model) = chat.model()
-                {
+                let model = chat.model().unwrap_or_default();
+                if self.learn_windows && !model.is_empty() {
                     upstream_wait = self
                         .listing
                         .ensure(&self.upstream, &self.tokens.listings, &model, &headers)
                         .await;
                 }
+                let info = self.tokens.model_info(self.upstream.base_url(), &model);
                 if bytes.len() >= BLOCKING_PREPARE_BYTES
-                    && self.cold_bytes(&chat) >= BLOCKING_PREPARE_BYTES
+                    && self.tokens.uncached_bytes(&chat, info.encoding) >= BLOCKING_PREPARE_BYTES
                 {
                     // Counting a large history the cache has not seen takes
                     // tens of milliseconds; keep it off the async workers,
@@ -226,15 +226,15 @@ impl Proxy {
                     // of threads that all count the same messages at once
                     // (the ones that wait find them cached).
                     let permit = self.prepare_slots.clone().acquire_owned().await;
-                    let (this, body) = (self.clone(), bytes.clone());
+                    let (this, body, name) = (self.clone(), bytes.clone(), model.clone());
                     let prepared = tokio::task::spawn_blocking(move || {
                         let _permit = permit;
-                        this.prepare_or_forward(chat, &body)
+                        this.prepare_or_forward(chat, &body, name, info)
                     })
                     .await;
                     prepared.unwrap_or_else(|_| Prepared::unchanged(bytes.clone(), None))
                 } else {
-                    self.prepare_or_forward(chat, &bytes)
+                    self.prepare_or_forward(chat, &bytes, model, info)
                 }
             }
             Ok(chat) => Prepared::unchanged(bytes, chat.model()),
@@ -303,39 +303,32 @@ impl Proxy {
         Ok(response)
     }
 
-    /// Bytes of `chat`'s messages the token cache has not seen.
-    fn cold_bytes(&self, chat: &ChatRequest) -> usize {
-        let model = chat.model().unwrap_or_default();
-        let enc = self
-            .tokens
-            .model_info(self.upstream.base_url(), &model)
-            .encoding;
-        self.tokens.uncached_bytes(chat, enc)
-    }
-
     /// [`Proxy::prepare`], failing open: if anything in it panics, the
     /// client's request goes upstream exactly as it came, and the failure is
     /// counted. A bug in condense must never become the client's error.
-    fn prepare_or_forward(&self, chat: ChatRequest, body: &Bytes) -> Prepared {
-        let model = chat.model();
-        match std::panic::catch_unwind(AssertUnwindSafe(|| self.prepare(chat, body))) {
+    fn prepare_or_forward(
+        &self,
+        chat: ChatRequest,
+        body: &Bytes,
+        model: String,
+        info: ModelInfo,
+    ) -> Prepared {
+        let name = Some(model.clone()).filter(|m| !m.is_empty());
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.prepare(chat, body, model, info))) {
             Ok(prepared) => prepared,
             Err(_) => {
                 self.metrics.compaction_failures_total.inc();
                 tracing::error!("preparing a chat request failed; forwarding it unchanged");
-                Prepared::unchanged(body.clone(), model)
+                Prepared::unchanged(body.clone(), name)
             }
         }
     }
 
     /// Measures a parsed chat request, compacts it when it is under
     /// pressure, and readies it for the upstream.
-    fn prepare(&self, chat: ChatRequest, body: &Bytes) -> Prepared {
-        let upstream = self.upstream.base_url();
-        let model = chat.model().unwrap_or_default();
-        let info = self.tokens.model_info(upstream, &model);
+    fn prepare(&self, chat: ChatRequest, body: &Bytes, model: String, info: ModelInfo) -> Prepared {
         let subject = pipeline::Subject {
-            upstream,
+            upstream: self.upstream.base_url(),
             model: &model,
             info,
         };
