@@ -67,6 +67,24 @@ pub fn model_and_info(
     (model, info)
 }
 
+/// The proxy's pipeline run offline: no upstream, and always measured (no
+/// cheap path), so reports carry real counts.
+pub fn process(
+    tokens: &TokenService,
+    config: &Config,
+    model: &str,
+    info: ModelInfo,
+    req: ChatRequest,
+    body: &Bytes,
+) -> pipeline::Processed {
+    let subject = pipeline::Subject {
+        upstream: "",
+        model,
+        info,
+    };
+    pipeline::process(tokens, &config.compaction, subject, req, body, false)
+}
+
 /// Measures and compacts one request body. Returns the body to send and the
 /// report.
 pub fn compact(
@@ -77,18 +95,7 @@ pub fn compact(
     let req = ChatRequest::parse(&body)?;
     let tokens = token_service(config)?;
     let (model, info) = model_and_info(&tokens, &req, options);
-    let p = pipeline::process(
-        &tokens,
-        &config.compaction,
-        pipeline::Subject {
-            upstream: "",
-            model: &model,
-            info,
-        },
-        req,
-        &body,
-        false,
-    );
+    let p = process(&tokens, config, &model, info, req, &body);
     let stages = p
         .outcome
         .as_ref()

@@ -25,7 +25,7 @@ use crate::compaction::conversation::{Analysis, Role};
 use crate::compaction::text::message_text;
 use crate::config::Config;
 use crate::offline::{self, CompactOptions, OfflineError};
-use crate::pipeline::{self, CachedCounter};
+use crate::pipeline::CachedCounter;
 use crate::tokens::Budget;
 
 /// A fact an agent needs later: its exact text and where it first appears.
@@ -225,18 +225,7 @@ pub fn replay(
         let turn_body = req.to_bytes();
         let before = fixed + prefix.iter().map(|m| counter.message(m.raw())).sum::<u64>();
 
-        let p = pipeline::process(
-            &tokens,
-            &config.compaction,
-            pipeline::Subject {
-                upstream: "",
-                model: &model,
-                info: info.clone(),
-            },
-            req,
-            &turn_body,
-            false,
-        );
+        let p = offline::process(&tokens, config, &model, info.clone(), req, &turn_body);
         let condense = ours.turn(
             p.request.messages(),
             fixed,

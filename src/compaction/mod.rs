@@ -170,7 +170,7 @@ impl Work<'_> {
 
     fn into_messages(self) -> Vec<Message> {
         let mut out = Vec::with_capacity(self.src.len());
-        let mut digest = self.digest.map(|d| d.0);
+        let mut digest = self.digest.as_ref().map(|d| d.0.clone());
         for i in 0..self.src.len() {
             if self.dropped[i] {
                 if let Some(d) = digest.take() {
@@ -178,10 +178,7 @@ impl Work<'_> {
                 }
                 continue;
             }
-            out.push(match &self.bytes[i] {
-                Some(b) => Message::from_bytes(b.clone()),
-                None => self.src[i].clone(),
-            });
+            out.push(self.current(i));
         }
         out
     }
