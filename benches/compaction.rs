@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use condense::chat::ChatRequest;
+use condense::compaction::Replacement;
 use condense::config::Config;
 use condense::metrics::Metrics;
 use condense::pipeline::{self, Subject};
@@ -69,6 +70,7 @@ fn run(svc: &TokenService, config: &Config, body: &Bytes) -> usize {
         req,
         body,
         true,
+        &Replacement::Digest,
     );
     p.request.to_bytes().len()
 }

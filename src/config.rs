@@ -73,6 +73,8 @@ pub struct Config {
     pub log: LogConfig,
     pub tokens: TokensConfig,
     pub compaction: CompactionConfig,
+    pub summary: SummaryConfig,
+    pub state: StateConfig,
     /// Model profiles, matched by glob against the requested model.
     pub models: Vec<ModelProfile>,
 }
@@ -87,6 +89,8 @@ impl Default for Config {
             log: LogConfig::default(),
             tokens: TokensConfig::default(),
             compaction: CompactionConfig::default(),
+            summary: SummaryConfig::default(),
+            state: StateConfig::default(),
             models: default_models(),
         }
     }
@@ -158,6 +162,98 @@ impl Default for CompactionConfig {
             placeholder_chars: 300,
             fade_share: 0.05,
             fit_share: 0.30,
+        }
+    }
+}
+
+/// What makes condense summarize instead of dropping old turns.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TriggerKind {
+    /// When the request with old tool output masked is still at `value`
+    /// times its prompt budget.
+    Ratio,
+    /// When fewer than `value` tokens of the prompt budget would be left.
+    RemainingTokens,
+    /// When the request has more than `value` messages.
+    Messages,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SummaryTrigger {
+    pub kind: TriggerKind,
+    pub value: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SummaryConfig {
+    /// Replace the oldest span with a model-written checkpoint instead of
+    /// dropping it.
+    pub enabled: bool,
+    /// The summarizer's OpenAI-compatible API; by default the upstream.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub base_url: Option<String>,
+    /// The summarizer model; by default the request's own model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Key for the summarizer. Without it, the client's own credentials are
+    /// used, and only when the summarizer is the upstream's host.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<Secret>,
+    /// Most tokens a checkpoint may have.
+    pub max_tokens: u64,
+    /// Time allowed for one summarizer call.
+    pub timeout_seconds: f64,
+    /// Cooldown for a conversation after a failed summarizer call; doubles
+    /// with each consecutive failure up to `max_cooldown_seconds`.
+    pub cooldown_seconds: f64,
+    pub max_cooldown_seconds: f64,
+    pub trigger: SummaryTrigger,
+}
+
+impl Default for SummaryConfig {
+    fn default() -> Self {
+        SummaryConfig {
+            enabled: true,
+            base_url: None,
+            model: None,
+            api_key: None,
+            max_tokens: 1500,
+            timeout_seconds: 60.0,
+            cooldown_seconds: 30.0,
+            max_cooldown_seconds: 900.0,
+            trigger: SummaryTrigger {
+                kind: TriggerKind::Ratio,
+                value: 1.0,
+            },
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StateConfig {
+    /// Redis shared by condense replicas (`redis://host:6379/0`); when unset,
+    /// state is kept in process.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis_url: Option<Secret>,
+    /// How long a stored entry lives.
+    pub ttl_seconds: u64,
+    /// Bytes the in-process store may hold.
+    pub max_bytes: usize,
+    /// Time allowed for one Redis operation; a slower Redis counts as a miss.
+    pub redis_timeout_seconds: f64,
+}
+
+impl Default for StateConfig {
+    fn default() -> Self {
+        StateConfig {
+            redis_url: None,
+            ttl_seconds: 7 * 24 * 3600,
+            max_bytes: 64 * 1024 * 1024,
+            redis_timeout_seconds: 0.5,
         }
     }
 }
@@ -378,20 +474,7 @@ impl Config {
             key,
             reason: reason.to_string(),
         };
-        let url = url::Url::parse(&self.upstream.base_url)
-            .map_err(|e| invalid("upstream.base_url", &e.to_string()))?;
-        if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
-            return Err(invalid(
-                "upstream.base_url",
-                "must be an http:// or https:// URL with a host",
-            ));
-        }
-        if url.query().is_some() || url.fragment().is_some() {
-            return Err(invalid(
-                "upstream.base_url",
-                "must not carry a query string or fragment",
-            ));
-        }
+        check_http_url("upstream.base_url", &self.upstream.base_url)?;
         for (key, v) in [
             (
                 "upstream.connect_timeout_seconds",
@@ -408,6 +491,16 @@ impl Config {
             (
                 "server.shutdown_grace_seconds",
                 self.server.shutdown_grace_seconds,
+            ),
+            ("summary.timeout_seconds", self.summary.timeout_seconds),
+            ("summary.cooldown_seconds", self.summary.cooldown_seconds),
+            (
+                "summary.max_cooldown_seconds",
+                self.summary.max_cooldown_seconds,
+            ),
+            (
+                "state.redis_timeout_seconds",
+                self.state.redis_timeout_seconds,
             ),
         ] {
             if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
@@ -427,6 +520,49 @@ impl Config {
             .is_some_and(|k| k.expose().is_empty())
         {
             return Err(invalid("upstream.api_key", "must not be empty when set"));
+        }
+        if let Some(u) = &self.summary.base_url {
+            check_http_url("summary.base_url", u)?;
+        }
+        if self.summary.model.as_ref().is_some_and(String::is_empty) {
+            return Err(invalid("summary.model", "must not be empty when set"));
+        }
+        if self
+            .summary
+            .api_key
+            .as_ref()
+            .is_some_and(|k| k.expose().is_empty())
+        {
+            return Err(invalid("summary.api_key", "must not be empty when set"));
+        }
+        if !(64..=32_768).contains(&self.summary.max_tokens) {
+            return Err(invalid("summary.max_tokens", "must be in [64, 32768]"));
+        }
+        let t = self.summary.trigger;
+        let trigger_ok = t.value.is_finite()
+            && match t.kind {
+                TriggerKind::Ratio => t.value > 0.0 && t.value <= 10.0,
+                TriggerKind::RemainingTokens => t.value >= 0.0,
+                TriggerKind::Messages => t.value >= 2.0,
+            };
+        if !trigger_ok {
+            return Err(invalid(
+                "summary.trigger",
+                "value must be in (0, 10] for ratio, >= 0 for remaining_tokens, >= 2 for messages",
+            ));
+        }
+        if let Some(u) = &self.state.redis_url {
+            let ok = url::Url::parse(u.expose())
+                .is_ok_and(|u| matches!(u.scheme(), "redis" | "rediss" | "redis+unix" | "unix"));
+            if !ok {
+                return Err(invalid(
+                    "state.redis_url",
+                    "must be a redis://, rediss:// or redis+unix:// URL",
+                ));
+            }
+        }
+        if self.state.ttl_seconds == 0 {
+            return Err(invalid("state.ttl_seconds", "must be greater than 0"));
         }
         if self.default_context_window < 1024 {
             return Err(invalid("default_context_window", "must be at least 1024"));
@@ -479,6 +615,21 @@ impl Config {
     pub fn to_redacted_toml(&self) -> String {
         toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
     }
+}
+
+fn check_http_url(key: &'static str, value: &str) -> Result<(), ConfigError> {
+    let invalid = |reason: &str| ConfigError::Invalid {
+        key,
+        reason: reason.to_string(),
+    };
+    let url = url::Url::parse(value).map_err(|e| invalid(&e.to_string()))?;
+    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+        return Err(invalid("must be an http:// or https:// URL with a host"));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(invalid("must not carry a query string or fragment"));
+    }
+    Ok(())
 }
 
 fn check_thresholds(section: &'static str, trigger: f64, target: f64) -> Result<(), ConfigError> {

@@ -16,4 +16,6 @@ pub mod pipeline;
 pub mod proxy;
 pub mod replay;
 pub mod server;
+pub mod state;
+pub mod summary;
 pub mod tokens;

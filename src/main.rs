@@ -60,6 +60,12 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// Summarize old turns with this OpenAI-compatible API (its
+        /// `/chat/completions`, model from `summary.model` or the
+        /// conversation, key from `summary.api_key` or `upstream.api_key`)
+        /// instead of dropping them; the report counts the calls and tokens.
+        #[arg(long, value_name = "URL")]
+        upstream: Option<String>,
     },
 }
 
@@ -92,12 +98,14 @@ fn main() -> ExitCode {
             model,
             probes,
             json,
+            upstream,
         } => replay(
             &config,
             &file,
             CompactOptions { model, window },
             probes.as_deref(),
             json,
+            upstream,
         ),
     }
 }
@@ -121,6 +129,7 @@ fn replay(
     options: CompactOptions,
     probes: Option<&Path>,
     json: bool,
+    upstream: Option<String>,
 ) -> ExitCode {
     let body = match read_input(file) {
         Ok(b) => b,
@@ -137,7 +146,14 @@ fn replay(
             Err(code) => return code,
         },
     };
-    let report = match condense::replay::replay(config, &body.into(), &options, &probes) {
+    let body = body.into();
+    let report = match upstream {
+        None => {
+            condense::replay::replay(config, &body, &options, &probes).map_err(|e| e.to_string())
+        }
+        Some(url) => replay_summarized(config, &body, &options, &probes, &url),
+    };
+    let report = match report {
         Ok(r) => r,
         Err(e) => {
             eprintln!("condense: {e}");
@@ -154,6 +170,43 @@ fn replay(
         return ExitCode::FAILURE;
     }
     ExitCode::SUCCESS
+}
+
+/// A replay whose old turns are summarized by the API at `url`.
+fn replay_summarized(
+    config: &Config,
+    body: &bytes::Bytes,
+    options: &CompactOptions,
+    probes: &[condense::replay::Probe],
+    url: &str,
+) -> Result<condense::replay::Report, String> {
+    let mut summary = config.summary.clone();
+    summary.base_url = Some(url.to_string());
+    if summary.api_key.is_none() {
+        summary.api_key = config.upstream.api_key.clone();
+    }
+    let mut checked = config.clone();
+    checked.summary = summary.clone();
+    checked.validate().map_err(|e| e.to_string())?;
+    let store = std::sync::Arc::new(condense::state::StateStore::memory(
+        config.state.max_bytes,
+        std::time::Duration::from_secs(config.state.ttl_seconds),
+    ));
+    let summarizer = condense::summary::Summarizer::new(&summary, url, store, None)
+        .map_err(|e| e.to_string())?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    runtime
+        .block_on(condense::replay::replay_with(
+            config,
+            body,
+            options,
+            probes,
+            Some((&summarizer, url)),
+        ))
+        .map_err(|e| e.to_string())
 }
 
 fn compact(config: &Config, file: &Path, options: CompactOptions) -> ExitCode {

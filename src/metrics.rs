@@ -45,6 +45,11 @@ pub struct Metrics {
     pub tokens_saved_total: IntCounterVec,
     pub prompt_tokens_received_total: IntCounter,
     pub prompt_tokens_forwarded_total: IntCounter,
+    pub summarizer_calls_total: IntCounterVec,
+    pub summarizer_seconds: Histogram,
+    pub summary_tokens: Histogram,
+    pub summary_fallbacks_total: IntCounterVec,
+    pub state_errors_total: IntCounterVec,
     models_seen: Mutex<HashSet<String>>,
 }
 
@@ -167,6 +172,48 @@ impl Metrics {
             "condense_prompt_tokens_forwarded_total",
             "Prompt tokens (calibrated estimate) of chat requests as condense forwarded them.",
         )?;
+        let summarizer_calls_total = IntCounterVec::new(
+            Opts::new(
+                "condense_summarizer_calls_total",
+                "Checkpoints needed, by outcome: ok (written), reused (found stored or shared with a concurrent request), error (failed or unusable answer), timeout.",
+            ),
+            &["outcome"],
+        )?;
+        let summarizer_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "condense_summarizer_seconds",
+                "Duration of summarizer calls, failed ones included.",
+            )
+            .buckets(UPSTREAM_BUCKETS.to_vec()),
+        )?;
+        let summary_tokens = Histogram::with_opts(
+            HistogramOpts::new(
+                "condense_summary_tokens",
+                "Size of the checkpoints written, in tokens (the summarizer's completion tokens when reported).",
+            )
+            .buckets(vec![
+                100.0, 250.0, 500.0, 750.0, 1000.0, 1500.0, 2000.0, 4000.0, 8000.0,
+            ]),
+        )?;
+        let summary_fallbacks_total = IntCounterVec::new(
+            Opts::new(
+                "condense_summary_fallbacks_total",
+                "Requests that needed a checkpoint and dropped old turns mechanically instead, by reason (failed, cooldown).",
+            ),
+            &["reason"],
+        )?;
+        let state_errors_total = IntCounterVec::new(
+            Opts::new(
+                "condense_state_errors_total",
+                "State store (Redis) operations that failed or timed out and were treated as misses, by operation.",
+            ),
+            &["op"],
+        )?;
+        registry.register(Box::new(summarizer_calls_total.clone()))?;
+        registry.register(Box::new(summarizer_seconds.clone()))?;
+        registry.register(Box::new(summary_tokens.clone()))?;
+        registry.register(Box::new(summary_fallbacks_total.clone()))?;
+        registry.register(Box::new(state_errors_total.clone()))?;
         registry.register(Box::new(compactions_total.clone()))?;
         registry.register(Box::new(tokens_saved_total.clone()))?;
         registry.register(Box::new(prompt_tokens_received_total.clone()))?;
@@ -205,6 +252,11 @@ impl Metrics {
             tokens_saved_total,
             prompt_tokens_received_total,
             prompt_tokens_forwarded_total,
+            summarizer_calls_total,
+            summarizer_seconds,
+            summary_tokens,
+            summary_fallbacks_total,
+            state_errors_total,
             models_seen: Mutex::new(HashSet::new()),
         })
     }

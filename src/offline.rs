@@ -8,7 +8,7 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use crate::chat::{ChatRequest, ParseError};
-use crate::compaction::StageReport;
+use crate::compaction::{Replacement, StageReport};
 use crate::config::Config;
 use crate::metrics::{Metrics, MetricsError};
 use crate::pipeline;
@@ -76,13 +76,22 @@ pub fn process(
     info: ModelInfo,
     req: ChatRequest,
     body: &Bytes,
+    replacement: &Replacement,
 ) -> pipeline::Processed {
     let subject = pipeline::Subject {
         upstream: "",
         model,
         info,
     };
-    pipeline::process(tokens, &config.compaction, subject, req, body, false)
+    pipeline::process(
+        tokens,
+        &config.compaction,
+        subject,
+        req,
+        body,
+        false,
+        replacement,
+    )
 }
 
 /// Measures and compacts one request body. Returns the body to send and the
@@ -95,7 +104,15 @@ pub fn compact(
     let req = ChatRequest::parse(&body)?;
     let tokens = token_service(config)?;
     let (model, info) = model_and_info(&tokens, &req, options);
-    let p = process(&tokens, config, &model, info, req, &body);
+    let p = process(
+        &tokens,
+        config,
+        &model,
+        info,
+        req,
+        &body,
+        &Replacement::Digest,
+    );
     let stages = p
         .outcome
         .as_ref()

@@ -3,10 +3,12 @@
 //! `condense compact` and `condense replay` do exactly what the proxy does.
 
 use bytes::Bytes;
+use http::HeaderMap;
 
 use crate::chat::ChatRequest;
-use crate::compaction::{self, Counter, Limits, Outcome};
+use crate::compaction::{self, Counter, Limits, Outcome, Replacement, Span};
 use crate::config::CompactionConfig;
+use crate::summary::{Checkpoint, Failure, Need, Summarizer};
 use crate::tokens::{Assessment, Encoding, ModelInfo, TokenService};
 
 /// Message counts through the token service's cache.
@@ -40,6 +42,19 @@ pub struct Processed {
     pub tokens_after: u64,
     /// Raw count of the body as it will be sent (None on the cheap path).
     pub raw_after: Option<u64>,
+    /// Set when the plan replaces old turns with a checkpoint and none was
+    /// given: `request` is unchanged until [`finish`] gets one (or not).
+    pub pending: Option<Pending>,
+}
+
+/// A compaction waiting for a checkpoint.
+pub struct Pending {
+    pub span: Span,
+    limits: Limits,
+    settings: CompactionConfig,
+    replacement: Replacement,
+    encoding: Encoding,
+    ratio: f64,
 }
 
 impl Processed {
@@ -58,25 +73,35 @@ pub struct Subject<'a> {
 }
 
 /// Measures `req` for `subject`, and compacts it when its pressure reaches
-/// the trigger.
+/// the trigger. Old turns that must go are replaced as `replacement` says;
+/// with a checkpoint not yet written, the result is [`Processed::pending`].
 pub fn process(
     tokens: &TokenService,
     compaction_config: &CompactionConfig,
     subject: Subject<'_>,
-    mut req: ChatRequest,
+    req: ChatRequest,
     body: &Bytes,
     allow_cheap: bool,
+    replacement: &Replacement,
 ) -> Processed {
     let Subject {
         upstream,
         model,
         info,
     } = subject;
-    let assessment = tokens.assess_as(upstream, model, info.clone(), &req, body, allow_cheap);
+    let forced = replacement.forced(req.messages().len());
+    let assessment = tokens.assess_as(
+        upstream,
+        model,
+        info.clone(),
+        &req,
+        body,
+        allow_cheap && !forced,
+    );
     let Some(count) = assessment
         .count
         .as_ref()
-        .filter(|_| assessment.pressure >= info.trigger)
+        .filter(|_| assessment.pressure >= info.trigger || forced)
     else {
         return Processed {
             tokens_after: assessment.tokens,
@@ -84,6 +109,7 @@ pub fn process(
             request: req,
             assessment,
             outcome: None,
+            pending: None,
         };
     };
     let ratio = assessment.calibration_ratio.max(f64::MIN_POSITIVE);
@@ -93,19 +119,120 @@ pub fn process(
         fixed: count.total - count.per_message.iter().sum::<u64>(),
     };
     let settings = compaction_config.for_model(info.trigger, info.target);
+    let pending = Pending {
+        span: Span {
+            start: 0,
+            end: 0,
+            previous_ends: Vec::new(),
+            kept: None,
+        },
+        limits,
+        settings,
+        replacement: replacement.clone(),
+        encoding: info.encoding,
+        ratio,
+    };
+    apply(tokens, req, assessment, pending)
+}
+
+/// Finishes a [`Processed::pending`] request: old turns replaced by
+/// `checkpoint` (a checkpoint message), or, without one, dropped with a
+/// digest. A request with nothing pending is returned as it is.
+pub fn finish(tokens: &TokenService, mut p: Processed, checkpoint: Option<Bytes>) -> Processed {
+    let Some(mut pending) = p.pending.take() else {
+        return p;
+    };
+    pending.replacement = match (pending.replacement, checkpoint) {
+        (
+            Replacement::Checkpoint {
+                trigger, allowance, ..
+            },
+            Some(message),
+        ) => Replacement::Checkpoint {
+            trigger,
+            allowance,
+            message: Some(message),
+        },
+        _ => Replacement::Digest,
+    };
+    apply(tokens, p.request, p.assessment, pending)
+}
+
+fn apply(
+    tokens: &TokenService,
+    mut req: ChatRequest,
+    assessment: Assessment,
+    mut pending: Pending,
+) -> Processed {
     let counter = CachedCounter {
         tokens,
-        encoding: info.encoding,
+        encoding: pending.encoding,
     };
-    let outcome = compaction::compact(req.messages(), &limits, &settings, &counter);
+    let outcome = compaction::compact_with(
+        req.messages(),
+        &pending.limits,
+        &pending.settings,
+        &counter,
+        &pending.replacement,
+    );
     if let Some(messages) = outcome.messages.clone() {
         req.set_messages(messages);
     }
+    let ratio = pending.ratio;
+    let pending = outcome.span.clone().map(|span| {
+        pending.span = span;
+        pending
+    });
     Processed {
         tokens_after: (outcome.tokens_after as f64 * ratio).round() as u64,
         raw_after: Some(outcome.tokens_after),
         request: req,
         assessment,
         outcome: Some(outcome),
+        pending,
     }
+}
+
+/// Share of the summarizer model's window its input may fill.
+const SUMMARIZER_INPUT_SHARE: f64 = 0.7;
+
+/// Gets the checkpoint a [`Processed::pending`] request needs and finishes
+/// it; without a checkpoint (failure, cooldown) the old turns are dropped
+/// mechanically, and the request still goes out. `headers` are the ones
+/// sent upstream (the client's credentials, used only on the upstream's
+/// own host).
+pub async fn summarize(
+    tokens: &TokenService,
+    summarizer: &Summarizer,
+    upstream: &str,
+    model: &str,
+    headers: Option<&HeaderMap>,
+    p: Processed,
+) -> (Processed, Option<Result<Checkpoint, Failure>>) {
+    let Some(pending) = &p.pending else {
+        return (p, None);
+    };
+    let summary_model = summarizer.model(model);
+    let window = if summary_model == model {
+        p.assessment.budget.window
+    } else {
+        tokens.model_info(upstream, summary_model).window
+    };
+    let max_field = if p.request.field("max_completion_tokens").is_some() {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    let need = Need {
+        upstream,
+        model,
+        messages: p.request.messages(),
+        span: &pending.span,
+        client_headers: headers,
+        max_field,
+        input_tokens: (window as f64 * SUMMARIZER_INPUT_SHARE) as u64,
+    };
+    let result = summarizer.checkpoint(&need).await;
+    let message = result.as_ref().ok().map(|c| c.message.clone());
+    (finish(tokens, p, message), Some(result))
 }

@@ -20,12 +20,13 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::chat::{ChatRequest, Message, ParseError};
-use crate::compaction::Counter;
 use crate::compaction::conversation::{Analysis, Role};
 use crate::compaction::text::message_text;
+use crate::compaction::{Counter, Replacement};
 use crate::config::Config;
 use crate::offline::{self, CompactOptions, OfflineError};
-use crate::pipeline::CachedCounter;
+use crate::pipeline::{self, CachedCounter};
+use crate::summary::Summarizer;
 use crate::tokens::Budget;
 
 /// A fact an agent needs later: its exact text and where it first appears.
@@ -70,6 +71,19 @@ pub struct Totals {
     pub turns_not_fit: usize,
 }
 
+/// What the summarizer did over a replay (`--upstream`).
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct SummaryStats {
+    /// Summarizer calls made.
+    pub calls: u32,
+    /// Turns that reused a stored checkpoint.
+    pub reused: u32,
+    /// Turns that needed a checkpoint and fell back to mechanical drops.
+    pub fallbacks: u32,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     pub model: String,
@@ -79,6 +93,8 @@ pub struct Report {
     pub condense: Totals,
     pub drop_oldest: Totals,
     pub last_10_results: Totals,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub summarizer: Option<SummaryStats>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -87,6 +103,8 @@ pub enum ReplayError {
     Offline(#[from] OfflineError),
     #[error("not a chat completions request: {0}")]
     NotChat(#[from] ParseError),
+    #[error("cannot start the runtime: {0}")]
+    Runtime(std::io::Error),
 }
 
 /// One strategy's running state across turns.
@@ -180,12 +198,27 @@ fn haystack(messages: &[Message]) -> String {
 }
 
 /// Replays `body` (a chat request whose messages are the whole
-/// conversation).
+/// conversation), dropping old turns mechanically when they must go.
 pub fn replay(
     config: &Config,
     body: &Bytes,
     options: &CompactOptions,
     probes: &[Probe],
+) -> Result<Report, ReplayError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(ReplayError::Runtime)?;
+    runtime.block_on(replay_with(config, body, options, probes, None))
+}
+
+/// [`replay`], with old turns summarized by `summarizer` when given.
+pub async fn replay_with(
+    config: &Config,
+    body: &Bytes,
+    options: &CompactOptions,
+    probes: &[Probe],
+    summarizer: Option<(&Summarizer, &str)>,
 ) -> Result<Report, ReplayError> {
     let full = ChatRequest::parse(body)?;
     let tokens = offline::token_service(config)?;
@@ -214,6 +247,8 @@ pub fn replay(
     let fixed = tokens.count(&full, info.encoding).tools + crate::tokens::count::REPLY_PRIMING;
     let (mut ours, mut drop, mut sliding) = (Track::default(), Track::default(), Track::default());
     let mut turns = Vec::new();
+    let mut stats = SummaryStats::default();
+    let replacement = summarizer.map_or(Replacement::Digest, |(s, _)| s.replacement());
     for (t, &end) in ends.iter().enumerate() {
         let prefix = &all[..end];
         let probes_here: Vec<&Probe> = probes
@@ -225,7 +260,29 @@ pub fn replay(
         let turn_body = req.to_bytes();
         let before = fixed + prefix.iter().map(|m| counter.message(m.raw())).sum::<u64>();
 
-        let p = offline::process(&tokens, config, &model, info.clone(), req, &turn_body);
+        let mut p = offline::process(
+            &tokens,
+            config,
+            &model,
+            info.clone(),
+            req,
+            &turn_body,
+            &replacement,
+        );
+        if let Some((s, upstream)) = summarizer {
+            let (done, result) = pipeline::summarize(&tokens, s, upstream, &model, None, p).await;
+            p = done;
+            match result {
+                Some(Ok(c)) => {
+                    stats.calls += c.calls;
+                    stats.reused += u32::from(c.reused);
+                    stats.prompt_tokens += c.prompt_tokens;
+                    stats.completion_tokens += c.completion_tokens;
+                }
+                Some(Err(_)) => stats.fallbacks += 1,
+                None => {}
+            }
+        }
         let condense = ours.turn(
             p.request.messages(),
             fixed,
@@ -262,6 +319,7 @@ pub fn replay(
         condense: ours.finish(),
         drop_oldest: drop.finish(),
         last_10_results: sliding.finish(),
+        summarizer: summarizer.map(|_| stats),
     })
 }
 
@@ -362,6 +420,12 @@ pub fn render(r: &Report) -> String {
             t.probe_retention
                 .map_or("-".to_string(), |v| format!("{v:.3}")),
             t.turns_not_fit
+        ));
+    }
+    if let Some(st) = &r.summarizer {
+        s.push_str(&format!(
+            "\nsummarizer: {} calls ({} prompt + {} completion tokens), {} turns reused a stored checkpoint, {} fell back to drops\n",
+            st.calls, st.prompt_tokens, st.completion_tokens, st.reused, st.fallbacks
         ));
     }
     s

@@ -24,7 +24,6 @@ use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
 use crate::config::Config;
 use crate::error::openai_error_body;
 use crate::metrics::{Metrics, MetricsError, status_class};
-use crate::proxy::upstream::UpstreamError;
 use crate::proxy::{Proxy, ROUTE_CHAT, ROUTE_PASSTHROUGH};
 use crate::tokens::Encoding;
 
@@ -36,7 +35,7 @@ pub enum ServerError {
         source: std::io::Error,
     },
     #[error(transparent)]
-    Upstream(#[from] UpstreamError),
+    Setup(#[from] crate::proxy::SetupError),
     #[error(transparent)]
     Metrics(#[from] MetricsError),
     #[error("server failed: {0}")]

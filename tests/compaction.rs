@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use condense::chat::{ChatRequest, Message};
-use condense::compaction::{self, Limits, Outcome, Settings};
+use condense::compaction::{self, Limits, Outcome, Replacement, Settings};
 use condense::config::{CompactionConfig, Config};
 use condense::metrics::Metrics;
 use condense::pipeline::CachedCounter;
@@ -226,6 +226,65 @@ proptest! {
         // Idempotence: compacting the output again changes nothing.
         let again = run(&svc, &result, budget);
         prop_assert!(again.messages.is_none(), "second pass changed it: {:?} then {:?}", out.stages, again.stages);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
+
+    /// With checkpoints instead of digests: the span is whole units after
+    /// the system messages, answered calls only; the checkpointed request
+    /// keeps every protected message and every pairing, and is never larger.
+    #[test]
+    fn checkpoint_spans_keep_the_invariants(turns in prop::collection::vec(turn_strategy(), 1..14), end_with_user: bool, budget in 300.0f64..12000.0) {
+        let svc = service();
+        let input = build(&turns, end_with_user);
+        let counter = CachedCounter { tokens: &svc, encoding: Encoding::O200k };
+        let limits = Limits { budget, window: budget * 1.3, fixed: 3 };
+        let trigger = condense::config::SummaryConfig::default().trigger;
+        let pending = Replacement::Checkpoint { trigger, allowance: 60, message: None };
+        let out = compaction::compact_with(&input, &limits, &settings(), &counter, &pending);
+        let Some(span) = out.span.clone() else {
+            prop_assert!(out.messages.is_none() || !out.stages.iter().any(|s| s.stage == "prune"));
+            return Ok(());
+        };
+        prop_assert!(out.messages.is_none());
+        let a = compaction::conversation::Analysis::of(&input);
+        prop_assert_eq!(span.start, a.base);
+        prop_assert!(span.end > span.start && span.end <= input.len());
+        prop_assert!(span.previous_ends.iter().all(|&p| p < span.end));
+        for unit in &a.units {
+            let inside = unit.iter().filter(|&&i| i >= span.start && i < span.end).count();
+            prop_assert!(inside == 0 || inside == unit.len(), "span splits a unit");
+        }
+        for i in span.start..span.end {
+            prop_assert!(a.roles[i] != compaction::conversation::Role::Tool || a.consumed[i]);
+        }
+
+        let checkpoint = Bytes::from(json!({"role": "user", "content": "[condense: checkpoint.] summary"}).to_string());
+        let with = Replacement::Checkpoint { trigger, allowance: 60, message: Some(checkpoint.clone()) };
+        let done = compaction::compact_with(&input, &limits, &settings(), &counter, &with);
+        prop_assert!(done.span.is_none());
+        let result = done.messages.clone().unwrap();
+        prop_assert!(done.stages.iter().any(|s| s.stage == "summarize"));
+        prop_assert_eq!(result.iter().filter(|m| m.raw() == &checkpoint[..]).count(), 1);
+        prop_assert!(done.tokens_after <= done.tokens_before);
+        prop_assert!(well_paired(&result));
+        let emergency = done.stages.iter().any(|s| s.stage == "emergency");
+        for i in 0..input.len() {
+            let system = matches!(a.roles[i], compaction::conversation::Role::System);
+            let last_user = a.last_user == Some(i);
+            if system || (last_user && !emergency) {
+                prop_assert!(result.iter().any(|m| m.raw() == input[i].raw()), "protected message {} lost", i);
+            }
+        }
+        // Nothing of the span but the last user message is left.
+        for i in span.start..span.end {
+            let twin = (0..input.len()).any(|j| (j < span.start || j >= span.end || a.last_user == Some(j)) && input[j].raw() == input[i].raw());
+            if a.last_user != Some(i) && !twin {
+                prop_assert!(!result.iter().any(|m| m.raw() == input[i].raw()), "message {} of the span kept", i);
+            }
+        }
     }
 }
 

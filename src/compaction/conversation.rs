@@ -172,20 +172,38 @@ impl Analysis {
 }
 
 fn has_marker(m: &Message) -> bool {
-    let Some(text) = content_text(m.content()) else {
-        return false;
-    };
-    let lower = text.to_lowercase();
-    MARKERS.iter().any(|k| contains_word(&lower, k))
+    content_text(m.content()).is_some_and(|t| marker_at(&t).is_some())
 }
 
-/// `needle` in `hay` with no letter or digit directly around it.
-fn contains_word(hay: &str, needle: &str) -> bool {
-    hay.match_indices(needle).any(|(i, _)| {
-        let before = hay[..i].chars().next_back();
-        let after = hay[i + needle.len()..].chars().next();
-        !before.is_some_and(char::is_alphanumeric) && !after.is_some_and(char::is_alphanumeric)
-    })
+/// Where the first epistemic marker in `text` starts.
+fn marker_at(text: &str) -> Option<usize> {
+    let lower = text.to_ascii_lowercase();
+    MARKERS.iter().filter_map(|k| word_at(&lower, k)).min()
+}
+
+/// The sentence of a message's text in which it first revises itself, at
+/// most `max` bytes.
+pub fn marker_sentence(m: &Message, max: usize) -> Option<String> {
+    let text = content_text(m.content())?;
+    let at = marker_at(&text)?;
+    let is_end = |c: char| matches!(c, '.' | '!' | '?' | '\n');
+    let start = text[..at].rfind(is_end).map_or(0, |i| i + 1);
+    let end = text[at..].find(is_end).map_or(text.len(), |i| at + i + 1);
+    let sentence = text[start..end].trim();
+    let cut = super::text::floor_boundary(sentence, max);
+    Some(sentence[..cut].to_string())
+}
+
+/// Where `needle` first occurs in `hay` with no letter or digit directly
+/// around it.
+fn word_at(hay: &str, needle: &str) -> Option<usize> {
+    hay.match_indices(needle)
+        .find(|&(i, _)| {
+            let before = hay[..i].chars().next_back();
+            let after = hay[i + needle.len()..].chars().next();
+            !before.is_some_and(char::is_alphanumeric) && !after.is_some_and(char::is_alphanumeric)
+        })
+        .map(|(i, _)| i)
 }
 
 #[cfg(test)]

@@ -44,7 +44,7 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use crate::chat::Message;
-use crate::config::CompactionConfig;
+use crate::config::{CompactionConfig, SummaryTrigger, TriggerKind};
 use conversation::{Analysis, Role};
 use text::{MARK, content_text, head_tail, with_string_field};
 
@@ -86,6 +86,48 @@ pub struct StageReport {
     pub tokens_saved: u64,
 }
 
+/// What takes the place of old turns when they must go.
+#[derive(Debug, Clone)]
+pub enum Replacement {
+    /// A mechanical digest of the key lines they held (`prune`).
+    Digest,
+    /// A model-written checkpoint of one contiguous span (`summarize`).
+    /// While `message` is None, [`compact`] stops at the plan and reports the
+    /// span it needs a checkpoint for ([`Outcome::span`]).
+    Checkpoint {
+        trigger: SummaryTrigger,
+        /// Tokens the plan counts for the checkpoint message.
+        allowance: u64,
+        message: Option<Bytes>,
+    },
+}
+
+impl Replacement {
+    /// Whether a conversation of `messages` messages must be compacted
+    /// whatever its token pressure (a checkpoint triggered by message count).
+    pub fn forced(&self, messages: usize) -> bool {
+        match self {
+            Replacement::Checkpoint { trigger, .. } => {
+                trigger.kind == TriggerKind::Messages && messages as f64 > trigger.value
+            }
+            Replacement::Digest => false,
+        }
+    }
+}
+
+/// The span a checkpoint must cover: `messages[start..end]`, except `kept`
+/// (the last user message, which stays verbatim).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Span {
+    pub start: usize,
+    pub end: usize,
+    /// Where the span ended on the earlier turns it grew, newest first (a
+    /// checkpoint stored for one of them can be updated instead of
+    /// summarizing from scratch).
+    pub previous_ends: Vec<usize>,
+    pub kept: Option<usize>,
+}
+
 #[derive(Debug, Clone)]
 pub struct Outcome {
     /// The new message list, or None when nothing changed.
@@ -95,6 +137,9 @@ pub struct Outcome {
     pub tokens_after: u64,
     /// Whether the result is within the budget.
     pub fits: bool,
+    /// Set when a checkpoint is needed and was not given; nothing was
+    /// compacted then.
+    pub span: Option<Span>,
 }
 
 impl Outcome {
@@ -184,13 +229,25 @@ impl Work<'_> {
     }
 }
 
-/// Compacts a conversation to its budget. Pure: the same messages, limits
-/// and settings give the same result.
+/// Compacts a conversation to its budget, dropping old turns with a digest
+/// when it must. Pure: the same messages, limits and settings give the same
+/// result.
 pub fn compact(
     messages: &[Message],
     limits: &Limits,
     s: &Settings,
     counter: &dyn Counter,
+) -> Outcome {
+    compact_with(messages, limits, s, counter, &Replacement::Digest)
+}
+
+/// [`compact`], with `replacement` for dropped turns.
+pub fn compact_with(
+    messages: &[Message],
+    limits: &Limits,
+    s: &Settings,
+    counter: &dyn Counter,
+    replacement: &Replacement,
 ) -> Outcome {
     let full: Vec<u64> = messages.iter().map(|m| counter.message(m.raw())).collect();
     let before = limits.fixed + full.iter().sum::<u64>();
@@ -200,8 +257,9 @@ pub fn compact(
         tokens_before: before,
         tokens_after: before,
         fits,
+        span: None,
     };
-    if (before as f64) < s.trigger * limits.budget {
+    if (before as f64) < s.trigger * limits.budget && !replacement.forced(messages.len()) {
         return unchanged(true);
     }
     let a = Analysis::of(messages);
@@ -268,18 +326,36 @@ pub fn compact(
             target: s.target,
             recent_turns: s.recent_turns,
             recent_share: s.recent_share,
+            drops: drop_policy(replacement, limits),
         },
     );
     w.dropped = plan.dropped.clone();
 
-    // prune (as planned)
+    // prune or summarize (as planned)
     let dropped_count = w.dropped.iter().filter(|d| **d).count();
     if dropped_count > 0 {
-        let d = prune::digest(messages, &w.dropped);
+        let (d, stage) = match replacement {
+            Replacement::Digest => (prune::digest(messages, &w.dropped), "prune"),
+            Replacement::Checkpoint {
+                message: Some(m), ..
+            } => (m.clone(), "summarize"),
+            Replacement::Checkpoint { message: None, .. } => {
+                let end = plan.span_ends.last().copied().unwrap_or(a.base);
+                return Outcome {
+                    span: Some(Span {
+                        start: a.base,
+                        end,
+                        previous_ends: plan.span_ends.iter().rev().skip(1).copied().collect(),
+                        kept: a.last_user.filter(|&u| u >= a.base && u < end),
+                    }),
+                    ..unchanged(false)
+                };
+            }
+        };
         let d_cost = counter.message(&d);
         let removed: u64 = (0..n).filter(|&i| w.dropped[i]).map(|i| w.cost[i]).sum();
         w.digest = Some((d, d_cost));
-        w.record("prune", dropped_count, removed.saturating_sub(d_cost));
+        w.record(stage, dropped_count, removed.saturating_sub(d_cost));
     }
 
     // mask (below the planned frontier; markers only if still needed)
@@ -326,6 +402,29 @@ pub fn compact(
         tokens_before: before,
         tokens_after: after,
         fits,
+        span: None,
+    }
+}
+
+/// When and how the plan drops old turns under `replacement`.
+fn drop_policy(replacement: &Replacement, limits: &Limits) -> plan::DropPolicy {
+    match replacement {
+        Replacement::Digest => plan::DropPolicy::units(limits.budget),
+        Replacement::Checkpoint {
+            trigger, allowance, ..
+        } => {
+            let (over_tokens, over_messages) = match trigger.kind {
+                TriggerKind::Ratio => (trigger.value * limits.budget, None),
+                TriggerKind::RemainingTokens => ((limits.budget - trigger.value).max(0.0), None),
+                TriggerKind::Messages => (limits.budget, Some(trigger.value as usize)),
+            };
+            plan::DropPolicy {
+                kind: plan::Drops::Span,
+                over_tokens,
+                over_messages,
+                replacement_tokens: *allowance,
+            }
+        }
     }
 }
 

@@ -37,6 +37,45 @@ pub struct Plan {
     /// Messages in `[base, frontier)` are compacted (masked where maskable).
     pub frontier: usize,
     pub dropped: Vec<bool>,
+    /// With [`Drops::Span`]: where the dropped span ended after each drop
+    /// event, oldest first (the last is the current end).
+    pub span_ends: Vec<usize>,
+}
+
+/// How old turns are dropped.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Drops {
+    /// Oldest units first, those with epistemic markers last; never the task
+    /// or the last user message. A short digest takes their place.
+    Units,
+    /// One contiguous span from the first message after the leading
+    /// system/developer ones, ending between units; the last user message
+    /// stays (a checkpoint summarizing the span takes its place).
+    Span,
+}
+
+/// When the plan drops, and what it drops.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DropPolicy {
+    pub kind: Drops,
+    /// Drop when the request would have more raw tokens than this ...
+    pub over_tokens: f64,
+    /// ... or more messages than this.
+    pub over_messages: Option<usize>,
+    /// What the plan counts for the message that replaces dropped ones.
+    pub replacement_tokens: u64,
+}
+
+impl DropPolicy {
+    /// Drop units, with a digest, only when the request would not fit.
+    pub fn units(budget: f64) -> DropPolicy {
+        DropPolicy {
+            kind: Drops::Units,
+            over_tokens: budget,
+            over_messages: None,
+            replacement_tokens: DIGEST_ESTIMATE,
+        }
+    }
 }
 
 /// Token figures the plan works with, all in raw (uncalibrated) tokens.
@@ -53,6 +92,7 @@ pub struct Costs<'a> {
     pub target: f64,
     pub recent_turns: usize,
     pub recent_share: f64,
+    pub drops: DropPolicy,
 }
 
 struct Sums {
@@ -83,22 +123,35 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
     let mut frontier = a.base;
     let mut dropped = vec![false; n];
     let mut dropped_cost = 0u64;
+    let mut dropped_count = 0usize;
+    let mut span_end = a.base;
+    let mut span_ends = Vec::new();
     let mut ends: Vec<usize> = a.assistants.clone();
     ends.push(n);
+    let p = &c.drops;
     let cost = |e: usize, f: usize, dropped_cost: u64| -> f64 {
-        let digest = if dropped_cost > 0 { DIGEST_ESTIMATE } else { 0 };
-        (c.fixed + sums.masked[f] + (sums.full[e] - sums.full[f]) + digest)
+        let replacement = if dropped_cost > 0 {
+            p.replacement_tokens
+        } else {
+            0
+        };
+        (c.fixed + sums.masked[f] + (sums.full[e] - sums.full[f]) + replacement)
             .saturating_sub(dropped_cost) as f64
+    };
+    let kept = |e: usize, dropped_count: usize| e - dropped_count + usize::from(dropped_count > 0);
+    let over_messages = |e: usize, dropped_count: usize, limit: Option<usize>| {
+        limit.is_some_and(|m| kept(e, dropped_count) > m)
     };
     for &e in &ends {
         if e <= a.base || e < frontier {
             continue;
         }
-        if cost(e, frontier, dropped_cost) < c.trigger * c.budget {
+        let hot = cost(e, frontier, dropped_cost) >= c.trigger * c.budget;
+        if !hot && !over_messages(e, dropped_count, p.over_messages) {
             continue;
         }
         let limit = protect_start(a, &sums, c, e);
-        if limit > frontier {
+        if hot && limit > frontier {
             // Candidate boundaries: turn starts (assistant messages) up to
             // the recent window; the smallest that reaches the target.
             let lo = a.assistants.partition_point(|&x| x <= frontier);
@@ -111,14 +164,46 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
                 candidates.partition_point(|&f| cost(e, f, dropped_cost) > c.target * c.budget);
             frontier = candidates.get(first_ok).copied().unwrap_or(limit);
         }
-        if cost(e, frontier, dropped_cost) > c.budget {
-            for u in drop_order(a, frontier, &dropped) {
-                if cost(e, frontier, dropped_cost) <= c.target * c.budget {
-                    break;
+        // Drops go down to the target (and to half the message limit), so
+        // they are rare and large.
+        let half = p.over_messages.map(|m| m / 2);
+        let done = |dc: u64, count: usize| {
+            cost(e, frontier, dc) <= c.target * c.budget && !over_messages(e, count, half)
+        };
+        if cost(e, frontier, dropped_cost) > p.over_tokens
+            || over_messages(e, dropped_count, p.over_messages)
+        {
+            match p.kind {
+                Drops::Units => {
+                    for u in drop_order(a, frontier, &dropped) {
+                        if done(dropped_cost, dropped_count) {
+                            break;
+                        }
+                        for &i in &a.units[u] {
+                            dropped[i] = true;
+                            dropped_cost += c.masked[i];
+                            dropped_count += 1;
+                        }
+                    }
                 }
-                for &i in &a.units[u] {
-                    dropped[i] = true;
-                    dropped_cost += c.masked[i];
+                Drops::Span => {
+                    let before = span_end;
+                    for cut in span_cuts(a, span_end, frontier.max(limit)) {
+                        if done(dropped_cost, dropped_count) {
+                            break;
+                        }
+                        for i in span_end..cut {
+                            if a.last_user != Some(i) {
+                                dropped[i] = true;
+                                dropped_cost += c.masked[i];
+                                dropped_count += 1;
+                            }
+                        }
+                        span_end = cut;
+                    }
+                    if span_end > before {
+                        span_ends.push(span_end);
+                    }
                 }
             }
         }
@@ -137,7 +222,37 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
             }
         }
     }
-    Plan { frontier, dropped }
+    Plan {
+        frontier,
+        dropped,
+        span_ends,
+    }
+}
+
+/// Where a span that now ends at `from` may end next, ascending: between
+/// units (a call never apart from its results), at most at `frontier`.
+fn span_cuts(a: &Analysis, from: usize, frontier: usize) -> Vec<usize> {
+    // A cut at `c` splits a unit when the unit has members below and at or
+    // above `c`.
+    let mut split = vec![0i32; frontier + 2];
+    for unit in &a.units {
+        let (Some(&lo), Some(&hi)) = (unit.iter().min(), unit.iter().max()) else {
+            continue;
+        };
+        if lo < hi && lo < frontier {
+            split[lo + 1] += 1;
+            split[(hi + 1).min(frontier + 1)] -= 1;
+        }
+    }
+    let mut open = 0;
+    let mut cuts = Vec::new();
+    for cut in 0..=frontier {
+        open += split[cut];
+        if cut > from && open == 0 {
+            cuts.push(cut);
+        }
+    }
+    cuts
 }
 
 /// Where the protected recent window starts in the prefix ending at `e`: the

@@ -20,15 +20,19 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use http::{HeaderMap, HeaderName, HeaderValue, Request, header};
 
 use crate::chat::ChatRequest;
+use crate::compaction::Replacement;
 use crate::config::CompactionConfig;
 use crate::config::Config;
 use crate::error::ProxyError;
 use crate::metrics::Metrics;
 use crate::pipeline;
+use crate::state::{StateError, StateStore};
+use crate::summary::Summarizer;
+use crate::summary::client::CallError;
 use crate::tokens::{ModelInfo, TokenService};
 use auth::Credentials;
 use listing::ListingFetcher;
@@ -54,9 +58,22 @@ pub struct Proxy {
     /// Slots for measuring large bodies on the blocking pool, one per core.
     prepare_slots: Arc<tokio::sync::Semaphore>,
     compaction: CompactionConfig,
+    /// None when `summary.enabled` is false.
+    summarizer: Option<Summarizer>,
+    pub state: Arc<StateStore>,
     max_body_bytes: u64,
     stream_usage: bool,
     learn_windows: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error("cannot set up the summarizer: {0}")]
+    Summarizer(#[from] CallError),
 }
 
 /// Timestamps that split a request's time between condense and the upstream.
@@ -104,9 +121,23 @@ pub const X_TOKENS_AFTER: HeaderName = HeaderName::from_static("x-condense-token
 pub const X_ACTIONS: HeaderName = HeaderName::from_static("x-condense-actions");
 
 impl Proxy {
-    pub fn new(config: Arc<Config>, metrics: Arc<Metrics>) -> Result<Proxy, UpstreamError> {
+    pub fn new(config: Arc<Config>, metrics: Arc<Metrics>) -> Result<Proxy, SetupError> {
+        let upstream = Upstream::new(&config.upstream)?;
+        let state = Arc::new(StateStore::new(&config.state, Some(metrics.clone()))?);
+        let summarizer = if config.summary.enabled {
+            Some(Summarizer::new(
+                &config.summary,
+                upstream.base_url(),
+                state.clone(),
+                Some(metrics.clone()),
+            )?)
+        } else {
+            None
+        };
         Ok(Proxy {
-            upstream: Upstream::new(&config.upstream)?,
+            upstream,
+            summarizer,
+            state,
             credentials: Credentials::new(&config.auth, config.upstream.api_key.as_ref()),
             tokens: Arc::new(TokenService::new(config.clone(), &metrics)),
             metrics,
@@ -216,7 +247,7 @@ impl Proxy {
                         .await;
                 }
                 let info = self.tokens.model_info(self.upstream.base_url(), &model);
-                if bytes.len() >= BLOCKING_PREPARE_BYTES
+                let measured = if bytes.len() >= BLOCKING_PREPARE_BYTES
                     && self.tokens.uncached_bytes(&chat, info.encoding) >= BLOCKING_PREPARE_BYTES
                 {
                     // Counting a large history the cache has not seen takes
@@ -227,14 +258,18 @@ impl Proxy {
                     // (the ones that wait find them cached).
                     let permit = self.prepare_slots.clone().acquire_owned().await;
                     let (this, body, name) = (self.clone(), bytes.clone(), model.clone());
-                    let prepared = tokio::task::spawn_blocking(move || {
+                    let measured = tokio::task::spawn_blocking(move || {
                         let _permit = permit;
-                        this.prepare_or_forward(chat, &body, name, info)
+                        this.measure_or_forward(chat, &body, &name, info)
                     })
                     .await;
-                    prepared.unwrap_or_else(|_| Prepared::unchanged(bytes.clone(), None))
+                    measured.unwrap_or_else(|_| Err(Prepared::unchanged(bytes.clone(), None)))
                 } else {
-                    self.prepare_or_forward(chat, &bytes, model, info)
+                    self.measure_or_forward(chat, &bytes, &model, info)
+                };
+                match measured {
+                    Ok(p) => self.complete(p, &bytes, model, &headers).await,
+                    Err(unchanged) => unchanged,
                 }
             }
             Ok(chat) => Prepared::unchanged(bytes, chat.model()),
@@ -303,39 +338,89 @@ impl Proxy {
         Ok(response)
     }
 
-    /// [`Proxy::prepare`], failing open: if anything in it panics, the
-    /// client's request goes upstream exactly as it came, and the failure is
-    /// counted. A bug in condense must never become the client's error.
-    fn prepare_or_forward(
+    /// Measures a parsed chat request and compacts it when it is under
+    /// pressure (a checkpoint it needs is left pending). Fails open: if
+    /// anything in it panics, the client's request goes upstream exactly as
+    /// it came, and the failure is counted. A bug in condense must never
+    /// become the client's error.
+    fn measure_or_forward(
         &self,
         chat: ChatRequest,
         body: &Bytes,
-        model: String,
+        model: &str,
         info: ModelInfo,
+    ) -> Result<pipeline::Processed, Prepared> {
+        let replacement = self
+            .summarizer
+            .as_ref()
+            .map_or(Replacement::Digest, Summarizer::replacement);
+        let subject = pipeline::Subject {
+            upstream: self.upstream.base_url(),
+            model,
+            info,
+        };
+        std::panic::catch_unwind(AssertUnwindSafe(|| {
+            pipeline::process(
+                &self.tokens,
+                &self.compaction,
+                subject,
+                chat,
+                body,
+                true,
+                &replacement,
+            )
+        }))
+        .map_err(|_| self.forward_unchanged(body, model))
+    }
+
+    /// Counts a failure inside condense; the request goes out as it came.
+    fn forward_unchanged(&self, body: &Bytes, model: &str) -> Prepared {
+        self.metrics.compaction_failures_total.inc();
+        tracing::error!("preparing a chat request failed; forwarding it unchanged");
+        Prepared::unchanged(
+            body.clone(),
+            Some(model.to_string()).filter(|m| !m.is_empty()),
+        )
+    }
+
+    /// Gets a pending checkpoint, then readies the request for the upstream.
+    /// Fails open like [`Proxy::measure_or_forward`].
+    async fn complete(
+        &self,
+        p: pipeline::Processed,
+        body: &Bytes,
+        model: String,
+        headers: &HeaderMap,
     ) -> Prepared {
-        let name = Some(model.clone()).filter(|m| !m.is_empty());
-        match std::panic::catch_unwind(AssertUnwindSafe(|| self.prepare(chat, body, model, info))) {
-            Ok(prepared) => prepared,
-            Err(_) => {
-                self.metrics.compaction_failures_total.inc();
-                tracing::error!("preparing a chat request failed; forwarding it unchanged");
-                Prepared::unchanged(body.clone(), name)
+        let p = match (&p.pending, &self.summarizer) {
+            (None, _) => p,
+            (Some(_), None) => pipeline::finish(&self.tokens, p, None),
+            (Some(_), Some(summarizer)) => {
+                let work = pipeline::summarize(
+                    &self.tokens,
+                    summarizer,
+                    self.upstream.base_url(),
+                    &model,
+                    Some(headers),
+                    p,
+                );
+                match AssertUnwindSafe(work).catch_unwind().await {
+                    Ok((p, _)) => p,
+                    Err(_) => return self.forward_unchanged(body, &model),
+                }
             }
+        };
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.ready(p, &model))) {
+            Ok(prepared) => prepared,
+            Err(_) => self.forward_unchanged(body, &model),
         }
     }
 
-    /// Measures a parsed chat request, compacts it when it is under
-    /// pressure, and readies it for the upstream.
-    fn prepare(&self, chat: ChatRequest, body: &Bytes, model: String, info: ModelInfo) -> Prepared {
-        let subject = pipeline::Subject {
-            upstream: self.upstream.base_url(),
-            model: &model,
-            info,
-        };
-        let p = pipeline::process(&self.tokens, &self.compaction, subject, chat, body, true);
+    /// Counts what compaction did and readies the request for the upstream.
+    fn ready(&self, p: pipeline::Processed, model: &str) -> Prepared {
         let m = &self.metrics;
         m.pressure_ratio.observe(p.assessment.pressure);
-        let label = m.model_label(&model);
+        let label = m.model_label(model);
         m.context_window_tokens
             .with_label_values(&[&label])
             .set(i64::try_from(p.assessment.budget.window).unwrap_or(i64::MAX));
@@ -374,7 +459,7 @@ impl Proxy {
         }
         Prepared {
             body: chat.to_bytes(),
-            model: Some(model).filter(|m| !m.is_empty()),
+            model: Some(model.to_string()).filter(|m| !m.is_empty()),
             strip_usage,
             report: Some(report),
         }

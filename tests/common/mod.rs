@@ -14,6 +14,11 @@
 //!   `prompt_tokens` is condense's own uncached count of the body received
 //!   times `x-mock-token-factor` (a provider whose tokenizer counts
 //!   differently), or the body's length / 4 when no factor is given.
+//!   A chat request whose first message holds `<conversation>` is a
+//!   summarizer call: it is answered per `MockState::summary_mode` ("ok": a
+//!   checkpoint with every section, naming the call's number as
+//!   `checkpoint-N`; "error": a 500; "hang": never; "unusable": an answer
+//!   without the sections), after `summary_delay_ms`.
 //!   `/v1/models` lists `gpt-4o` (no window, like OpenAI) and `vllm-small`
 //!   with `max_model_len` 16384 (like vLLM). Any other path echoes the
 //!   request back as JSON.
@@ -55,6 +60,10 @@ pub struct MockState {
     pub stream_finished: AtomicBool,
     /// Streams whose body was dropped before the end (client went away).
     pub streams_dropped: AtomicUsize,
+    /// How summarizer calls are answered (see the module docs); "ok" when
+    /// unset.
+    pub summary_mode: Mutex<Option<&'static str>>,
+    pub summary_delay_ms: std::sync::atomic::AtomicU64,
 }
 
 pub struct MockUpstream {
@@ -85,6 +94,26 @@ impl MockUpstream {
 
     pub fn last(&self) -> Recorded {
         self.requests().pop().expect("the mock saw no request")
+    }
+
+    /// Summarizer calls seen, in order.
+    pub fn summary_calls(&self) -> Vec<Recorded> {
+        self.requests()
+            .into_iter()
+            .filter(|r| is_summary_call(&r.body))
+            .collect()
+    }
+
+    /// Chat requests that were not summarizer calls, in order.
+    pub fn chat_requests(&self) -> Vec<Recorded> {
+        self.requests()
+            .into_iter()
+            .filter(|r| r.path.ends_with("/chat/completions") && !is_summary_call(&r.body))
+            .collect()
+    }
+
+    pub fn set_summary_mode(&self, mode: &'static str) {
+        *self.state.summary_mode.lock().unwrap() = Some(mode);
     }
 }
 
@@ -132,6 +161,9 @@ async fn handle(State(state): State<Arc<MockState>>, req: Request) -> Response {
         return resp;
     }
     if parts.uri.path() == "/v1/chat/completions" && parts.method == "POST" {
+        if is_summary_call(&body) {
+            return summary(state).await;
+        }
         return chat(state, h, &body);
     }
     if parts.uri.path() == "/v1/models" {
@@ -151,6 +183,43 @@ async fn handle(State(state): State<Arc<MockState>>, req: Request) -> Response {
     resp.headers_mut()
         .insert("x-mock-echo", "yes".parse().unwrap());
     resp
+}
+
+pub fn is_summary_call(body: &[u8]) -> bool {
+    let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    v["messages"][0]["content"]
+        .as_str()
+        .is_some_and(|c| c.contains("<conversation>"))
+}
+
+async fn summary(state: Arc<MockState>) -> Response {
+    let n = state
+        .requests
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|r| is_summary_call(&r.body))
+        .count()
+        - 1;
+    let delay = state.summary_delay_ms.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(delay)).await;
+    let mode = state.summary_mode.lock().unwrap().unwrap_or("ok");
+    let content = match mode {
+        "error" => {
+            return (StatusCode::INTERNAL_SERVER_ERROR, "summarizer down").into_response();
+        }
+        "hang" => std::future::pending::<String>().await,
+        "unusable" => "Sure! The agent worked on some files.".to_string(),
+        _ => format!(
+            "## Task intent\nFix the failing test.\n## Files and artifacts\nsrc/parser.rs\n## Decisions\nnone\n## Errors and blockers\nerror[E0308]\n## Current state\nreading files\n## Next steps\nfix it\n## Critical identifiers\ncheckpoint-{n}\n"
+        ),
+    };
+    json_response(json!({
+        "id": "chatcmpl-sum", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1000, "completion_tokens": 60, "total_tokens": 1060},
+    }))
+    .into_response()
 }
 
 fn chat(state: Arc<MockState>, h: &HeaderMap, body: &Bytes) -> Response {

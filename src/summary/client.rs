@@ -1,0 +1,200 @@
+//! The summarizer call: one non-streamed chat completion on an
+//! OpenAI-compatible API, and what may authenticate it.
+
+use std::time::Duration;
+
+use http::{HeaderMap, HeaderName, HeaderValue, header};
+use serde_json::{Value, json};
+
+use crate::config::Secret;
+
+/// Headers that carry a client's credentials; they go to the summarizer only
+/// when it is the upstream's own host.
+const CREDENTIAL_HEADERS: &[&str] = &[
+    "authorization",
+    "api-key",
+    "openai-organization",
+    "openai-project",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("summarizer unreachable: {0}")]
+    Transport(String),
+    #[error("summarizer answered {status}: {body}")]
+    Status { status: u16, body: String },
+    #[error("summarizer answer is not a chat completion: {0}")]
+    Shape(String),
+}
+
+/// A summarizer's answer.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub content: String,
+    pub finish_reason: Option<String>,
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+}
+
+pub struct Client {
+    http: reqwest::Client,
+    url: String,
+    /// scheme://host:port of the summarizer.
+    origin: String,
+    api_key: Option<HeaderValue>,
+}
+
+impl Client {
+    pub fn new(base_url: &str, api_key: Option<&Secret>) -> Result<Client, CallError> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| CallError::Transport(e.to_string()))?;
+        let api_key = api_key
+            .and_then(|k| HeaderValue::from_str(&format!("Bearer {}", k.expose())).ok())
+            .map(|mut v| {
+                v.set_sensitive(true);
+                v
+            });
+        Ok(Client {
+            http,
+            url: format!("{}/chat/completions", base_url.trim_end_matches('/')),
+            origin: origin(base_url).unwrap_or_default(),
+            api_key,
+        })
+    }
+
+    /// Whether `base_url` is on the summarizer's host (same scheme, host and
+    /// port).
+    pub fn same_origin(&self, base_url: &str) -> bool {
+        origin(base_url).is_some_and(|o| o == self.origin)
+    }
+
+    /// The headers a call sends: the configured key, or else the client's
+    /// credentials from `client_headers` (the headers condense sends the
+    /// upstream) when they may go here.
+    pub fn headers(&self, client_headers: Option<&HeaderMap>, may_use_client: bool) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Some(key) = &self.api_key {
+            h.insert(header::AUTHORIZATION, key.clone());
+        } else if may_use_client && let Some(client) = client_headers {
+            for name in CREDENTIAL_HEADERS {
+                let name = HeaderName::from_static(name);
+                if let Some(v) = client.get(&name) {
+                    let mut v = v.clone();
+                    v.set_sensitive(true);
+                    h.insert(name, v);
+                }
+            }
+        }
+        h
+    }
+
+    /// Asks `model` for at most `max_tokens` tokens in answer to `prompt`.
+    /// `max_field` is `max_tokens` or `max_completion_tokens`.
+    pub async fn call(
+        &self,
+        headers: HeaderMap,
+        model: &str,
+        prompt: &str,
+        max_tokens: u64,
+        max_field: &str,
+    ) -> Result<Answer, CallError> {
+        let mut body = json!({
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "stream": false,
+        });
+        body[max_field] = json!(max_tokens);
+        let resp = self
+            .http
+            .post(&self.url)
+            .headers(headers)
+            .body(body.to_string())
+            .send()
+            .await
+            .map_err(|e| CallError::Transport(e.without_url().to_string()))?;
+        let status = resp.status();
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|e| CallError::Transport(e.without_url().to_string()))?;
+        if !status.is_success() {
+            let body = String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).to_string();
+            return Err(CallError::Status {
+                status: status.as_u16(),
+                body,
+            });
+        }
+        let v: Value =
+            serde_json::from_slice(&bytes).map_err(|e| CallError::Shape(e.to_string()))?;
+        let choice = v
+            .pointer("/choices/0")
+            .ok_or_else(|| CallError::Shape("no choices".to_string()))?;
+        let content = choice
+            .pointer("/message/content")
+            .and_then(Value::as_str)
+            .ok_or_else(|| CallError::Shape("no message content".to_string()))?
+            .to_string();
+        Ok(Answer {
+            content,
+            finish_reason: choice
+                .get("finish_reason")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            prompt_tokens: v.pointer("/usage/prompt_tokens").and_then(Value::as_u64),
+            completion_tokens: v
+                .pointer("/usage/completion_tokens")
+                .and_then(Value::as_u64),
+        })
+    }
+}
+
+/// `scheme://host:port` of a URL, with the scheme's default port filled in.
+fn origin(base_url: &str) -> Option<String> {
+    let u = url::Url::parse(base_url).ok()?;
+    Some(format!(
+        "{}://{}:{}",
+        u.scheme(),
+        u.host_str()?.to_ascii_lowercase(),
+        u.port_or_known_default()?
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_credentials_go_only_to_the_upstreams_own_host() {
+        let c = Client::new("https://api.openai.com/v1", None).unwrap();
+        assert!(c.same_origin("https://API.openai.com:443/v1/"));
+        assert!(!c.same_origin("http://api.openai.com/v1"));
+        assert!(!c.same_origin("https://api.openai.com.evil.example/v1"));
+        let mut client = HeaderMap::new();
+        client.insert(
+            "authorization",
+            HeaderValue::from_static("Bearer sk-client"),
+        );
+        client.insert("x-other", HeaderValue::from_static("1"));
+        let h = c.headers(Some(&client), true);
+        assert_eq!(h["authorization"], "Bearer sk-client");
+        assert!(h.get("x-other").is_none());
+        assert!(
+            c.headers(Some(&client), false)
+                .get("authorization")
+                .is_none()
+        );
+
+        let keyed = Client::new("http://127.0.0.1:1/v1", Some(&Secret::new("sk-sum"))).unwrap();
+        assert_eq!(
+            keyed.headers(Some(&client), true)["authorization"],
+            "Bearer sk-sum"
+        );
+    }
+}

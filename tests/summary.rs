@@ -1,0 +1,540 @@
+//! Summarization through the proxy, against the mock upstream as the
+//! summarizer: where the checkpoint goes, reuse, incremental updates, single
+//! flight, and failures that fall back and back off.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+
+use common::Harness;
+use condense::config::{Config, ModelProfile, SummaryTrigger, TriggerKind};
+use serde_json::{Value, json};
+
+fn small_window(c: &mut Config) {
+    c.models.push(ModelProfile {
+        pattern: "agent-*".to_string(),
+        context_window: 8192,
+        encoding: None,
+        trigger: None,
+        target: None,
+    });
+}
+
+/// Summarize once a request has more than `n` messages, with a summarizer
+/// model that reads the whole span at once.
+fn by_messages(n: f64) -> impl FnOnce(&mut Config) {
+    move |c| {
+        small_window(c);
+        c.summary.model = Some("gpt-4o".to_string());
+        c.summary.trigger = SummaryTrigger {
+            kind: TriggerKind::Messages,
+            value: n,
+        };
+    }
+}
+
+/// A coding-agent session of `turns` tool calls. With `think` words of
+/// reasoning per assistant message, masking tool output cannot save it.
+fn session(turns: usize, think: usize) -> Value {
+    session_with(turns, think, 30)
+}
+
+/// A session whose tool results have `lines` lines.
+fn session_with(turns: usize, think: usize, lines: usize) -> Value {
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a coding agent."}),
+        json!({"role": "user", "content": "Fix the failing test in src/parser.rs"}),
+    ];
+    for t in 0..turns {
+        let id = format!("call_{t}");
+        let thought: String = (0..think).map(|w| format!("idea{t}x{w} ")).collect();
+        messages.push(json!({"role": "assistant", "content": format!("Step {t}. {thought}"), "tool_calls": [{"id": id, "type": "function", "function": {"name": "run", "arguments": format!("{{\"cmd\":\"cat src/m{t}.rs\"}}")}}]}));
+        let body: String = (0..lines)
+            .map(|l| format!("{l:>4} let v{t}_{l} = parse(&input[{l}..]);\n"))
+            .collect();
+        messages.push(json!({"role": "tool", "tool_call_id": id, "content": format!("{body}error[E0308]: mismatched types in src/m{t}.rs\n")}));
+    }
+    json!({"model": "agent-small", "messages": messages, "max_tokens": 256})
+}
+
+async fn send(h: &Harness, body: &Value) -> reqwest::Response {
+    h.client
+        .post(h.url("/v1/chat/completions"))
+        .header("authorization", "Bearer sk-client-key")
+        .header("x-mock-token-factor", "1.0")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap()
+}
+
+fn actions(resp: &reqwest::Response) -> String {
+    resp.headers()["x-condense-actions"]
+        .to_str()
+        .unwrap()
+        .to_string()
+}
+
+fn text(m: &Value) -> String {
+    m["content"].as_str().unwrap_or_default().to_string()
+}
+
+fn is_checkpoint(m: &Value) -> bool {
+    m["role"] == "user" && text(m).starts_with("[condense: checkpoint")
+}
+
+/// Every tool result follows the assistant message that called it.
+fn assert_valid(messages: &[Value]) {
+    let mut open: HashSet<String> = HashSet::new();
+    for m in messages {
+        match m["role"].as_str().unwrap() {
+            "assistant" => {
+                open.clear();
+                for c in m["tool_calls"].as_array().into_iter().flatten() {
+                    open.insert(c["id"].as_str().unwrap().to_string());
+                }
+            }
+            "tool" => assert!(
+                open.contains(m["tool_call_id"].as_str().unwrap()),
+                "orphan tool result {m}"
+            ),
+            _ => {}
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_checkpoint_replaces_the_oldest_span_after_the_system_message() {
+    let h = Harness::with(small_window).await;
+    let body = session(14, 120);
+    let resp = send(&h, &body).await;
+    assert_eq!(resp.status(), 200);
+    assert!(actions(&resp).contains("summarize"), "{}", actions(&resp));
+    let _ = resp.text().await.unwrap();
+
+    // The span is larger than an 8k model reads at once: it is summarized
+    // in chunks, each call updating the previous result, every message sent
+    // once.
+    let calls = h.mock.summary_calls();
+    assert!(calls.len() >= 2, "{}", calls.len());
+    let asks: Vec<String> = calls
+        .iter()
+        .map(|c| {
+            c.json()["messages"][0]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    for (i, (call, ask)) in calls.iter().zip(&asks).enumerate() {
+        let v = call.json();
+        assert_eq!(v["model"], "agent-small");
+        assert_eq!(v["max_tokens"], 1500);
+        assert!(ask.contains("## Critical identifiers"));
+        assert_eq!(ask.contains("<checkpoint>"), i > 0, "{ask}");
+        if i > 0 {
+            assert!(ask.contains(&format!("checkpoint-{}", i - 1)));
+        }
+        // Same host as the upstream: the client's own key.
+        assert_eq!(call.headers["authorization"], "Bearer sk-client-key");
+    }
+    let last = calls.len() - 1;
+    for t in 0..8 {
+        let word = format!(" idea{t}x0 ");
+        assert_eq!(
+            asks.iter().filter(|a| a.contains(&word)).count(),
+            1,
+            "turn {t}"
+        );
+    }
+
+    let sent = h.mock.chat_requests().pop().unwrap().json();
+    let msgs = sent["messages"].as_array().unwrap();
+    assert_eq!(
+        msgs[0], body["messages"][0],
+        "system message first, verbatim"
+    );
+    // The task is the last user message: it stays verbatim, right before
+    // the checkpoint that replaced the turns after it.
+    assert_eq!(msgs[1], body["messages"][1]);
+    assert!(is_checkpoint(&msgs[2]), "{}", msgs[2]);
+    assert!(text(&msgs[2]).contains(&format!("checkpoint-{last}")));
+    assert_eq!(msgs.iter().filter(|m| is_checkpoint(m)).count(), 1);
+    assert_eq!(msgs.last(), body["messages"].as_array().unwrap().last());
+    assert!(msgs.len() < body["messages"].as_array().unwrap().len());
+    assert_valid(msgs);
+
+    assert_eq!(
+        h.metric("condense_summarizer_calls_total{outcome=\"ok\"}")
+            .await,
+        Some(calls.len() as f64)
+    );
+    assert_eq!(
+        h.metric("condense_compactions_total{stage=\"summarize\"}")
+            .await,
+        Some(1.0)
+    );
+    assert_eq!(
+        h.metric("condense_summary_tokens_count").await,
+        Some(calls.len() as f64)
+    );
+}
+
+#[tokio::test]
+async fn later_turns_reuse_the_checkpoint_and_a_longer_span_is_updated_incrementally() {
+    let h = Harness::with(by_messages(20.0)).await;
+    let first = session_with(12, 5, 8);
+    assert!(actions(&send(&h, &first).await).contains("summarize"));
+    assert_eq!(h.mock.summary_calls().len(), 1);
+    let sent1 = h.mock.chat_requests().pop().unwrap().json();
+
+    // The next turn: same span, stored checkpoint, no call, same prefix.
+    let second = session_with(13, 5, 8);
+    assert!(actions(&send(&h, &second).await).contains("summarize"));
+    assert_eq!(h.mock.summary_calls().len(), 1, "reused, not re-summarized");
+    let sent2 = h.mock.chat_requests().pop().unwrap().json();
+    let (m1, m2) = (
+        sent1["messages"].as_array().unwrap(),
+        sent2["messages"].as_array().unwrap(),
+    );
+    assert_eq!(m2[..m1.len()], m1[..], "the compacted prefix is unchanged");
+    assert_eq!(
+        h.metric("condense_summarizer_calls_total{outcome=\"reused\"}")
+            .await,
+        Some(1.0)
+    );
+
+    // Much later: the span grows; the old checkpoint and only the new
+    // messages go to the summarizer.
+    let later = session_with(24, 5, 8);
+    assert!(actions(&send(&h, &later).await).contains("summarize"));
+    let calls = h.mock.summary_calls();
+    assert_eq!(calls.len(), 2);
+    let ask = calls[1].json()["messages"][0]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        ask.contains("<checkpoint>") && ask.contains("checkpoint-0"),
+        "{ask}"
+    );
+    assert!(
+        !ask.contains("cat src/m0.rs"),
+        "old messages are not sent again"
+    );
+    assert!(ask.contains("cat src/m9.rs"), "{ask}");
+    let sent3 = h.mock.chat_requests().pop().unwrap().json();
+    let m3 = sent3["messages"].as_array().unwrap();
+    assert!(m3.iter().any(|m| text(m).contains("checkpoint-1")));
+    assert!(m3.len() <= 20, "{}", m3.len());
+    assert_valid(m3);
+}
+
+#[tokio::test]
+async fn concurrent_requests_for_the_same_prefix_share_one_call() {
+    let h = Harness::with(by_messages(20.0)).await;
+    h.mock.state.summary_delay_ms.store(300, Ordering::SeqCst);
+    let body = session(12, 5);
+    let sends = (0..5).map(|_| send(&h, &body));
+    for resp in futures_util::future::join_all(sends).await {
+        assert_eq!(resp.status(), 200);
+        assert!(actions(&resp).contains("summarize"));
+    }
+    assert_eq!(h.mock.summary_calls().len(), 1);
+    assert_eq!(
+        h.metric("condense_summarizer_calls_total{outcome=\"ok\"}")
+            .await,
+        Some(1.0)
+    );
+    assert_eq!(
+        h.metric("condense_summarizer_calls_total{outcome=\"reused\"}")
+            .await,
+        Some(4.0)
+    );
+}
+
+/// A failing summarizer: the request still succeeds, pruned; the
+/// conversation then cools down instead of calling again every turn.
+async fn falls_back(mode: &'static str, timeout: f64, outcome: &str) {
+    let h = Harness::with(|c| {
+        small_window(c);
+        c.summary.timeout_seconds = timeout;
+    })
+    .await;
+    h.mock.set_summary_mode(mode);
+    let body = session(14, 120);
+    let resp = send(&h, &body).await;
+    assert_eq!(resp.status(), 200);
+    let acts = actions(&resp);
+    assert!(
+        acts.contains("prune") && !acts.contains("summarize"),
+        "{acts}"
+    );
+    let answer: Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+    assert_eq!(answer["object"], "chat.completion");
+    let sent = h.mock.chat_requests().pop().unwrap().json();
+    assert!(
+        !sent["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(is_checkpoint)
+    );
+    assert_valid(sent["messages"].as_array().unwrap());
+    assert_eq!(h.mock.summary_calls().len(), 1);
+    assert_eq!(
+        h.metric(&format!(
+            "condense_summarizer_calls_total{{outcome=\"{outcome}\"}}"
+        ))
+        .await,
+        Some(1.0)
+    );
+
+    // Backed off: the next turn does not call the summarizer.
+    let resp = send(&h, &session(15, 120)).await;
+    assert_eq!(resp.status(), 200);
+    assert!(actions(&resp).contains("prune"), "{}", actions(&resp));
+    assert_eq!(h.mock.summary_calls().len(), 1);
+    assert_eq!(
+        h.metric("condense_summary_fallbacks_total{reason=\"cooldown\"}")
+            .await,
+        Some(1.0)
+    );
+    assert_eq!(
+        h.metric("condense_summary_fallbacks_total{reason=\"failed\"}")
+            .await,
+        Some(1.0)
+    );
+}
+
+#[tokio::test]
+async fn a_failing_summarizer_falls_back_to_prune_and_backs_off() {
+    falls_back("error", 60.0, "error").await;
+}
+
+#[tokio::test]
+async fn an_unusable_answer_counts_as_a_failure() {
+    falls_back("unusable", 60.0, "error").await;
+}
+
+#[tokio::test]
+async fn a_hanging_summarizer_times_out_and_falls_back() {
+    falls_back("hang", 0.3, "timeout").await;
+}
+
+#[tokio::test]
+async fn without_a_checkpoint_a_request_under_budget_goes_out_unchanged() {
+    // The message-count trigger asks for a summary of a request that fits;
+    // when the summarizer fails, nothing is dropped mechanically.
+    let h = Harness::with(by_messages(20.0)).await;
+    h.mock.set_summary_mode("error");
+    let body = session(12, 5);
+    let resp = send(&h, &body).await;
+    assert_eq!(actions(&resp), "none");
+    let _ = resp.text().await.unwrap();
+    assert_eq!(h.mock.chat_requests().pop().unwrap().json(), body);
+}
+
+#[tokio::test]
+async fn the_cooldown_ends_and_a_success_resets_it() {
+    let h = Harness::with(|c| {
+        by_messages(20.0)(c);
+        c.summary.cooldown_seconds = 0.2;
+    })
+    .await;
+    h.mock.set_summary_mode("error");
+    assert!(!actions(&send(&h, &session(12, 5)).await).contains("summarize"));
+    assert!(!actions(&send(&h, &session(12, 5)).await).contains("summarize"));
+    assert_eq!(h.mock.summary_calls().len(), 1, "cooling down");
+    h.mock.set_summary_mode("ok");
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(actions(&send(&h, &session(12, 5)).await).contains("summarize"));
+    assert_eq!(h.mock.summary_calls().len(), 2);
+}
+
+#[tokio::test]
+async fn a_summarizer_on_another_host_never_gets_the_clients_key() {
+    let other = common::MockUpstream::start().await;
+    let url = other.base_url().replace("127.0.0.1", "localhost");
+    let h = Harness::with(|c| {
+        by_messages(20.0)(c);
+        c.summary.base_url = Some(url);
+        c.summary.model = Some("summarizer-mini".to_string());
+        c.models.push(ModelProfile {
+            pattern: "summarizer-*".to_string(),
+            context_window: 128_000,
+            encoding: None,
+            trigger: None,
+            target: None,
+        });
+    })
+    .await;
+    let resp = send(&h, &session(12, 5)).await;
+    assert!(actions(&resp).contains("summarize"));
+    assert!(h.mock.summary_calls().is_empty());
+    let calls = other.summary_calls();
+    assert_eq!(calls.len(), 1);
+    assert!(calls[0].headers.get("authorization").is_none());
+    assert_eq!(calls[0].json()["model"], "summarizer-mini");
+    // The upstream still got the client's key.
+    assert_eq!(
+        h.mock.chat_requests()[0].headers["authorization"],
+        "Bearer sk-client-key"
+    );
+}
+
+#[tokio::test]
+async fn summary_disabled_means_mechanical_drops_and_no_calls() {
+    let h = Harness::with(|c| {
+        small_window(c);
+        c.summary.enabled = false;
+    })
+    .await;
+    let resp = send(&h, &session(14, 120)).await;
+    assert_eq!(resp.status(), 200);
+    assert!(actions(&resp).contains("prune"), "{}", actions(&resp));
+    assert!(h.mock.summary_calls().is_empty());
+}
+
+/// A throwaway redis-server on a free port, killed on drop. None when
+/// redis-server is not installed (CI installs it and sets
+/// CONDENSE_REQUIRE_REDIS=1, which makes its absence a failure).
+struct Redis {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Redis {
+    fn start() -> Option<Redis> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .spawn();
+        match child {
+            Ok(child) => {
+                for _ in 0..100 {
+                    if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                        return Some(Redis { child, port });
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                panic!("redis-server did not start");
+            }
+            Err(e) => {
+                assert!(
+                    std::env::var_os("CONDENSE_REQUIRE_REDIS").is_none(),
+                    "redis-server is required here: {e}"
+                );
+                eprintln!("skipping: redis-server not installed ({e})");
+                None
+            }
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test]
+async fn replicas_sharing_a_redis_share_checkpoints() {
+    let Some(redis) = Redis::start() else {
+        return;
+    };
+    let url = redis.url();
+    let setup = |c: &mut Config| {
+        by_messages(20.0)(c);
+        c.state.redis_url = Some(condense::config::Secret::new(&url));
+    };
+    let a = Harness::with(setup).await;
+    let mut config = Config::default();
+    setup(&mut config);
+    config.server.listen = "127.0.0.1:0".parse().unwrap();
+    config.upstream.base_url = a.mock.base_url();
+    let b = condense::server::Server::start(&config).await.unwrap();
+
+    let body = session_with(12, 5, 8);
+    assert!(actions(&send(&a, &body).await).contains("summarize"));
+    assert_eq!(a.mock.summary_calls().len(), 1);
+    let via_b = a
+        .client
+        .post(format!("http://{}/v1/chat/completions", b.local_addr()))
+        .header("x-mock-token-factor", "1.0")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert!(actions(&via_b).contains("summarize"));
+    let _ = via_b.text().await.unwrap();
+    assert_eq!(
+        a.mock.summary_calls().len(),
+        1,
+        "replica b reused a's checkpoint"
+    );
+    let sent = a.mock.chat_requests();
+    assert_eq!(
+        sent[0].body, sent[1].body,
+        "both replicas sent the same request"
+    );
+    b.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_redis_that_goes_away_is_a_miss_and_comes_back() {
+    let Some(mut redis) = Redis::start() else {
+        return;
+    };
+    let port = redis.port;
+    let h = Harness::with(|c| {
+        by_messages(20.0)(c);
+        c.state.redis_url = Some(condense::config::Secret::new(redis.url()));
+        c.summary.cooldown_seconds = 0.01;
+    })
+    .await;
+    let _ = redis.child.kill();
+    let _ = redis.child.wait();
+
+    // Redis gone: the checkpoint is written (not stored), the request works.
+    let resp = send(&h, &session_with(12, 5, 8)).await;
+    assert_eq!(resp.status(), 200);
+    assert!(actions(&resp).contains("summarize"));
+    let _ = resp.text().await.unwrap();
+    let errors = h.metric("condense_state_errors_total{op=\"get\"}").await;
+    assert!(errors.unwrap_or(0.0) >= 1.0, "{}", h.metrics().await);
+
+    // Redis back on the same port: checkpoints are stored and reused again.
+    let back = std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    redis.child = back;
+    let mut reused = false;
+    for _ in 0..50 {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let calls = h.mock.summary_calls().len();
+        let _ = send(&h, &session_with(12, 5, 8)).await.text().await;
+        if h.mock.summary_calls().len() == calls {
+            reused = true;
+            break;
+        }
+    }
+    assert!(reused, "checkpoints are reused once Redis is back");
+}
