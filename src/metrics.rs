@@ -209,6 +209,13 @@ impl Metrics {
             ),
             &["op"],
         )?;
+        // Known label values start at zero, so dashboards see the series.
+        for outcome in ["ok", "reused", "error", "timeout"] {
+            summarizer_calls_total.with_label_values(&[outcome]);
+        }
+        for reason in ["failed", "cooldown"] {
+            summary_fallbacks_total.with_label_values(&[reason]);
+        }
         registry.register(Box::new(summarizer_calls_total.clone()))?;
         registry.register(Box::new(summarizer_seconds.clone()))?;
         registry.register(Box::new(summary_tokens.clone()))?;

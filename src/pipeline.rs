@@ -57,6 +57,16 @@ pub struct Pending {
     ratio: f64,
 }
 
+impl Pending {
+    /// Most tokens the checkpoint's summary may have.
+    pub fn summary_tokens(&self) -> u64 {
+        match &self.replacement {
+            Replacement::Checkpoint { max_tokens, .. } => *max_tokens,
+            Replacement::Digest => 0,
+        }
+    }
+}
+
 impl Processed {
     pub fn actions(&self) -> String {
         self.outcome
@@ -128,7 +138,7 @@ pub fn process(
         },
         limits,
         settings,
-        replacement: replacement.clone(),
+        replacement: replacement.for_budget(limits.budget),
         encoding: info.encoding,
         ratio,
     };
@@ -145,12 +155,14 @@ pub fn finish(tokens: &TokenService, mut p: Processed, checkpoint: Option<Bytes>
     pending.replacement = match (pending.replacement, checkpoint) {
         (
             Replacement::Checkpoint {
-                trigger, allowance, ..
+                trigger,
+                max_tokens,
+                ..
             },
             Some(message),
         ) => Replacement::Checkpoint {
             trigger,
-            allowance,
+            max_tokens,
             message: Some(message),
         },
         _ => Replacement::Digest,
@@ -230,6 +242,7 @@ pub async fn summarize(
         span: &pending.span,
         client_headers: headers,
         max_field,
+        max_tokens: pending.summary_tokens(),
         input_tokens: (window as f64 * SUMMARIZER_INPUT_SHARE) as u64,
     };
     let result = summarizer.checkpoint(&need).await;

@@ -191,3 +191,50 @@ fn compact_prints_the_body_and_a_report() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a chat completions request"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[tokio::test]
+async fn replay_with_an_upstream_summarizes_old_turns_and_counts_the_calls() {
+    let mock = MockUpstream::start().await;
+    let run = |extra: Vec<String>| {
+        let mut c = condense();
+        c.args([
+            "replay",
+            "examples/agent-session.json",
+            "--window",
+            "8192",
+            "--json",
+        ])
+        .args(extra);
+        c
+    };
+    let url = mock.base_url();
+    let out =
+        tokio::task::spawn_blocking(move || run(vec!["--upstream".into(), url]).output().unwrap())
+            .await
+            .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let calls = report["summarizer"]["calls"].as_u64().unwrap();
+    assert!(calls >= 1, "{report}");
+    assert_eq!(mock.summary_calls().len() as u64, calls);
+    assert!(report["summarizer"]["reused"].as_u64().unwrap() >= 1);
+    assert_eq!(report["condense"]["turns_not_fit"], 0);
+    let turns = report["turns"].as_array().unwrap();
+    assert!(
+        turns
+            .iter()
+            .any(|t| t["actions"].as_str().unwrap().contains("summarize"))
+    );
+
+    // Offline (no --upstream) stays mechanical and makes no calls.
+    let out = tokio::task::spawn_blocking(move || run(vec![]).output().unwrap())
+        .await
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report.get("summarizer").is_none());
+    assert_eq!(mock.summary_calls().len() as u64, calls);
+}

@@ -242,7 +242,7 @@ proptest! {
         let counter = CachedCounter { tokens: &svc, encoding: Encoding::O200k };
         let limits = Limits { budget, window: budget * 1.3, fixed: 3 };
         let trigger = condense::config::SummaryConfig::default().trigger;
-        let pending = Replacement::Checkpoint { trigger, allowance: 60, message: None };
+        let pending = Replacement::Checkpoint { trigger, max_tokens: 60, message: None };
         let out = compaction::compact_with(&input, &limits, &settings(), &counter, &pending);
         let Some(span) = out.span.clone() else {
             prop_assert!(out.messages.is_none() || !out.stages.iter().any(|s| s.stage == "prune"));
@@ -262,7 +262,7 @@ proptest! {
         }
 
         let checkpoint = Bytes::from(json!({"role": "user", "content": "[condense: checkpoint.] summary"}).to_string());
-        let with = Replacement::Checkpoint { trigger, allowance: 60, message: Some(checkpoint.clone()) };
+        let with = Replacement::Checkpoint { trigger, max_tokens: 60, message: Some(checkpoint.clone()) };
         let done = compaction::compact_with(&input, &limits, &settings(), &counter, &with);
         prop_assert!(done.span.is_none());
         let result = done.messages.clone().unwrap();

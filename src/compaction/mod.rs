@@ -96,13 +96,42 @@ pub enum Replacement {
     /// span it needs a checkpoint for ([`Outcome::span`]).
     Checkpoint {
         trigger: SummaryTrigger,
-        /// Tokens the plan counts for the checkpoint message.
-        allowance: u64,
+        /// Most tokens the summary may have (the plan counts them, plus
+        /// [`CHECKPOINT_FRAME_TOKENS`], for the checkpoint message).
+        max_tokens: u64,
         message: Option<Bytes>,
     },
 }
 
+/// Tokens a checkpoint message has beyond its summary (the marker line and
+/// quoted revisions), as the plan counts them.
+pub const CHECKPOINT_FRAME_TOKENS: u64 = 200;
+
+/// Largest share of the prompt budget a summary may take: on a small
+/// window, a checkpoint the size of `summary.max_tokens` would force large
+/// drops every few turns.
+pub const CHECKPOINT_BUDGET_SHARE: f64 = 0.12;
+
 impl Replacement {
+    /// This replacement for a request with `budget` raw tokens: the summary
+    /// limited to [`CHECKPOINT_BUDGET_SHARE`] of it.
+    pub fn for_budget(&self, budget: f64) -> Replacement {
+        match self {
+            Replacement::Checkpoint {
+                trigger,
+                max_tokens,
+                message,
+            } => Replacement::Checkpoint {
+                trigger: *trigger,
+                max_tokens: (*max_tokens)
+                    .min((budget * CHECKPOINT_BUDGET_SHARE) as u64)
+                    .max(64),
+                message: message.clone(),
+            },
+            Replacement::Digest => Replacement::Digest,
+        }
+    }
+
     /// Whether a conversation of `messages` messages must be compacted
     /// whatever its token pressure (a checkpoint triggered by message count).
     pub fn forced(&self, messages: usize) -> bool {
@@ -411,7 +440,9 @@ fn drop_policy(replacement: &Replacement, limits: &Limits) -> plan::DropPolicy {
     match replacement {
         Replacement::Digest => plan::DropPolicy::units(limits.budget),
         Replacement::Checkpoint {
-            trigger, allowance, ..
+            trigger,
+            max_tokens,
+            ..
         } => {
             let (over_tokens, over_messages) = match trigger.kind {
                 TriggerKind::Ratio => (trigger.value * limits.budget, None),
@@ -422,7 +453,7 @@ fn drop_policy(replacement: &Replacement, limits: &Limits) -> plan::DropPolicy {
                 kind: plan::Drops::Span,
                 over_tokens,
                 over_messages,
-                replacement_tokens: *allowance,
+                replacement_tokens: max_tokens + CHECKPOINT_FRAME_TOKENS,
             }
         }
     }

@@ -43,9 +43,6 @@ use backoff::Backoff;
 use client::{CallError, Client};
 use flight::Flights;
 
-/// Tokens the plan counts for a checkpoint beyond the summary itself (the
-/// marker line and quoted revisions).
-const FRAME_TOKENS: u64 = 200;
 /// Earlier span ends looked up for a checkpoint to update, at most.
 const MAX_PREVIOUS: usize = 8;
 /// Revisions quoted verbatim in a checkpoint at most.
@@ -89,6 +86,8 @@ pub struct Need<'a> {
     pub client_headers: Option<&'a HeaderMap>,
     /// `max_tokens` or `max_completion_tokens`, as the client's request uses.
     pub max_field: &'static str,
+    /// Most tokens the summary may have.
+    pub max_tokens: u64,
     /// Tokens the summarizer can read in one call.
     pub input_tokens: u64,
 }
@@ -161,7 +160,7 @@ impl Summarizer {
     pub fn replacement(&self) -> Replacement {
         Replacement::Checkpoint {
             trigger: self.inner.config.trigger,
-            allowance: self.inner.config.max_tokens + FRAME_TOKENS,
+            max_tokens: self.inner.config.max_tokens,
             message: None,
         }
     }
@@ -216,6 +215,7 @@ impl Summarizer {
                 self.inner.client.same_origin(&self.upstream_base),
             ),
             max_field: need.max_field,
+            max_tokens: need.max_tokens,
             messages: (span.start..span.end)
                 .map(|i| (i, need.messages[i].clone()))
                 .collect(),
@@ -275,6 +275,7 @@ struct Job {
     model: String,
     headers: HeaderMap,
     max_field: &'static str,
+    max_tokens: u64,
     /// The span's messages with their positions.
     messages: Vec<(usize, Message)>,
     /// Where checkpoints of shorter spans would be stored, longest first.
@@ -294,7 +295,7 @@ impl Job {
                 break;
             }
         }
-        let max_tokens = self.inner.config.max_tokens;
+        let max_tokens = self.max_tokens;
         let max_words = max_tokens * 3 / 5;
         // Room for the transcript: what the summarizer reads, minus the
         // instructions and the previous checkpoint.
@@ -349,7 +350,7 @@ impl Job {
             self.headers.clone(),
             &self.model,
             ask,
-            config.max_tokens,
+            self.max_tokens,
             self.max_field,
         );
         let timeout = Duration::from_secs_f64(config.timeout_seconds);
