@@ -12,6 +12,7 @@ pub mod error;
 pub mod logging;
 pub mod metrics;
 pub mod offline;
+pub mod overflow;
 pub mod pipeline;
 pub mod proxy;
 pub mod replay;

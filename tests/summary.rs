@@ -403,7 +403,7 @@ async fn summary_disabled_means_mechanical_drops_and_no_calls() {
 
 /// A throwaway redis-server on a free port, killed on drop. None when
 /// redis-server is not installed (CI installs it and sets
-/// CONDENSE_REQUIRE_REDIS=1, which makes its absence a failure).
+/// REQUIRE_REDIS_TESTS=1, which makes its absence a failure).
 struct Redis {
     child: std::process::Child,
     port: u16,
@@ -433,7 +433,7 @@ impl Redis {
             }
             Err(e) => {
                 assert!(
-                    std::env::var_os("CONDENSE_REQUIRE_REDIS").is_none(),
+                    std::env::var_os("REQUIRE_REDIS_TESTS").is_none(),
                     "redis-server is required here: {e}"
                 );
                 eprintln!("skipping: redis-server not installed ({e})");

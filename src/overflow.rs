@@ -1,0 +1,249 @@
+//! Context-overflow errors: recognising them in every provider's wording,
+//! and the budget a retry aims at.
+//!
+//! Detection is table-driven: each row names a provider format, the status
+//! it answers with, text that must be present, and how to read the numbers
+//! (the ceiling, the prompt size the provider counted, the completion part).
+//! Rows are tried in order; the first that matches wins. Fixtures with the
+//! exact bodies are in `tests/fixtures/overflow/`.
+//!
+//! What must never match: rate limits and quota errors, authentication
+//! errors, and a `max_tokens` that is too large on its own: compacting the
+//! prompt cannot fix those, and a throttled client must get its 429 (and
+//! `Retry-After`) untouched.
+
+use serde::Serialize;
+use serde_json::Value;
+
+/// What an overflow error says.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Overflow {
+    /// The `provider_format` label: which wording matched.
+    pub format: &'static str,
+    /// The ceiling: the context window (or request limit) in the provider's
+    /// tokens.
+    pub limit: Option<u64>,
+    /// The prompt size the provider counted (messages only when it says so).
+    pub prompt: Option<u64>,
+    /// The completion tokens the provider counted against the ceiling.
+    pub completion: Option<u64>,
+}
+
+type Reader = fn(&str, &Value) -> Option<(Option<u64>, Option<u64>, Option<u64>)>;
+
+struct Row {
+    format: &'static str,
+    statuses: &'static [u16],
+    /// Lower-case phrases that must all be in the error text.
+    needles: &'static [&'static str],
+    /// Reads (limit, prompt, completion); None rejects the match.
+    read: Reader,
+}
+
+const TABLE: &[Row] = &[
+    Row {
+        format: "llamacpp",
+        statuses: &[400],
+        needles: &["exceed_context_size_error"],
+        read: |_, v| {
+            let e = v.get("error").unwrap_or(v);
+            let n = |k: &str| e.get(k).and_then(Value::as_u64);
+            Some((n("n_ctx"), n("n_prompt_tokens"), None))
+        },
+    },
+    Row {
+        format: "openai_tpm",
+        statuses: &[429],
+        needles: &["request too large", "limit", "requested"],
+        read: |t, _| {
+            let limit = number_after(t, "limit ")?;
+            let requested = number_after(t, "requested ")?;
+            // Only a request larger than the limit is an overflow; anything
+            // else is throttling.
+            (requested > limit).then_some((Some(limit), Some(requested), None))
+        },
+    },
+    Row {
+        format: "openrouter",
+        statuses: &[400, 413],
+        needles: &["endpoint's maximum context length is"],
+        read: |t, _| {
+            Some((
+                number_after(t, "maximum context length is"),
+                number_after(t, "requested about"),
+                number_after_in(t, "of text input,", "in the output"),
+            ))
+            .map(|(l, total, out)| (l, prompt_part(t, "of text input").or(total), out))
+        },
+    },
+    Row {
+        format: "vllm",
+        statuses: &[400, 413],
+        needles: &["maximum context length is", "your prompt contains at least"],
+        read: |t, _| {
+            Some((
+                number_after(t, "maximum context length is"),
+                number_after(t, "prompt contains at least"),
+                number_after(t, "you requested").filter(|_| t.contains("output tokens")),
+            ))
+        },
+    },
+    Row {
+        format: "openai",
+        statuses: &[400, 413],
+        needles: &["maximum context length is"],
+        read: |t, _| {
+            let limit = number_after(t, "maximum context length is");
+            let total = number_after(t, "resulted in").or(number_after(t, "you requested"));
+            let messages = prompt_part(t, "in the messages");
+            let completion = number_after_in(t, "in the messages,", "in the completion");
+            Some((limit, messages.or(total), completion))
+        },
+    },
+    Row {
+        format: "openai",
+        statuses: &[400, 413],
+        needles: &["context_length_exceeded", "limit of"],
+        read: |t, _| {
+            Some((
+                number_after(t, "limit of"),
+                number_after(t, "resulted in"),
+                None,
+            ))
+        },
+    },
+    Row {
+        format: "openai",
+        statuses: &[400, 413],
+        needles: &["context_length_exceeded"],
+        read: |_, _| Some((None, None, None)),
+    },
+    Row {
+        format: "anthropic",
+        statuses: &[400, 413],
+        needles: &["prompt is too long"],
+        read: |t, _| {
+            Some((
+                number_after(t, "tokens >"),
+                number_after(t, "prompt is too long:"),
+                None,
+            ))
+        },
+    },
+    Row {
+        format: "mistral",
+        statuses: &[400, 413],
+        needles: &["too large for model with", "maximum context length"],
+        read: |t, _| {
+            Some((
+                number_after(t, "too large for model with"),
+                number_after(t, "prompt contains"),
+                None,
+            ))
+        },
+    },
+    Row {
+        format: "xai",
+        statuses: &[400, 413],
+        needles: &["maximum prompt length is"],
+        read: |t, _| {
+            Some((
+                number_after(t, "maximum prompt length is"),
+                number_after(t, "request contains"),
+                None,
+            ))
+        },
+    },
+    Row {
+        format: "gemini",
+        statuses: &[400, 413],
+        needles: &["input token count", "exceeds the maximum number of tokens"],
+        read: |t, _| {
+            Some((
+                number_after(t, "tokens allowed"),
+                number_after(t, "input token count"),
+                None,
+            ))
+        },
+    },
+];
+
+/// Recognises an overflow error response.
+pub fn detect(status: u16, body: &[u8]) -> Option<Overflow> {
+    if !(400..500).contains(&status) || body.len() > 1 << 20 {
+        return None;
+    }
+    let json: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let text = String::from_utf8_lossy(body).to_lowercase();
+    TABLE.iter().find_map(|row| {
+        if !row.statuses.contains(&status) || !row.needles.iter().all(|n| text.contains(n)) {
+            return None;
+        }
+        let (limit, prompt, completion) = (row.read)(&text, &json)?;
+        Some(Overflow {
+            format: row.format,
+            limit,
+            prompt,
+            completion,
+        })
+    })
+}
+
+/// The first integer after `phrase` in `text` (digits may be grouped by
+/// commas or underscores), within a short distance.
+fn number_after(text: &str, phrase: &str) -> Option<u64> {
+    let at = text.find(phrase)? + phrase.len();
+    first_number(&text[at..], 24)
+}
+
+/// The integer just before `suffix` in the part of `text` after `after`.
+fn number_after_in(text: &str, after: &str, suffix: &str) -> Option<u64> {
+    let start = text.find(after)? + after.len();
+    let rest = &text[start..];
+    let end = rest.find(suffix)?;
+    first_number(&rest[..end], 24)
+}
+
+/// The integer directly before ` suffix` (as in "(900 in the messages").
+fn prompt_part(text: &str, suffix: &str) -> Option<u64> {
+    let end = text.find(suffix)?;
+    let head = text[..end].trim_end();
+    let start = head
+        .rfind(|c: char| !(c.is_ascii_digit() || c == ',' || c == '_'))
+        .map_or(0, |i| i + 1);
+    parse_digits(&head[start..])
+}
+
+fn first_number(s: &str, within: usize) -> Option<u64> {
+    let start = s.find(|c: char| c.is_ascii_digit())?;
+    if start > within {
+        return None;
+    }
+    let digits: String = s[start..]
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == ',' || *c == '_')
+        .collect();
+    parse_digits(digits.trim_end_matches([',', '_']))
+}
+
+fn parse_digits(s: &str) -> Option<u64> {
+    let d: String = s.chars().filter(char::is_ascii_digit).collect();
+    d.parse().ok()
+}
+
+/// Share of the rejected prompt a retry aims at when the error gives no
+/// numbers.
+pub const BLIND_SHARE: f64 = 0.7;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_are_read_with_grouping_and_nearby_only() {
+        assert_eq!(number_after("allowed (1,048,576).", "allowed"), Some(1_048_576));
+        assert_eq!(number_after("limit 30000, requested 45000", "requested "), Some(45000));
+        assert_eq!(number_after("is x y z and so on for a while 12", "is"), None);
+        assert_eq!(prompt_part("(900 in the messages", "in the messages"), Some(900));
+    }
+}
