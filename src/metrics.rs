@@ -50,6 +50,7 @@ pub struct Metrics {
     pub summary_tokens: Histogram,
     pub summary_fallbacks_total: IntCounterVec,
     pub state_errors_total: IntCounterVec,
+    pub context_overflow_total: IntCounterVec,
     models_seen: Mutex<HashSet<String>>,
 }
 
@@ -216,6 +217,14 @@ impl Metrics {
         for reason in ["failed", "cooldown"] {
             summary_fallbacks_total.with_label_values(&[reason]);
         }
+        let context_overflow_total = IntCounterVec::new(
+            Opts::new(
+                "condense_context_overflow_total",
+                "Upstream context-overflow errors, by provider wording and outcome: recovered (the retry succeeded), failed (the retry was rejected too), not_recoverable (no smaller request could be made).",
+            ),
+            &["provider_format", "outcome"],
+        )?;
+        registry.register(Box::new(context_overflow_total.clone()))?;
         registry.register(Box::new(summarizer_calls_total.clone()))?;
         registry.register(Box::new(summarizer_seconds.clone()))?;
         registry.register(Box::new(summary_tokens.clone()))?;
@@ -264,6 +273,7 @@ impl Metrics {
             summary_tokens,
             summary_fallbacks_total,
             state_errors_total,
+            context_overflow_total,
             models_seen: Mutex::new(HashSet::new()),
         })
     }

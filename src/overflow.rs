@@ -15,6 +15,9 @@
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::tokens::Correction;
+use crate::tokens::calibration::{MAX_RATIO, MIN_RATIO};
+
 /// What an overflow error says.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Overflow {
@@ -235,15 +238,81 @@ fn parse_digits(s: &str) -> Option<u64> {
 /// numbers.
 pub const BLIND_SHARE: f64 = 0.7;
 
+impl Overflow {
+    /// How the retry of the rejected request is measured. `raw_sent` is
+    /// condense's raw estimate of the body it sent, `calibrated_sent` the
+    /// calibrated one.
+    ///
+    /// With the provider's own count of the prompt, that count over the raw
+    /// estimate is the ratio for the retry (it replaces calibration rather
+    /// than multiplying it, so it is never applied twice), and the ceiling
+    /// is the window. Without a count, the retry aims at 70% of the
+    /// rejected prompt.
+    pub fn correction(&self, raw_sent: Option<u64>, calibrated_sent: u64) -> Correction {
+        let ratio = match (self.prompt, raw_sent) {
+            (Some(p), Some(r)) if r > 0 => Some((p as f64 / r as f64).clamp(MIN_RATIO, MAX_RATIO)),
+            _ => None,
+        };
+        let counted = match (self.prompt, ratio) {
+            (Some(p), Some(_)) => p,
+            _ => calibrated_sent,
+        };
+        let prompt_budget = (self.limit.is_none() || ratio.is_none())
+            .then_some((counted as f64 * BLIND_SHARE).round() as u64);
+        Correction {
+            ratio,
+            completion: self.completion,
+            prompt_budget,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
+    fn the_retry_budget_follows_what_the_error_says() {
+        let o = |limit, prompt, completion| Overflow {
+            format: "openai",
+            limit,
+            prompt,
+            completion,
+        };
+        // Ceiling and count: the provider's ratio replaces calibration, the
+        // window does the rest.
+        let c = o(Some(8192), Some(12_000), Some(1000)).correction(Some(10_000), 11_000);
+        assert_eq!(c.ratio, Some(1.2));
+        assert_eq!(c.completion, Some(1000));
+        assert_eq!(c.prompt_budget, None);
+        // No numbers: 70% of the rejected prompt.
+        let c = o(None, None, None).correction(Some(10_000), 11_000);
+        assert_eq!((c.ratio, c.prompt_budget), (None, Some(7_700)));
+        // A ceiling without a count: the window, and 70% as a cap.
+        let c = o(Some(8192), None, None).correction(Some(10_000), 11_000);
+        assert_eq!(c.prompt_budget, Some(7_700));
+        // A count without a ceiling: 70% of the provider's count.
+        let c = o(None, Some(20_000), None).correction(Some(10_000), 11_000);
+        assert_eq!((c.ratio, c.prompt_budget), (Some(2.0), Some(14_000)));
+    }
+
+    #[test]
     fn numbers_are_read_with_grouping_and_nearby_only() {
-        assert_eq!(number_after("allowed (1,048,576).", "allowed"), Some(1_048_576));
-        assert_eq!(number_after("limit 30000, requested 45000", "requested "), Some(45000));
-        assert_eq!(number_after("is x y z and so on for a while 12", "is"), None);
-        assert_eq!(prompt_part("(900 in the messages", "in the messages"), Some(900));
+        assert_eq!(
+            number_after("allowed (1,048,576).", "allowed"),
+            Some(1_048_576)
+        );
+        assert_eq!(
+            number_after("limit 30000, requested 45000", "requested "),
+            Some(45000)
+        );
+        assert_eq!(
+            number_after("is x y z and so on for a while 12", "is"),
+            None
+        );
+        assert_eq!(
+            prompt_part("(900 in the messages", "in the messages"),
+            Some(900)
+        );
     }
 }

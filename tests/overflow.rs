@@ -16,7 +16,10 @@ fn fixtures() -> Vec<(String, Value)> {
         .filter(|p| p.extension().is_some_and(|x| x == "json"))
         .map(|p| {
             let name = p.file_stem().unwrap().to_string_lossy().to_string();
-            (name, serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap())
+            (
+                name,
+                serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap(),
+            )
         })
         .collect();
     out.sort_by(|a, b| a.0.cmp(&b.0));
@@ -42,7 +45,10 @@ fn every_provider_fixture_is_recognised_with_its_numbers() {
 
 #[test]
 fn negative_fixtures_are_not_overflows() {
-    let (_, cases) = fixtures().into_iter().find(|(n, _)| n == "negatives").unwrap();
+    let (_, cases) = fixtures()
+        .into_iter()
+        .find(|(n, _)| n == "negatives")
+        .unwrap();
     for case in cases.as_array().unwrap() {
         let status = case["status"].as_u64().unwrap() as u16;
         let body = case["body"].as_str().unwrap();

@@ -9,7 +9,7 @@ mod common;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
-use common::Harness;
+use common::{Harness, Redis};
 use condense::config::{Config, ModelProfile, SummaryTrigger, TriggerKind};
 use serde_json::{Value, json};
 
@@ -399,59 +399,6 @@ async fn summary_disabled_means_mechanical_drops_and_no_calls() {
     assert_eq!(resp.status(), 200);
     assert!(actions(&resp).contains("prune"), "{}", actions(&resp));
     assert!(h.mock.summary_calls().is_empty());
-}
-
-/// A throwaway redis-server on a free port, killed on drop. None when
-/// redis-server is not installed (CI installs it and sets
-/// REQUIRE_REDIS_TESTS=1, which makes its absence a failure).
-struct Redis {
-    child: std::process::Child,
-    port: u16,
-}
-
-impl Redis {
-    fn start() -> Option<Redis> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = std::process::Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .stdout(std::process::Stdio::null())
-            .spawn();
-        match child {
-            Ok(child) => {
-                for _ in 0..100 {
-                    if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                        return Some(Redis { child, port });
-                    }
-                    std::thread::sleep(std::time::Duration::from_millis(20));
-                }
-                panic!("redis-server did not start");
-            }
-            Err(e) => {
-                assert!(
-                    std::env::var_os("REQUIRE_REDIS_TESTS").is_none(),
-                    "redis-server is required here: {e}"
-                );
-                eprintln!("skipping: redis-server not installed ({e})");
-                None
-            }
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 #[tokio::test]

@@ -29,6 +29,7 @@ use crate::config::CompactionConfig;
 use crate::config::Config;
 use crate::error::ProxyError;
 use crate::metrics::Metrics;
+use crate::overflow;
 use crate::pipeline;
 use crate::state::{StateError, StateStore};
 use crate::summary::Summarizer;
@@ -43,6 +44,19 @@ use usage::{JsonTap, SseTap, UsageBook};
 /// Chat bodies with at least this many bytes of messages not seen before are
 /// measured on the blocking pool.
 const BLOCKING_PREPARE_BYTES: usize = 128 * 1024;
+
+/// Statuses an overflow error can come with.
+const OVERFLOW_STATUSES: &[u16] = &[400, 413, 429];
+/// How often a replica looks for a window another one learned.
+const SHARED_WINDOW_CHECK: Duration = Duration::from_secs(60);
+/// Error bodies larger than this are not read for overflow detection.
+const MAX_ERROR_BODY: u64 = 1 << 20;
+
+/// The state-store key of a window learned from an overflow.
+fn window_key(upstream: &str, model: &str) -> String {
+    let h = xxhash_rust::xxh3::xxh3_128(format!("{upstream}\0{model}").as_bytes());
+    format!("window:{h:032x}")
+}
 
 /// Route labels for metrics and logs.
 pub const ROUTE_CHAT: &str = "chat_completions";
@@ -61,6 +75,8 @@ pub struct Proxy {
     /// None when `summary.enabled` is false.
     summarizer: Option<Summarizer>,
     pub state: Arc<StateStore>,
+    /// When each model's shared learned window was last looked up.
+    window_checks: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
     max_body_bytes: u64,
     stream_usage: bool,
     learn_windows: bool,
@@ -138,6 +154,7 @@ impl Proxy {
             upstream,
             summarizer,
             state,
+            window_checks: Default::default(),
             credentials: Credentials::new(&config.auth, config.upstream.api_key.as_ref()),
             tokens: Arc::new(TokenService::new(config.clone(), &metrics)),
             metrics,
@@ -246,6 +263,7 @@ impl Proxy {
                         .ensure(&self.upstream, &self.tokens.listings, &model, &headers)
                         .await;
                 }
+                self.shared_window(&model).await;
                 let info = self.tokens.model_info(self.upstream.base_url(), &model);
                 let measured = if bytes.len() >= BLOCKING_PREPARE_BYTES
                     && self.tokens.uncached_bytes(&chat, info.encoding) >= BLOCKING_PREPARE_BYTES
@@ -272,25 +290,36 @@ impl Proxy {
                     Err(unchanged) => unchanged,
                 }
             }
-            Ok(chat) => Prepared::unchanged(bytes, chat.model()),
+            Ok(chat) => Prepared::unchanged(bytes.clone(), chat.model()),
             // Not a chat request condense understands: the upstream judges it.
             Err(e) => {
                 tracing::debug!(error = %e, "chat body not parsed; forwarding unchanged");
-                Prepared::unchanged(bytes, None)
+                Prepared::unchanged(bytes.clone(), None)
             }
         };
 
         let guard = InflightGuard::new(self.metrics.clone());
         let sent = Instant::now();
+        // A request condense measured can be recovered from an overflow.
+        let retry = prepared
+            .report
+            .is_some()
+            .then(|| (parts.method.clone(), url.clone(), headers.clone()));
         let resp = self
             .upstream
             .send(
                 parts.method,
                 url,
                 headers,
-                Some(reqwest::Body::from(prepared.body)),
+                Some(reqwest::Body::from(prepared.body.clone())),
             )
             .await?;
+        let (resp, prepared) = match retry {
+            Some(retry) if OVERFLOW_STATUSES.contains(&resp.status().as_u16()) => {
+                self.recover(resp, prepared, &bytes, retry).await?
+            }
+            _ => (resp, prepared),
+        };
 
         let is_sse = resp
             .headers()
@@ -336,6 +365,154 @@ impl Proxy {
             }
         }
         Ok(response)
+    }
+
+    /// Picks up a window another replica learned from an overflow (through
+    /// Redis), checking each model at most once a minute.
+    async fn shared_window(&self, model: &str) {
+        if self.state.kind() != "redis" || model.is_empty() {
+            return;
+        }
+        let due = self.window_checks.lock().is_ok_and(|mut checks| {
+            let now = Instant::now();
+            if checks.len() > 4096 {
+                checks.clear();
+            }
+            match checks.get(model) {
+                Some(at) if now.duration_since(*at) < SHARED_WINDOW_CHECK => false,
+                _ => {
+                    checks.insert(model.to_string(), now);
+                    true
+                }
+            }
+        });
+        if !due {
+            return;
+        }
+        let upstream = self.upstream.base_url();
+        if let Some(window) = self
+            .state
+            .get(&window_key(upstream, model))
+            .await
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            self.tokens.overflows.set(upstream, model, window);
+        }
+    }
+
+    /// Handles an error response to a measured chat request: when it says
+    /// the context overflowed, learns the window (and the provider's count),
+    /// compacts the client's original request against it, and sends that
+    /// once. Returns the response for the client (the retry's, or the
+    /// upstream's error unchanged) and what was sent.
+    async fn recover(
+        &self,
+        resp: reqwest::Response,
+        prepared: Prepared,
+        original: &Bytes,
+        (method, url, headers): (http::Method, url::Url, HeaderMap),
+    ) -> Result<(reqwest::Response, Prepared), ProxyError> {
+        if resp.content_length().is_some_and(|n| n > MAX_ERROR_BODY) {
+            return Ok((resp, prepared));
+        }
+        let status = resp.status();
+        let version = resp.version();
+        let resp_headers = resp.headers().clone();
+        let body = resp.bytes().await.map_err(|e| {
+            ProxyError::UpstreamUnreachable(format!("reading the error body: {}", e.without_url()))
+        })?;
+        let unchanged = || {
+            let mut r = http::Response::new(body.clone());
+            *r.status_mut() = status;
+            *r.version_mut() = version;
+            *r.headers_mut() = resp_headers.clone();
+            reqwest::Response::from(r)
+        };
+        let Some(o) = overflow::detect(status.as_u16(), &body) else {
+            return Ok((unchanged(), prepared));
+        };
+        let model = prepared.model.clone().unwrap_or_default();
+        let count = |outcome: &str| {
+            self.metrics
+                .context_overflow_total
+                .with_label_values(&[o.format, outcome])
+                .inc();
+        };
+        let upstream = self.upstream.base_url();
+        tracing::info!(model, format = o.format, limit = ?o.limit, prompt = ?o.prompt, "upstream context overflow");
+        if let Some(limit) = o.limit {
+            self.tokens.overflows.set(upstream, &model, limit);
+            self.state
+                .put(&window_key(upstream, &model), &limit.to_string())
+                .await;
+        }
+        let (raw_sent, sent) = prepared
+            .report
+            .as_ref()
+            .map_or((None, 0), |r| (r.raw_after, r.tokens_after));
+        if let (Some(p), Some(r)) = (o.prompt, raw_sent) {
+            self.tokens.calibration.observe(upstream, &model, p, r);
+        }
+        let mut info = self.tokens.model_info(upstream, &model);
+        info.correction = Some(o.correction(raw_sent, sent));
+
+        let Some(retry) = self.prepare_retry(original, &model, info, &headers).await else {
+            count("not_recoverable");
+            return Ok((unchanged(), prepared));
+        };
+        let resp = self
+            .upstream
+            .send(
+                method,
+                url,
+                headers,
+                Some(reqwest::Body::from(retry.body.clone())),
+            )
+            .await?;
+        count(if resp.status().is_success() {
+            "recovered"
+        } else {
+            "failed"
+        });
+        Ok((resp, retry))
+    }
+
+    /// The client's original request compacted for a retry after an
+    /// overflow, or None when no smaller request that fits can be made.
+    /// On this path a needed checkpoint that cannot be had is no reason to
+    /// drop history mechanically: the client gets the upstream's error.
+    async fn prepare_retry(
+        &self,
+        original: &Bytes,
+        model: &str,
+        info: ModelInfo,
+        headers: &HeaderMap,
+    ) -> Option<Prepared> {
+        let chat = ChatRequest::parse(original).ok()?;
+        let p = self.measure_or_forward(chat, original, model, info).ok()?;
+        let p = match (&p.pending, &self.summarizer) {
+            (None, _) => p,
+            (Some(_), None) => pipeline::finish(&self.tokens, p, None),
+            (Some(_), Some(s)) => {
+                let work = pipeline::summarize(
+                    &self.tokens,
+                    s,
+                    self.upstream.base_url(),
+                    model,
+                    Some(headers),
+                    p,
+                );
+                match AssertUnwindSafe(work).catch_unwind().await {
+                    Ok((p, Some(Ok(_)))) => p,
+                    _ => return None,
+                }
+            }
+        };
+        let outcome = p.outcome.as_ref()?;
+        if outcome.messages.is_none() || !outcome.fits {
+            return None;
+        }
+        std::panic::catch_unwind(AssertUnwindSafe(|| self.ready(p, model))).ok()
     }
 
     /// Measures a parsed chat request and compacts it when it is under

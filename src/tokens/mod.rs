@@ -23,7 +23,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 pub use budget::Budget;
 pub use encoding::Encoding;
-pub use models::{ModelInfo, WindowSource};
+pub use models::{Correction, ModelInfo, WindowSource};
 
 use crate::chat::ChatRequest;
 use crate::compaction::memo::Memo;
@@ -80,6 +80,8 @@ pub struct TokenService {
     pub memo: Memo,
     pub calibration: Calibration,
     pub listings: Listings,
+    /// Windows learned from context-overflow errors.
+    pub overflows: Listings,
     profiles: Vec<ModelProfile>,
     config: Arc<Config>,
 }
@@ -95,6 +97,7 @@ impl TokenService {
             memo: Memo::new(MEMO_BYTES),
             calibration: Calibration::default(),
             listings: Listings::default(),
+            overflows: Listings::default(),
             profiles: config.models.clone(),
             config,
         }
@@ -110,6 +113,10 @@ impl TokenService {
             (None, Some(p)) => (p.context_window, WindowSource::Profile),
             (None, None) => (self.config.default_context_window, WindowSource::Default),
         };
+        let (window, source) = match self.overflows.get(upstream, model) {
+            Some(learned) if learned < window => (learned, WindowSource::Overflow),
+            _ => (window, source),
+        };
         let (trigger, target) = self.config.thresholds(profile);
         ModelInfo {
             window,
@@ -119,6 +126,7 @@ impl TokenService {
                 .unwrap_or_else(|| Encoding::for_model(model)),
             trigger,
             target,
+            correction: None,
         }
     }
 
@@ -190,14 +198,21 @@ impl TokenService {
         allow_cheap: bool,
     ) -> Assessment {
         let model = model.to_string();
-        let budget = Budget::new(
+        let correction = info.correction.clone().unwrap_or_default();
+        let mut budget = Budget::new(
             info.window,
-            req.max_completion_tokens(),
+            correction.completion.or(req.max_completion_tokens()),
             self.config.tokens.default_completion_tokens,
             self.config.tokens.reserve_ratio,
         );
-        let ratio = self.calibration.ratio(upstream, &model);
+        if let Some(cap) = correction.prompt_budget {
+            budget.prompt_budget = budget.prompt_budget.min(cap.max(1));
+        }
+        let ratio = correction
+            .ratio
+            .unwrap_or_else(|| self.calibration.ratio(upstream, &model));
         let cheap = allow_cheap
+            && info.correction.is_none()
             && (upper_bound(body) as f64 * ratio) < info.trigger * budget.prompt_budget as f64;
         let (count, tokens) = if cheap {
             (None, (body.len().div_ceil(4) as f64 * ratio).round() as u64)
@@ -213,6 +228,7 @@ impl TokenService {
                 WindowSource::Profile => "profile",
                 WindowSource::Default => "default",
                 WindowSource::Override => "override",
+                WindowSource::Overflow => "overflow",
             },
             model,
             trigger: info.trigger,

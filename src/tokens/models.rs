@@ -35,6 +35,22 @@ pub enum WindowSource {
     Default,
     /// Given explicitly (`condense compact --window`).
     Override,
+    /// Named by the upstream in a context-overflow error.
+    Overflow,
+}
+
+/// What an overflow error taught about the request it rejected: applied to
+/// that request's retry instead of the usual calibration and completion
+/// allowance.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Correction {
+    /// The provider's count of the rejected prompt / condense's raw estimate.
+    pub ratio: Option<f64>,
+    /// The completion tokens the provider counted against the window.
+    pub completion: Option<u64>,
+    /// The most the prompt may have (calibrated tokens), when the error gave
+    /// no numbers to go by.
+    pub prompt_budget: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -44,6 +60,8 @@ pub struct ModelInfo {
     pub encoding: Encoding,
     pub trigger: f64,
     pub target: f64,
+    /// Set for the retry of a request rejected for its length.
+    pub correction: Option<Correction>,
 }
 
 /// Matches `name` against a glob `pattern`, ASCII case-insensitively.
@@ -93,6 +111,16 @@ pub struct Listings {
 }
 
 impl Listings {
+    /// Records a window for one model (a smaller one replaces a larger).
+    pub fn set(&self, upstream: &str, model: &str, window: u64) {
+        if let Ok(mut w) = self.windows.write() {
+            let slot = w
+                .entry((upstream.to_string(), model.to_string()))
+                .or_insert(window);
+            *slot = (*slot).min(window);
+        }
+    }
+
     pub fn get(&self, upstream: &str, model: &str) -> Option<u64> {
         let w = self.windows.read().ok()?;
         w.get(&(upstream.to_string(), model.to_string())).copied()

@@ -19,6 +19,10 @@
 //!   checkpoint with every section, naming the call's number as
 //!   `checkpoint-N`; "error": a 500; "hang": never; "unusable": an answer
 //!   without the sections), after `summary_delay_ms`.
+//! - `x-mock-window: N` rejects a chat request whose prompt tokens plus
+//!   `max_tokens` exceed N with OpenAI's `context_length_exceeded` error
+//!   (counted in `MockState::overflows`); `x-mock-always-overflow: 1`
+//!   rejects every chat request that way, naming a limit of 8192.
 //!   `/v1/models` lists `gpt-4o` (no window, like OpenAI) and `vllm-small`
 //!   with `max_model_len` 16384 (like vLLM). Any other path echoes the
 //!   request back as JSON.
@@ -64,6 +68,8 @@ pub struct MockState {
     /// unset.
     pub summary_mode: Mutex<Option<&'static str>>,
     pub summary_delay_ms: std::sync::atomic::AtomicU64,
+    /// Chat requests rejected for their length.
+    pub overflows: AtomicUsize,
 }
 
 pub struct MockUpstream {
@@ -235,6 +241,20 @@ fn chat(state: Arc<MockState>, h: &HeaderMap, body: &Bytes) -> Response {
         }
         _ => body.len() as u64 / 4,
     };
+    let max_tokens = req["max_tokens"].as_u64().unwrap_or(0);
+    let window = header_u64(h, "x-mock-window")
+        .filter(|w| prompt_tokens + max_tokens > *w)
+        .or_else(|| h.contains_key("x-mock-always-overflow").then_some(8192));
+    if let Some(window) = window {
+        state.overflows.fetch_add(1, Ordering::SeqCst);
+        let body = json!({"error": {
+            "message": format!("This model's maximum context length is {window} tokens. However, your messages resulted in {prompt_tokens} tokens. Please reduce the length of the messages."),
+            "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}});
+        let mut r = (StatusCode::BAD_REQUEST, body.to_string()).into_response();
+        r.headers_mut()
+            .insert("content-type", "application/json".parse().unwrap());
+        return r;
+    }
     let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": 3, "total_tokens": prompt_tokens + 3});
     let model = req["model"].as_str().unwrap_or("unknown").to_string();
     if req["stream"] != json!(true) {
@@ -391,4 +411,57 @@ fn json_response(v: Value) -> Response {
     r.headers_mut()
         .insert("content-type", "application/json".parse().unwrap());
     r
+}
+
+/// A throwaway redis-server on a free port, killed on drop. None when
+/// redis-server is not installed (CI installs it and sets
+/// REQUIRE_REDIS_TESTS=1, which makes its absence a failure).
+pub struct Redis {
+    pub child: std::process::Child,
+    pub port: u16,
+}
+
+impl Redis {
+    pub fn start() -> Option<Redis> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .spawn();
+        match child {
+            Ok(child) => {
+                for _ in 0..100 {
+                    if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                        return Some(Redis { child, port });
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                panic!("redis-server did not start");
+            }
+            Err(e) => {
+                assert!(
+                    std::env::var_os("REQUIRE_REDIS_TESTS").is_none(),
+                    "redis-server is required here: {e}"
+                );
+                eprintln!("skipping: redis-server not installed ({e})");
+                None
+            }
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -1,0 +1,305 @@
+//! Overflow recovery through the proxy: an upstream whose real window is
+//! much smaller than condense believes.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::sync::atomic::Ordering;
+
+use common::{Harness, Redis};
+use serde_json::{Value, json};
+
+/// A coding-agent conversation of about 16k tokens for gpt-4o (a 128k
+/// window in condense's table).
+fn session(turns: usize) -> Value {
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a coding agent."}),
+        json!({"role": "user", "content": "Fix the failing test in src/parser.rs"}),
+    ];
+    for t in 0..turns {
+        let id = format!("call_{t}");
+        messages.push(json!({"role": "assistant", "content": format!("Reading file {t}."), "tool_calls": [{"id": id, "type": "function", "function": {"name": "run", "arguments": format!("{{\"cmd\":\"cat src/m{t}.rs\"}}")}}]}));
+        let body: String = (0..60)
+            .map(|l| format!("{l:>4} let v{t}_{l} = parse(&input[{l}..]);\n"))
+            .collect();
+        messages.push(json!({"role": "tool", "tool_call_id": id, "content": format!("{body}error[E0308]: mismatched types in src/m{t}.rs\n")}));
+    }
+    json!({"model": "gpt-4o", "messages": messages, "max_tokens": 256})
+}
+
+async fn send(h: &Harness, body: &Value, extra: &[(&str, &str)]) -> reqwest::Response {
+    let mut req = h
+        .client
+        .post(h.url("/v1/chat/completions"))
+        .header("x-mock-token-factor", "1.0");
+    for (k, v) in extra {
+        req = req.header(*k, *v);
+    }
+    req.body(body.to_string()).send().await.unwrap()
+}
+
+#[tokio::test]
+async fn an_overflow_is_recovered_and_later_requests_are_compacted_first() {
+    let h = Harness::start().await;
+    let window = [("x-mock-window", "8192")];
+    let resp = send(&h, &session(14), &window).await;
+    assert_eq!(resp.status(), 200);
+    let actions = resp.headers()["x-condense-actions"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(actions.contains("mask"), "{actions}");
+    let answer: Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+    assert_eq!(answer["choices"][0]["message"]["content"], "Hello there!");
+    assert_eq!(h.mock.state.overflows.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        h.mock.chat_requests().len(),
+        2,
+        "one rejected request, one retry"
+    );
+    assert_eq!(
+        h.metric(
+            "condense_context_overflow_total{outcome=\"recovered\",provider_format=\"openai\"}"
+        )
+        .await,
+        Some(1.0)
+    );
+    assert_eq!(
+        h.metric("condense_context_window_tokens{model=\"gpt-4o\"}")
+            .await,
+        Some(8192.0)
+    );
+
+    // The next turn, streamed: compacted before sending, never rejected.
+    let mut body = session(15);
+    body["stream"] = json!(true);
+    let resp = send(&h, &body, &window).await;
+    assert_eq!(resp.status(), 200);
+    let text = resp.text().await.unwrap();
+    assert!(
+        text.contains("Hello") && text.trim_end().ends_with("data: [DONE]"),
+        "{text}"
+    );
+    assert_eq!(h.mock.state.overflows.load(Ordering::SeqCst), 1);
+    assert_eq!(h.mock.chat_requests().len(), 3);
+}
+
+#[tokio::test]
+async fn a_streamed_request_is_recovered_before_its_first_byte() {
+    let h = Harness::start().await;
+    let mut body = session(14);
+    body["stream"] = json!(true);
+    let resp = send(&h, &body, &[("x-mock-window", "8192")]).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let text = resp.text().await.unwrap();
+    assert!(
+        text.starts_with("data: {") && text.contains("Hello"),
+        "{text}"
+    );
+    assert!(!text.contains("\"usage\""), "usage chunk stripped as usual");
+    assert_eq!(h.mock.state.overflows.load(Ordering::SeqCst), 1);
+    assert_eq!(h.mock.chat_requests().len(), 2);
+}
+
+#[tokio::test]
+async fn a_second_overflow_returns_the_upstreams_error_byte_for_byte() {
+    let h = Harness::start().await;
+    let resp = send(&h, &session(14), &[("x-mock-always-overflow", "1")]).await;
+    assert_eq!(resp.status(), 400);
+    let got = resp.bytes().await.unwrap();
+    let sent = h.mock.chat_requests();
+    assert_eq!(sent.len(), 2, "exactly one retry");
+    assert!(
+        sent[1].body.len() < sent[0].body.len(),
+        "the retry was compacted"
+    );
+    // The client sees the retry's error, exactly as the upstream wrote it.
+    let second: Value = serde_json::from_slice(&got).unwrap();
+    let msg = second["error"]["message"].as_str().unwrap();
+    let retry_tokens: u64 = msg
+        .split("resulted in ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(retry_tokens < 8192, "{msg}");
+    assert_eq!(second["error"]["code"], "context_length_exceeded");
+    assert_eq!(
+        h.metric("condense_context_overflow_total{outcome=\"failed\",provider_format=\"openai\"}")
+            .await,
+        Some(1.0)
+    );
+}
+
+#[tokio::test]
+async fn an_overflow_that_cannot_be_made_to_fit_is_returned_unchanged() {
+    let h = Harness::start().await;
+    // Not even the system prompt and the task fit in 20 tokens.
+    let resp = send(&h, &session(14), &[("x-mock-window", "20")]).await;
+    assert_eq!(resp.status(), 400);
+    let body: Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("maximum context length is 20 tokens")
+    );
+    assert_eq!(h.mock.chat_requests().len(), 1, "no retry");
+    assert_eq!(
+        h.metric("condense_context_overflow_total{outcome=\"not_recoverable\",provider_format=\"openai\"}")
+            .await,
+        Some(1.0)
+    );
+}
+
+#[tokio::test]
+async fn a_throttle_passes_through_with_retry_after_and_nothing_compacted() {
+    let h = Harness::start().await;
+    let throttle = json!({"error": {"message": "Rate limit reached for gpt-4o in organization org-1 on tokens per min (TPM): Limit 30000, Used 26000, Requested 8000. Please try again in 8s.", "type": "tokens", "param": null, "code": "rate_limit_exceeded"}}).to_string();
+    let body = session(14);
+    let resp = send(
+        &h,
+        &body,
+        &[("x-mock-status", "429"), ("x-mock-body", &throttle)],
+    )
+    .await;
+    assert_eq!(resp.status(), 429);
+    assert_eq!(resp.headers()["retry-after"], "7");
+    assert_eq!(resp.text().await.unwrap(), throttle);
+    let sent = h.mock.chat_requests();
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0].json(), body, "forwarded as the client sent it");
+    assert!(
+        !h.metrics()
+            .await
+            .contains("condense_context_overflow_total{")
+    );
+}
+
+#[tokio::test]
+async fn a_request_too_large_for_the_tpm_limit_is_recovered() {
+    let h = Harness::start().await;
+    let too_large = json!({"error": {"message": "Request too large for gpt-4o in organization org-1 on tokens per min (TPM): Limit 6000, Requested 15000. The input or output tokens must be reduced in order to run successfully.", "type": "tokens", "param": null, "code": "rate_limit_exceeded"}}).to_string();
+    // The mock answers every request with the 429; the retry gets it too,
+    // but it went out compacted to the limit.
+    let resp = send(
+        &h,
+        &session(14),
+        &[("x-mock-status", "429"), ("x-mock-body", &too_large)],
+    )
+    .await;
+    assert_eq!(resp.status(), 429);
+    let sent = h.mock.chat_requests();
+    assert_eq!(sent.len(), 2);
+    assert!(sent[1].body.len() * 2 < sent[0].body.len());
+    assert_eq!(
+        h.metric(
+            "condense_context_overflow_total{outcome=\"failed\",provider_format=\"openai_tpm\"}"
+        )
+        .await,
+        Some(1.0)
+    );
+}
+
+#[tokio::test]
+async fn a_window_learned_by_one_replica_reaches_the_others_through_redis() {
+    let Some(redis) = Redis::start() else {
+        return;
+    };
+    let url = redis.url();
+    let a = Harness::with(|c| c.state.redis_url = Some(condense::config::Secret::new(url.clone())))
+        .await;
+    let mut config = condense::config::Config::default();
+    config.state.redis_url = Some(condense::config::Secret::new(url));
+    config.server.listen = "127.0.0.1:0".parse().unwrap();
+    config.upstream.base_url = a.mock.base_url();
+    let b = condense::server::Server::start(&config).await.unwrap();
+
+    let window = [("x-mock-window", "8192")];
+    assert_eq!(send(&a, &session(14), &window).await.status(), 200);
+    assert_eq!(a.mock.state.overflows.load(Ordering::SeqCst), 1);
+    let resp = a
+        .client
+        .post(format!("http://{}/v1/chat/completions", b.local_addr()))
+        .header("x-mock-token-factor", "1.0")
+        .header("x-mock-window", "8192")
+        .body(session(15).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let _ = resp.text().await.unwrap();
+    assert_eq!(
+        a.mock.state.overflows.load(Ordering::SeqCst),
+        1,
+        "replica b compacted against the window a learned"
+    );
+    b.shutdown().await.unwrap();
+}
+
+/// Sends a recorded conversation turn by turn (each prefix that ends before
+/// an assistant message) through condense, configured with a 128k window,
+/// to a mock upstream that enforces a smaller `window`. Returns (requests the upstream
+/// rejected, responses that were not 200 for the client, turns).
+async fn replay_against_a_small_window(
+    path: &std::path::Path,
+    window: &str,
+) -> (usize, usize, usize) {
+    let h = Harness::with(|c| {
+        c.models = vec![condense::config::ModelProfile {
+            pattern: "*".to_string(),
+            context_window: 131_072,
+            encoding: None,
+            trigger: None,
+            target: None,
+        }];
+    })
+    .await;
+    let full: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let messages = full["messages"].as_array().unwrap();
+    let mut errors = 0;
+    let mut turns = 0;
+    for end in
+        (1..=messages.len()).filter(|&e| e == messages.len() || messages[e]["role"] == "assistant")
+    {
+        let mut body = full.clone();
+        body["messages"] = json!(messages[..end]);
+        body["max_tokens"] = json!(1024);
+        let resp = send(&h, &body, &[("x-mock-window", window)]).await;
+        turns += 1;
+        if resp.status() != 200 {
+            errors += 1;
+        }
+        let _ = resp.bytes().await;
+    }
+    (h.mock.state.overflows.load(Ordering::SeqCst), errors, turns)
+}
+
+#[tokio::test]
+async fn a_whole_conversation_against_a_smaller_real_window_is_rejected_once() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/agent-session.json");
+    let (rejected, errors, turns) = replay_against_a_small_window(&path, "6144").await;
+    assert_eq!(errors, 0, "no client errors over {turns} turns");
+    assert_eq!(rejected, 1);
+
+    // The shared agent traces, when this checkout has them next to it.
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/conversations");
+    if let Ok(entries) = std::fs::read_dir(&dir) {
+        for e in entries {
+            let p = e.unwrap().path();
+            let (rejected, errors, turns) = replay_against_a_small_window(&p, "16384").await;
+            eprintln!(
+                "{}: {turns} turns, {rejected} rejected upstream, {errors} client errors",
+                p.display()
+            );
+            assert_eq!(errors, 0, "{}", p.display());
+            assert!(rejected <= 1, "{}: {rejected}", p.display());
+        }
+    }
+}
