@@ -453,20 +453,41 @@ impl Config {
             }
             None => {}
         }
-        let config: Config = figment
+        let mut config: Config = figment
             .merge(Env::prefixed("CONDENSE_").split("__"))
             .extract()?;
+        config.unset_empty();
         config.validate()?;
         Ok(config)
     }
 
     /// Parses one TOML document over the defaults, without the environment.
     pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
-        let config: Config = Figment::from(Serialized::defaults(Config::default()))
+        let mut config: Config = Figment::from(Serialized::defaults(Config::default()))
             .merge(Toml::string(text))
             .extract()?;
+        config.unset_empty();
         config.validate()?;
         Ok(config)
+    }
+
+    /// An optional key set to an empty string is unset (so a Compose file
+    /// or a Kubernetes manifest can pass `CONDENSE_UPSTREAM__API_KEY=` through
+    /// from an environment that may not have it).
+    fn unset_empty(&mut self) {
+        let secret = |s: &mut Option<Secret>| {
+            if s.as_ref().is_some_and(|k| k.expose().is_empty()) {
+                *s = None;
+            }
+        };
+        secret(&mut self.upstream.api_key);
+        secret(&mut self.summary.api_key);
+        secret(&mut self.state.redis_url);
+        for s in [&mut self.summary.base_url, &mut self.summary.model] {
+            if s.as_ref().is_some_and(String::is_empty) {
+                *s = None;
+            }
+        }
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -712,6 +733,20 @@ mod tests {
             assert_eq!(c.auth.client_keys.len(), 2);
             jail.set_env("CONDENSE_UPSTREAM__NOPE", "1");
             assert!(Config::load(Some(Path::new("c.toml"))).is_err());
+            Ok(())
+        });
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)]
+    fn an_empty_optional_key_is_unset() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("CONDENSE_UPSTREAM__API_KEY", "");
+            jail.set_env("CONDENSE_STATE__REDIS_URL", "");
+            jail.set_env("CONDENSE_SUMMARY__MODEL", "");
+            let c = Config::load(None).unwrap();
+            assert!(c.upstream.api_key.is_none() && c.state.redis_url.is_none());
+            assert!(c.summary.model.is_none());
             Ok(())
         });
     }

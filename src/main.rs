@@ -29,6 +29,14 @@ enum Command {
     Serve,
     /// Validate the configuration and print it, secrets redacted.
     CheckConfig,
+    /// Exit 0 when the proxy configured here answers `/healthz` (for
+    /// container health checks; the image has no curl).
+    Healthcheck {
+        /// The health URL (default: /healthz on `server.listen`, with an
+        /// unspecified address replaced by 127.0.0.1).
+        #[arg(long, value_name = "URL")]
+        url: Option<String>,
+    },
     /// Compact one chat request body offline: the body goes to stdout, a
     /// JSON report (tokens, window, budget, pressure, actions) to stderr.
     Compact {
@@ -87,6 +95,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Serve => serve(config),
+        Command::Healthcheck { url } => healthcheck(&config, url),
         Command::Compact {
             file,
             model,
@@ -228,6 +237,34 @@ fn compact(config: &Config, file: &Path, options: CompactOptions) -> ExitCode {
         }
         Err(e) => {
             eprintln!("condense: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn healthcheck(config: &Config, url: Option<String>) -> ExitCode {
+    let url = url.unwrap_or_else(|| {
+        let mut addr = config.server.listen;
+        if addr.ip().is_unspecified() {
+            addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        format!("http://{addr}/healthz")
+    });
+    let check = async {
+        let client = reqwest::Client::builder()
+            .timeout(std::time::Duration::from_secs(3))
+            .build()?;
+        client.get(&url).send().await?.error_for_status()
+    };
+    let result = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())
+        .and_then(|rt| rt.block_on(check).map_err(|e| e.to_string()));
+    match result {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("condense: {url} is not healthy: {e}");
             ExitCode::FAILURE
         }
     }

@@ -8,10 +8,14 @@
 use std::collections::HashSet;
 use std::sync::Mutex;
 
+use prometheus::core::Collector;
 use prometheus::{
     Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
+
+/// The compaction stages, the `stage` label's values.
+pub const STAGES: &[&str] = &["fit", "mask", "summarize", "prune", "fade", "emergency"];
 
 /// Distinct model label values kept before new ones are folded into "other".
 const MAX_MODEL_LABELS: usize = 64;
@@ -51,6 +55,8 @@ pub struct Metrics {
     pub summary_fallbacks_total: IntCounterVec,
     pub state_errors_total: IntCounterVec,
     pub context_overflow_total: IntCounterVec,
+    /// Every metric name this registry exports.
+    names: Vec<String>,
     models_seen: Mutex<HashSet<String>>,
 }
 
@@ -224,30 +230,39 @@ impl Metrics {
             ),
             &["provider_format", "outcome"],
         )?;
-        registry.register(Box::new(context_overflow_total.clone()))?;
-        registry.register(Box::new(summarizer_calls_total.clone()))?;
-        registry.register(Box::new(summarizer_seconds.clone()))?;
-        registry.register(Box::new(summary_tokens.clone()))?;
-        registry.register(Box::new(summary_fallbacks_total.clone()))?;
-        registry.register(Box::new(state_errors_total.clone()))?;
-        registry.register(Box::new(compactions_total.clone()))?;
-        registry.register(Box::new(tokens_saved_total.clone()))?;
-        registry.register(Box::new(prompt_tokens_received_total.clone()))?;
-        registry.register(Box::new(prompt_tokens_forwarded_total.clone()))?;
-        registry.register(Box::new(compaction_failures_total.clone()))?;
-        registry.register(Box::new(token_cache_hits_total.clone()))?;
-        registry.register(Box::new(token_cache_misses_total.clone()))?;
-        registry.register(Box::new(calibration_ratio.clone()))?;
-        registry.register(Box::new(context_window_tokens.clone()))?;
-        registry.register(Box::new(pressure_ratio.clone()))?;
-        registry.register(Box::new(requests_total.clone()))?;
-        registry.register(Box::new(upstream_seconds.clone()))?;
-        registry.register(Box::new(overhead_seconds.clone()))?;
-        registry.register(Box::new(upstream_prompt_tokens_total.clone()))?;
-        registry.register(Box::new(upstream_completion_tokens_total.clone()))?;
-        registry.register(Box::new(proxy_errors_total.clone()))?;
-        registry.register(Box::new(stream_interruptions_total.clone()))?;
-        registry.register(Box::new(inflight_requests.clone()))?;
+        let mut names = Vec::new();
+        let mut register = |c: Box<dyn Collector>| {
+            names.extend(c.desc().iter().map(|d| d.fq_name.clone()));
+            registry.register(c)
+        };
+        for stage in STAGES {
+            compactions_total.with_label_values(&[stage]);
+            tokens_saved_total.with_label_values(&[stage]);
+        }
+        register(Box::new(context_overflow_total.clone()))?;
+        register(Box::new(summarizer_calls_total.clone()))?;
+        register(Box::new(summarizer_seconds.clone()))?;
+        register(Box::new(summary_tokens.clone()))?;
+        register(Box::new(summary_fallbacks_total.clone()))?;
+        register(Box::new(state_errors_total.clone()))?;
+        register(Box::new(compactions_total.clone()))?;
+        register(Box::new(tokens_saved_total.clone()))?;
+        register(Box::new(prompt_tokens_received_total.clone()))?;
+        register(Box::new(prompt_tokens_forwarded_total.clone()))?;
+        register(Box::new(compaction_failures_total.clone()))?;
+        register(Box::new(token_cache_hits_total.clone()))?;
+        register(Box::new(token_cache_misses_total.clone()))?;
+        register(Box::new(calibration_ratio.clone()))?;
+        register(Box::new(context_window_tokens.clone()))?;
+        register(Box::new(pressure_ratio.clone()))?;
+        register(Box::new(requests_total.clone()))?;
+        register(Box::new(upstream_seconds.clone()))?;
+        register(Box::new(overhead_seconds.clone()))?;
+        register(Box::new(upstream_prompt_tokens_total.clone()))?;
+        register(Box::new(upstream_completion_tokens_total.clone()))?;
+        register(Box::new(proxy_errors_total.clone()))?;
+        register(Box::new(stream_interruptions_total.clone()))?;
+        register(Box::new(inflight_requests.clone()))?;
         Ok(Metrics {
             registry,
             requests_total,
@@ -274,8 +289,15 @@ impl Metrics {
             summary_fallbacks_total,
             state_errors_total,
             context_overflow_total,
+            names,
             models_seen: Mutex::new(HashSet::new()),
         })
+    }
+
+    /// The name of every metric condense exports (each also appears in
+    /// [`Metrics::render`] once it has a value).
+    pub fn names(&self) -> &[String] {
+        &self.names
     }
 
     /// The label value to use for a client-supplied model name.

@@ -238,3 +238,40 @@ async fn replay_with_an_upstream_summarizes_old_turns_and_counts_the_calls() {
     assert!(report.get("summarizer").is_none());
     assert_eq!(mock.summary_calls().len() as u64, calls);
 }
+
+#[tokio::test]
+async fn healthcheck_exits_zero_only_when_the_proxy_answers() {
+    let h = common::Harness::start().await;
+    let port = h.addr.port();
+    let ok = tokio::task::spawn_blocking(move || {
+        // The listen address as a container sets it: 0.0.0.0 is checked on
+        // 127.0.0.1.
+        condense()
+            .arg("healthcheck")
+            .env("CONDENSE_SERVER__LISTEN", format!("0.0.0.0:{port}"))
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    h.shutdown().await;
+    let down = tokio::task::spawn_blocking(move || {
+        condense()
+            .args([
+                "healthcheck",
+                "--url",
+                &format!("http://127.0.0.1:{port}/healthz"),
+            ])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(!down.status.success());
+    assert!(String::from_utf8_lossy(&down.stderr).contains("is not healthy"));
+}

@@ -1,0 +1,349 @@
+//! The deployment files and the README, kept honest without a Docker engine:
+//! they parse, they say what they must, the dashboard queries only metrics
+//! condense exports, and the README's configuration and metric tables match
+//! the schema and the registry exactly.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use condense::config::{Config, ModelProfile, Secret};
+use condense::metrics::Metrics;
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(root().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+fn yaml(path: &str) -> serde_yaml::Value {
+    serde_yaml::from_str(&read(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+#[test]
+fn the_dockerfile_builds_locked_in_release_and_runs_unprivileged_with_a_healthcheck() {
+    let d = read("Dockerfile");
+    let lines: Vec<&str> = d.lines().map(str::trim).collect();
+    let froms: Vec<&&str> = lines.iter().filter(|l| l.starts_with("FROM ")).collect();
+    assert!(froms.len() >= 2, "multi-stage");
+    assert!(d.contains("cargo build --release --locked"));
+    assert!(d.contains("COPY --from=build"));
+    let user = lines.iter().rev().find(|l| l.starts_with("USER ")).unwrap();
+    let name = user.trim_start_matches("USER ").split(':').next().unwrap();
+    assert!(name != "root" && name != "0", "{user}");
+    assert!(lines.contains(&"EXPOSE 8080"));
+    assert!(d.contains("CONDENSE_SERVER__LISTEN=0.0.0.0:8080"));
+    assert!(lines.iter().any(|l| l.starts_with("HEALTHCHECK")));
+    assert!(d.contains("\"healthcheck\""));
+    assert!(
+        lines.iter().any(|l| l.starts_with("WORKDIR /app")),
+        "config/condense.toml is read from /app"
+    );
+    // Every file the build copies exists and is not ignored.
+    let ignored = read(".dockerignore");
+    for l in lines
+        .iter()
+        .filter(|l| l.starts_with("COPY ") && !l.contains("--from"))
+    {
+        for src in l
+            .split_whitespace()
+            .skip(1)
+            .collect::<Vec<_>>()
+            .split_last()
+            .unwrap()
+            .1
+        {
+            assert!(root().join(src).exists(), "{src}");
+            assert!(
+                !ignored.lines().any(|i| i.trim() == *src),
+                "{src} is in .dockerignore"
+            );
+        }
+    }
+    assert!(ignored.lines().any(|l| l.trim() == "target"));
+}
+
+#[test]
+fn compose_runs_condense_prometheus_and_grafana_with_the_upstream_from_the_environment() {
+    let c = yaml("docker/compose.yaml");
+    let services = &c["services"];
+    for s in ["condense", "prometheus", "grafana"] {
+        assert!(services[s].is_mapping(), "service {s}");
+    }
+    let condense = &services["condense"];
+    assert_eq!(condense["build"]["context"].as_str(), Some(".."));
+    let env = &condense["environment"];
+    let base = env["CONDENSE_UPSTREAM__BASE_URL"].as_str().unwrap();
+    assert!(
+        base.starts_with("${") && base.contains("UPSTREAM_BASE_URL"),
+        "{base}"
+    );
+    assert!(
+        env["CONDENSE_UPSTREAM__API_KEY"]
+            .as_str()
+            .unwrap()
+            .contains("UPSTREAM_API_KEY")
+    );
+    assert!(condense["ports"][0].as_str().unwrap().ends_with(":8080"));
+    // Mounted files and directories exist.
+    for s in ["condense", "prometheus", "grafana"] {
+        for v in services[s]["volumes"].as_sequence().into_iter().flatten() {
+            let host = v.as_str().unwrap().split(':').next().unwrap();
+            let path = root().join("docker").join(host);
+            assert!(path.exists(), "{s}: {host}");
+        }
+    }
+    // Environment variables condense is given are real config keys.
+    let keys = schema_keys();
+    for (k, _) in env.as_mapping().unwrap() {
+        let k = k.as_str().unwrap();
+        let key = k
+            .trim_start_matches("CONDENSE_")
+            .to_lowercase()
+            .replace("__", ".");
+        assert!(keys.contains(&key), "{k} is not a config key");
+    }
+}
+
+#[test]
+fn prometheus_scrapes_condense() {
+    let p = yaml("docker/prometheus.yml");
+    let job = &p["scrape_configs"][0];
+    assert_eq!(job["metrics_path"].as_str(), Some("/metrics"));
+    assert_eq!(
+        job["static_configs"][0]["targets"][0].as_str(),
+        Some("condense:8080")
+    );
+    let ds = yaml("docker/grafana/provisioning/datasources/prometheus.yaml");
+    assert_eq!(
+        ds["datasources"][0]["url"].as_str(),
+        Some("http://prometheus:9090")
+    );
+    let provider = yaml("docker/grafana/provisioning/dashboards/condense.yaml");
+    assert_eq!(
+        provider["providers"][0]["options"]["path"].as_str(),
+        Some("/var/lib/grafana/dashboards")
+    );
+}
+
+/// `condense_*` names in a PromQL expression, histogram suffixes removed.
+fn metric_names(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = expr;
+    while let Some(i) = rest.find("condense_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        let name = &tail[..end];
+        let base = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(name);
+        out.push(base.to_string());
+        rest = &tail[end..];
+    }
+    out
+}
+
+#[test]
+fn the_dashboard_queries_only_metrics_condense_exports_and_shows_what_matters() {
+    let d: Value = serde_json::from_str(&read("docker/grafana/dashboards/condense.json")).unwrap();
+    assert_eq!(d["uid"], "condense");
+    let metrics = Metrics::new().unwrap();
+    let exported: BTreeSet<&str> = metrics.names().iter().map(String::as_str).collect();
+    let mut queried = BTreeSet::new();
+    for p in d["panels"].as_array().unwrap() {
+        assert!(p["title"].is_string());
+        for t in p["targets"].as_array().into_iter().flatten() {
+            let expr = t["expr"].as_str().unwrap();
+            let names = metric_names(expr);
+            assert!(!names.is_empty(), "{expr}");
+            for n in names {
+                assert!(
+                    exported.contains(n.as_str()),
+                    "{n} in {expr:?} is not exported"
+                );
+                queried.insert(n);
+            }
+        }
+    }
+    for must in [
+        "condense_requests_total",
+        "condense_proxy_errors_total",
+        "condense_prompt_tokens_received_total",
+        "condense_prompt_tokens_forwarded_total",
+        "condense_tokens_saved_total",
+        "condense_pressure_ratio",
+        "condense_calibration_ratio",
+        "condense_context_window_tokens",
+        "condense_summarizer_calls_total",
+        "condense_summarizer_seconds",
+        "condense_context_overflow_total",
+        "condense_overhead_seconds",
+        "condense_upstream_seconds",
+    ] {
+        assert!(queried.contains(must), "the dashboard does not show {must}");
+    }
+}
+
+#[test]
+fn the_kubernetes_sidecar_points_the_agent_at_condense_with_probes_and_scraping() {
+    let text = read("docker/kubernetes/sidecar.yaml");
+    let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect();
+    let deploy = docs.iter().find(|d| d["kind"] == "Deployment").unwrap();
+    let pod = &deploy["spec"]["template"];
+    let ann = &pod["metadata"]["annotations"];
+    assert_eq!(ann["prometheus.io/scrape"].as_str(), Some("true"));
+    assert_eq!(ann["prometheus.io/port"].as_str(), Some("8080"));
+    let containers = pod["spec"]["containers"].as_sequence().unwrap();
+    let condense = containers.iter().find(|c| c["name"] == "condense").unwrap();
+    assert_eq!(
+        condense["readinessProbe"]["httpGet"]["path"].as_str(),
+        Some("/readyz")
+    );
+    assert_eq!(
+        condense["livenessProbe"]["httpGet"]["path"].as_str(),
+        Some("/healthz")
+    );
+    assert_eq!(condense["ports"][0]["containerPort"].as_u64(), Some(8080));
+    let agent = containers.iter().find(|c| c["name"] == "agent").unwrap();
+    let base = agent["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "OPENAI_BASE_URL")
+        .unwrap();
+    assert_eq!(base["value"].as_str(), Some("http://127.0.0.1:8080/v1"));
+    // The mounted config file is a valid condense configuration.
+    let cm = docs.iter().find(|d| d["kind"] == "ConfigMap").unwrap();
+    Config::from_toml(cm["data"]["condense.toml"].as_str().unwrap()).unwrap();
+    assert!(docs.iter().any(|d| d["kind"] == "ServiceMonitor"));
+}
+
+/// Every configuration key, optional ones included, as `section.key`
+/// (`models.match` for the model table).
+fn schema_keys() -> BTreeSet<String> {
+    let mut c = Config::default();
+    c.upstream.api_key = Some(Secret::new("x"));
+    c.summary.api_key = Some(Secret::new("x"));
+    c.summary.base_url = Some("http://x".into());
+    c.summary.model = Some("x".into());
+    c.state.redis_url = Some(Secret::new("x"));
+    c.models = vec![ModelProfile {
+        pattern: "x".into(),
+        context_window: 8192,
+        encoding: Some(condense::tokens::Encoding::O200k),
+        trigger: Some(0.9),
+        target: Some(0.5),
+    }];
+    let mut out = BTreeSet::new();
+    flatten("", &toml::Value::try_from(&c).unwrap(), &mut out);
+    out
+}
+
+fn flatten(prefix: &str, v: &toml::Value, out: &mut BTreeSet<String>) {
+    match v {
+        toml::Value::Table(t) => {
+            for (k, v) in t {
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                flatten(&key, v, out);
+            }
+        }
+        toml::Value::Array(a) if a.first().is_some_and(toml::Value::is_table) => {
+            flatten(prefix, &a[0], out);
+        }
+        _ => {
+            out.insert(prefix.to_string());
+        }
+    }
+}
+
+/// The first-column entries of the README table under `heading`.
+fn readme_table(heading: &str) -> Vec<String> {
+    let readme = read("README.md");
+    let start = readme
+        .find(heading)
+        .unwrap_or_else(|| panic!("README has no {heading}"));
+    readme[start..]
+        .lines()
+        .skip_while(|l| !l.starts_with('|'))
+        .take_while(|l| l.starts_with('|'))
+        .skip(2)
+        .map(|l| l.split('|').nth(1).unwrap().trim().to_string())
+        .collect()
+}
+
+#[test]
+fn the_readme_documents_exactly_the_config_keys_there_are() {
+    let mut documented = BTreeSet::new();
+    for cell in readme_table("## Configuration") {
+        // "`[[models]]` `trigger`, `target`" and "`summary.enabled`".
+        let names: Vec<&str> = cell.split('`').skip(1).step_by(2).collect();
+        match names.split_first() {
+            Some((&"[[models]]", rest)) => {
+                for n in rest {
+                    documented.insert(format!("models.{n}"));
+                }
+            }
+            _ => {
+                for n in names {
+                    documented.insert(n.to_string());
+                }
+            }
+        }
+    }
+    let schema = schema_keys();
+    let missing: Vec<_> = schema.difference(&documented).collect();
+    let unknown: Vec<_> = documented.difference(&schema).collect();
+    assert!(
+        missing.is_empty(),
+        "keys the README does not document: {missing:?}"
+    );
+    assert!(
+        unknown.is_empty(),
+        "README keys that do not exist: {unknown:?}"
+    );
+}
+
+#[test]
+fn the_readme_documents_exactly_the_metrics_there_are() {
+    let documented: BTreeSet<String> = readme_table("## Metrics")
+        .into_iter()
+        .map(|c| c.trim_matches('`').to_string())
+        .collect();
+    let metrics = Metrics::new().unwrap();
+    let exported: BTreeSet<String> = metrics.names().iter().cloned().collect();
+    let missing: Vec<_> = exported.difference(&documented).collect();
+    let unknown: Vec<_> = documented.difference(&exported).collect();
+    assert!(
+        missing.is_empty(),
+        "metrics the README does not document: {missing:?}"
+    );
+    assert!(
+        unknown.is_empty(),
+        "README metrics that do not exist: {unknown:?}"
+    );
+}
+
+#[test]
+fn the_shipped_config_file_names_only_schema_keys() {
+    let file: toml::Value = toml::from_str(&read("config/condense.toml")).unwrap();
+    let mut keys = BTreeSet::new();
+    flatten("", &file, &mut keys);
+    let schema = schema_keys();
+    for k in keys {
+        assert!(schema.contains(&k), "{k}");
+    }
+    assert!(Path::new(&root().join("config/condense.toml")).exists());
+}
