@@ -55,6 +55,7 @@ pub struct Metrics {
     pub summary_fallbacks_total: IntCounterVec,
     pub state_errors_total: IntCounterVec,
     pub context_overflow_total: IntCounterVec,
+    pub upstream_invalid_responses_total: IntCounterVec,
     /// Every metric name this registry exports.
     names: Vec<String>,
     models_seen: Mutex<HashSet<String>>,
@@ -230,6 +231,13 @@ impl Metrics {
             ),
             &["provider_format", "outcome"],
         )?;
+        let upstream_invalid_responses_total = IntCounterVec::new(
+            Opts::new(
+                "condense_upstream_invalid_responses_total",
+                "Successful chat responses that ended malformed and were passed on as they were, by kind (invalid_json, sse_without_done).",
+            ),
+            &["kind"],
+        )?;
         let mut names = Vec::new();
         let mut register = |c: Box<dyn Collector>| {
             names.extend(c.desc().iter().map(|d| d.fq_name.clone()));
@@ -240,6 +248,7 @@ impl Metrics {
             tokens_saved_total.with_label_values(&[stage]);
         }
         register(Box::new(context_overflow_total.clone()))?;
+        register(Box::new(upstream_invalid_responses_total.clone()))?;
         register(Box::new(summarizer_calls_total.clone()))?;
         register(Box::new(summarizer_seconds.clone()))?;
         register(Box::new(summary_tokens.clone()))?;
@@ -289,6 +298,7 @@ impl Metrics {
             summary_fallbacks_total,
             state_errors_total,
             context_overflow_total,
+            upstream_invalid_responses_total,
             names,
             models_seen: Mutex::new(HashSet::new()),
         })

@@ -15,6 +15,9 @@ use futures_util::{Stream, StreamExt};
 use super::usage::{JsonTap, SseTap, Usage};
 use crate::metrics::Metrics;
 
+/// Time between a stream's error event and the body failing.
+const FLUSH_BEFORE_ABORT: Duration = Duration::from_millis(20);
+
 /// How a response body is inspected on its way through.
 pub enum Tap {
     /// Bytes pass untouched and unread.
@@ -46,6 +49,28 @@ impl Tap {
             }
             Tap::None => Bytes::new(),
         }
+    }
+
+    /// What is wrong with the response so far (`ended`: the upstream
+    /// finished it), if anything.
+    fn anomaly(&self, ended: bool) -> Option<&'static str> {
+        match self {
+            Tap::Json(t) if t.invalid() => Some("invalid_json"),
+            Tap::Sse(t) if ended && !t.saw_done() => Some("sse_without_done"),
+            _ => None,
+        }
+    }
+
+    /// For a stream, an SSE event that tells the client (and its SDK, which
+    /// raises it as an API error) why the stream stops here.
+    fn error_event(&self, code: &str, message: &str) -> Option<Bytes> {
+        let Tap::Sse(t) = self else {
+            return None;
+        };
+        let error = serde_json::json!({"error": {
+            "message": message, "type": "api_error", "param": null, "code": code}});
+        let lead = if t.at_event_boundary() { "" } else { "\n\n" };
+        Some(Bytes::from(format!("{lead}data: {error}\n\n")))
     }
 
     fn usage(&self) -> Option<Usage> {
@@ -93,6 +118,9 @@ struct State {
     idle: Duration,
     metrics: Arc<Metrics>,
     done: bool,
+    /// An error to end the body with, after the event that announces it.
+    failure: Option<RelayError>,
+    anomaly_counted: bool,
     _inflight: InflightGuard,
 }
 
@@ -103,6 +131,22 @@ impl State {
             && let Some(f) = self.on_usage.take()
         {
             f(usage);
+        }
+    }
+
+    /// Counts a malformed response once. A JSON body with a Content-Length
+    /// is judged when its last byte passes (the end may never be polled).
+    fn check(&mut self, ended: bool) {
+        if self.anomaly_counted {
+            return;
+        }
+        if let Some(kind) = self.tap.anomaly(ended) {
+            self.anomaly_counted = true;
+            tracing::warn!(kind, "upstream response is malformed; passed on as it is");
+            self.metrics
+                .upstream_invalid_responses_total
+                .with_label_values(&[kind])
+                .inc();
         }
     }
 
@@ -131,10 +175,18 @@ pub fn relay(
         idle,
         metrics,
         done: false,
+        failure: None,
+        anomaly_counted: false,
         _inflight: inflight,
     };
     let stream = futures_util::stream::unfold(state, |mut st| async move {
         loop {
+            if let Some(e) = st.failure.take() {
+                // Let the server flush the error event before the body
+                // fails (a failing body aborts the connection at once).
+                tokio::time::sleep(FLUSH_BEFORE_ABORT).await;
+                return Some((Err(e), st));
+            }
             if st.done {
                 return None;
             }
@@ -143,11 +195,19 @@ pub fn relay(
                     st.interrupted("idle_timeout");
                     tracing::warn!(idle = ?st.idle, "upstream stream idle too long; cutting it off");
                     let idle = st.idle;
+                    let message = format!(
+                        "the upstream sent nothing for {idle:?}; condense ended the stream"
+                    );
+                    if let Some(event) = st.tap.error_event("upstream_idle_timeout", &message) {
+                        st.failure = Some(RelayError::IdleTimeout(idle));
+                        return Some((Ok(event), st));
+                    }
                     return Some((Err(RelayError::IdleTimeout(idle)), st));
                 }
                 Ok(Some(Ok(chunk))) => {
                     let out = st.tap.push(chunk);
                     st.report_usage();
+                    st.check(false);
                     if !out.is_empty() {
                         return Some((Ok(out), st));
                     }
@@ -155,12 +215,18 @@ pub fn relay(
                 Ok(Some(Err(e))) => {
                     st.interrupted("upstream_error");
                     tracing::warn!(error = %e, "upstream body failed mid-response");
+                    let message = "the upstream connection failed mid-stream";
+                    if let Some(event) = st.tap.error_event("upstream_stream_interrupted", message)
+                    {
+                        return Some((Ok(event), st));
+                    }
                     return Some((Err(RelayError::Upstream(e)), st));
                 }
                 Ok(None) => {
                     st.done = true;
                     let rest = st.tap.finish();
                     st.report_usage();
+                    st.check(true);
                     if !rest.is_empty() {
                         return Some((Ok(rest), st));
                     }

@@ -85,6 +85,8 @@ pub struct SseTap {
     strip: bool,
     pending: BytesMut,
     usage: Option<Usage>,
+    /// Whether the `data: [DONE]` event went by.
+    done: bool,
 }
 
 impl SseTap {
@@ -93,7 +95,19 @@ impl SseTap {
             strip,
             pending: BytesMut::new(),
             usage: None,
+            done: false,
         }
+    }
+
+    /// Whether the stream ended properly, with `data: [DONE]`.
+    pub fn saw_done(&self) -> bool {
+        self.done
+    }
+
+    /// Whether the client has been sent whole events only, so an event
+    /// condense adds starts cleanly.
+    pub fn at_event_boundary(&self) -> bool {
+        self.strip || self.pending.is_empty()
     }
 
     /// Takes a chunk from the upstream; returns the bytes to send the client
@@ -132,6 +146,11 @@ impl SseTap {
     /// Reads one complete event; returns the bytes to forward for it when
     /// stripping (None drops it).
     fn process(&mut self, event: &[u8]) -> Option<Bytes> {
+        if memchr::memmem::find(event, b"data: [DONE]").is_some()
+            || memchr::memmem::find(event, b"data:[DONE]").is_some()
+        {
+            self.done = true;
+        }
         // Only events that mention usage need a closer look.
         let strip = self.strip;
         let verbatim = || strip.then(|| Bytes::copy_from_slice(event));
@@ -213,6 +232,9 @@ pub struct JsonTap {
     /// the tap finishes itself when the last byte passes.
     expected_len: Option<u64>,
     seen: u64,
+    finished: bool,
+    /// The complete body was not a JSON object.
+    invalid: bool,
 }
 
 impl JsonTap {
@@ -226,6 +248,8 @@ impl JsonTap {
             usage: None,
             expected_len,
             seen: 0,
+            finished: false,
+            invalid: false,
         }
     }
 
@@ -244,9 +268,19 @@ impl JsonTap {
 
     /// The body is complete: read its usage (once; not on every chunk).
     pub fn finish(&mut self) {
-        if !self.overflowed && self.usage.is_none() {
-            self.usage = Usage::from_json_body(&self.buf.split().freeze());
+        if self.finished || self.overflowed {
+            return;
         }
+        self.finished = true;
+        match RawObject::parse(&self.buf.split().freeze()) {
+            Ok(obj) => self.usage = Usage::from_object(&obj),
+            Err(_) => self.invalid = true,
+        }
+    }
+
+    /// Whether the complete body was not a JSON object.
+    pub fn invalid(&self) -> bool {
+        self.invalid
     }
 
     pub fn usage(&self) -> Option<Usage> {
