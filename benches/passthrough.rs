@@ -1,16 +1,21 @@
-//! Passthrough overhead: the same load sent straight to a zero-delay mock
-//! upstream and through condense in front of it, in one run.
+//! Load benchmark: the same load sent straight to a zero-delay mock upstream
+//! and through condense in front of it, in one run.
 //!
-//! For a small chat request and a ~200 KB agent conversation it reports, at
-//! a fixed request rate: latency p50/p99/p99.9 direct and proxied, the added
-//! latency, and errors; then at saturation (closed loop, fixed concurrency)
-//! the throughput direct and proxied and their ratio; and condense's resident
-//! memory when idle and at its peak.
+//! Bodies: a small chat request and a ~300 KB agent conversation that needs
+//! compaction (its model has a 32k window), each as a JSON and as a streamed
+//! request. For each, at a fixed request rate: latency p50/p99/p99.9 direct
+//! and proxied, the added latency, and errors; then at saturation (closed
+//! loop, fixed concurrency) the throughput direct and proxied and their
+//! ratio. Then many slow streams held open at once (one chunk every 5 s):
+//! how many completed, and condense's memory meanwhile. condense's resident
+//! memory is reported idle, during the slow streams, and at its peak.
 //!
 //! Run: `cargo bench --bench passthrough`. Knobs (environment):
-//! `BENCH_RATE` (requests/s, default 1000), `BENCH_SECONDS` (per fixed-rate
-//! phase, default 30), `BENCH_SATURATION_SECONDS` (default 10),
-//! `BENCH_CONCURRENCY` (default 16). condense runs as its own process (the
+//! `BENCH_RATE` (small requests/s, default 1000), `BENCH_AGENT_RATE` (agent
+//! requests/s, default 50), `BENCH_SECONDS` (per fixed-rate phase, default
+//! 30), `BENCH_SATURATION_SECONDS` (default 10), `BENCH_CONCURRENCY`
+//! (default 16), `BENCH_SLOW_STREAMS` (default 1000), `BENCH_SLOW_SECONDS`
+//! (default 60; 0 skips the phase). condense runs as its own process (the
 //! release binary), so its memory is measured alone; the mock upstream and
 //! the load generator share this process. On a 2-core machine all three
 //! compete for the CPU: compare the two columns, not absolute numbers.
@@ -25,6 +30,7 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
 
 fn env_f64(name: &str, default: f64) -> f64 {
     std::env::var(name)
@@ -35,12 +41,47 @@ fn env_f64(name: &str, default: f64) -> f64 {
 
 const RESPONSE: &str = r#"{"id":"chatcmpl-bench","object":"chat.completion","created":1,"model":"gpt-4o","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":100,"completion_tokens":1,"total_tokens":101}}"#;
 
-/// The zero-delay upstream: reads the body, answers a fixed completion.
+const CHUNK: &str = "data: {\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"gpt-4o\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ok\"},\"finish_reason\":null}]}\n\n";
+const USAGE: &str = "data: {\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"gpt-4o\",\"choices\":[],\"usage\":{\"prompt_tokens\":100,\"completion_tokens\":1,\"total_tokens\":101}}\n\n";
+const DONE: &str = "data: [DONE]\n\n";
+
+/// The zero-delay upstream: reads the body, answers a fixed completion (a
+/// stream when asked for one; a slow stream, one chunk every 5 s for
+/// `x-slow-seconds`, when that header is set).
 async fn mock(req: Request) -> Response {
-    let _ = axum::body::to_bytes(req.into_body(), usize::MAX).await;
-    let mut r = RESPONSE.into_response();
+    let slow: Option<u64> = req
+        .headers()
+        .get("x-slow-seconds")
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let body = axum::body::to_bytes(req.into_body(), usize::MAX)
+        .await
+        .unwrap_or_default();
+    let stream = memchr::memmem::find(&body, b"\"stream\":true").is_some();
+    if !stream {
+        let mut r = RESPONSE.into_response();
+        r.headers_mut()
+            .insert("content-type", "application/json".parse().unwrap());
+        return r;
+    }
+    let events: Vec<&'static str> = match slow {
+        None => vec![CHUNK, CHUNK, CHUNK, USAGE, DONE],
+        Some(s) => {
+            let mut e = vec![CHUNK; (s / 5).max(1) as usize];
+            e.extend([USAGE, DONE]);
+            e
+        }
+    };
+    let pause = Duration::from_secs(if slow.is_some() { 5 } else { 0 });
+    let s =
+        futures_util::stream::iter(events.into_iter().enumerate()).then(move |(i, e)| async move {
+            if i > 0 && !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
+            Ok::<_, std::io::Error>(Bytes::from_static(e.as_bytes()))
+        });
+    let mut r = Response::new(axum::body::Body::from_stream(s));
     r.headers_mut()
-        .insert("content-type", "application/json".parse().unwrap());
+        .insert("content-type", "text/event-stream".parse().unwrap());
     r
 }
 
@@ -71,6 +112,9 @@ fn start_condense(upstream: SocketAddr) -> (Child, SocketAddr) {
             format!("http://{upstream}/v1"),
         )
         .env("CONDENSE_LOG__LEVEL", "warn,condense=info")
+        // The agent conversation's model is unknown: this window applies.
+        .env("CONDENSE_DEFAULT_CONTEXT_WINDOW", "32768")
+        .env("CONDENSE_UPSTREAM__LEARN_WINDOWS", "false")
         .env("RUST_LOG", "warn,condense::server=warn,condense=info")
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
@@ -104,21 +148,23 @@ fn memory_mib(pid: u32) -> (f64, f64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
-fn small_body() -> Bytes {
+fn small_body(stream: bool) -> Bytes {
     Bytes::from(
         serde_json::json!({
             "model": "gpt-4o",
             "messages": [
                 {"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": "What is the capital of France?"}
-            ]
+            ],
+            "stream": stream,
         })
         .to_string(),
     )
 }
 
-/// An agent conversation of about `bytes` bytes: tool calls and results.
-fn agent_body(bytes: usize) -> Bytes {
+/// An agent conversation of about `bytes` bytes: tool calls and results,
+/// for a model condense gives a 32k window, so it is compacted.
+fn agent_body(bytes: usize, stream: bool) -> Bytes {
     let mut messages = vec![
         serde_json::json!({"role": "system", "content": "You are a coding agent. Use the tools."}),
         serde_json::json!({"role": "user", "content": "Fix the failing test in src/parser.rs"}),
@@ -135,7 +181,61 @@ fn agent_body(bytes: usize) -> Bytes {
         messages.push(serde_json::json!({"role": "assistant", "content": format!("Looked at file {i}; moving on.")}));
         i += 1;
     }
-    Bytes::from(serde_json::json!({"model": "gpt-4o", "messages": messages}).to_string())
+    Bytes::from(
+        serde_json::json!({"model": "bench-agent", "messages": messages, "stream": stream})
+            .to_string(),
+    )
+}
+
+/// Reads a whole response; a stream must end with `[DONE]`.
+async fn complete(r: reqwest::Response) -> bool {
+    let sse = r
+        .headers()
+        .get("content-type")
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    match r.bytes().await {
+        Ok(b) => !sse || b.ends_with(DONE.as_bytes()),
+        Err(_) => false,
+    }
+}
+
+/// Holds `n` slow streams open through condense at once; returns how many
+/// completed and condense's highest RSS meanwhile.
+async fn slow_streams(url: &str, n: usize, secs: u64, pid: u32) -> (usize, f64) {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let mut tasks = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (client, url) = (client.clone(), url.to_string());
+        tasks.push(tokio::spawn(async move {
+            match client
+                .post(&url)
+                .header("x-slow-seconds", secs.to_string())
+                .body(small_body(true))
+                .send()
+                .await
+            {
+                Ok(r) => r.status().is_success() && complete(r).await,
+                Err(_) => false,
+            }
+        }));
+    }
+    let sampler = tokio::spawn(async move {
+        let mut peak: f64 = 0.0;
+        for _ in 0..(secs + 10) {
+            peak = peak.max(memory_mib(pid).0);
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        peak
+    });
+    let mut done = 0;
+    for t in tasks {
+        done += usize::from(t.await.unwrap_or(false));
+    }
+    let peak = sampler.await.unwrap_or(f64::NAN);
+    (done, peak)
 }
 
 struct Phase {
@@ -179,7 +279,7 @@ async fn fixed_rate(
                 .send()
                 .await
             {
-                Ok(r) => r.status().is_success() && r.bytes().await.is_ok(),
+                Ok(r) => r.status().is_success() && complete(r).await,
                 Err(_) => false,
             };
             (t.elapsed(), ok)
@@ -220,7 +320,7 @@ async fn saturation(
             let (mut done, mut errors) = (0usize, 0usize);
             while Instant::now() < deadline {
                 let ok = match client.post(&url).body(body.clone()).send().await {
-                    Ok(r) => r.status().is_success() && r.bytes().await.is_ok(),
+                    Ok(r) => r.status().is_success() && complete(r).await,
                     Err(_) => false,
                 };
                 if ok {
@@ -243,6 +343,9 @@ async fn saturation(
 
 fn main() {
     let rate = env_f64("BENCH_RATE", 1000.0);
+    let agent_rate = env_f64("BENCH_AGENT_RATE", 50.0);
+    let slow_n = env_f64("BENCH_SLOW_STREAMS", 1000.0) as usize;
+    let slow_secs = env_f64("BENCH_SLOW_SECONDS", 60.0) as u64;
     let secs = env_f64("BENCH_SECONDS", 30.0);
     let sat_secs = env_f64("BENCH_SATURATION_SECONDS", 10.0);
     let concurrency = env_f64("BENCH_CONCURRENCY", 16.0) as usize;
@@ -265,17 +368,42 @@ fn main() {
     let proxy_url = format!("http://{proxy}/v1/chat/completions");
 
     println!(
-        "condense passthrough benchmark: {rate} req/s for {secs} s per phase; saturation {concurrency} workers for {sat_secs} s"
+        "condense load benchmark: {rate} small / {agent_rate} agent req/s for {secs} s per phase; saturation {concurrency} workers for {sat_secs} s"
     );
     println!("condense idle RSS: {idle_rss:.1} MiB\n");
     println!("| body | path | p50 ms | p99 ms | p99.9 ms | errors | max send lag ms |");
     println!("|---|---|---|---|---|---|---|");
     let bodies = [
-        ("small (~200 B)", small_body()),
-        ("agent (~200 KB)", agent_body(200 * 1024)),
+        ("small JSON", small_body(false), rate),
+        ("small stream", small_body(true), rate),
+        (
+            "agent 300 KB JSON, compacted",
+            agent_body(300 * 1024, false),
+            agent_rate,
+        ),
+        (
+            "agent 300 KB stream, compacted",
+            agent_body(300 * 1024, true),
+            agent_rate,
+        ),
     ];
+    // The agent conversation really is compacted.
+    let actions = rt.block_on(async {
+        let r = client
+            .post(&proxy_url)
+            .body(bodies[2].1.clone())
+            .send()
+            .await
+            .unwrap();
+        r.headers()
+            .get("x-condense-actions")
+            .map(|v| v.to_str().unwrap_or("").to_string())
+            .unwrap_or_default()
+    });
+    println!("agent conversation through condense: x-condense-actions: {actions}\n");
     let mut added = Vec::new();
-    for (name, body) in &bodies {
+    for (name, body, rate) in &bodies {
+        let rate = *rate;
         // Warm both paths (connections, allocator) before measuring.
         rt.block_on(fixed_rate(&client, &direct_url, body, rate, 1.0));
         rt.block_on(fixed_rate(&client, &proxy_url, body, rate, 1.0));
@@ -306,7 +434,7 @@ fn main() {
     }
     println!("\n| body | direct req/s | proxied req/s | ratio | errors (direct/proxied) |");
     println!("|---|---|---|---|---|");
-    for (name, body) in &bodies {
+    for (name, body, _) in &bodies {
         let (d, de) = rt.block_on(saturation(
             &client,
             &direct_url,
@@ -316,6 +444,13 @@ fn main() {
         ));
         let (p, pe) = rt.block_on(saturation(&client, &proxy_url, body, concurrency, sat_secs));
         println!("| {name} | {d:.0} | {p:.0} | {:.2} | {de}/{pe} |", p / d);
+    }
+    if slow_secs > 0 && slow_n > 0 {
+        let (done, during) = rt.block_on(slow_streams(&proxy_url, slow_n, slow_secs, child.id()));
+        println!(
+            "\nslow streams: {slow_n} held open through condense for {slow_secs} s: {done} completed with [DONE], {} dropped; condense RSS during: up to {during:.1} MiB",
+            slow_n - done
+        );
     }
     let (rss, peak) = memory_mib(child.id());
     println!("\ncondense RSS after the run: {rss:.1} MiB; peak: {peak:.1} MiB");

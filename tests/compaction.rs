@@ -223,9 +223,11 @@ proptest! {
             }
         }
         prop_assert!(result[0].raw() == input[0].raw(), "system prompt changed");
-        // Idempotence: compacting the output again changes nothing.
-        let again = run(&svc, &result, budget);
-        prop_assert!(again.messages.is_none(), "second pass changed it: {:?} then {:?}", out.stages, again.stages);
+        // Idempotence: compacting an output that fits again changes nothing.
+        if out.fits {
+            let again = run(&svc, &result, budget);
+            prop_assert!(again.messages.is_none(), "second pass changed it: {:?} then {:?}", out.stages, again.stages);
+        }
     }
 }
 

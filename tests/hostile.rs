@@ -87,7 +87,8 @@ async fn bodies_that_are_not_chat_json_are_forwarded_for_the_upstream_to_judge()
         b"".to_vec(),
         b"{\"model\":\"gpt-4o\",\"messages\":[".to_vec(),
         vec![0xff, 0xfe, b'{', 0x80, b'}'],
-        b"{\"model\":\"gpt-4o\",\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}".to_vec(),
+        b"{\"model\":\"gpt-4o\",\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}"
+            .to_vec(),
         b"[1,2,3]".to_vec(),
         b"null".to_vec(),
         deep.into_bytes(),
@@ -163,14 +164,18 @@ async fn odd_messages_under_pressure_are_compacted_safely() {
             {"id": "dup", "type": "function", "function": {"name": "run", "arguments": format!("{{\"cmd\":\"{}\"}}", "x".repeat(800))}},
             {"id": "dup", "type": "function", "function": {"name": "run", "arguments": "not json {"}}]}));
         messages.push(json!({"role": "tool", "tool_call_id": "dup", "content": [{"type": "text", "text": big}]}));
-        messages.push(json!({"role": "tool", "tool_call_id": "dup", "content": format!("{t}: {big}")}));
+        messages
+            .push(json!({"role": "tool", "tool_call_id": "dup", "content": format!("{t}: {big}")}));
         messages.push(json!({"role": "function", "name": "old_style", "content": big}));
     }
     messages.push(json!({"role": "user", "content": "Now fix it."}));
     let body = json!({"model": "tiny-agent", "messages": messages, "max_tokens": 256});
     let resp = post(&h, body.to_string()).await;
     assert_eq!(resp.status(), 200);
-    let actions = resp.headers()["x-condense-actions"].to_str().unwrap().to_string();
+    let actions = resp.headers()["x-condense-actions"]
+        .to_str()
+        .unwrap()
+        .to_string();
     assert_ne!(actions, "none");
     let _ = resp.bytes().await;
     let sent = h.mock.last().json();
@@ -196,8 +201,14 @@ async fn a_hundred_thousand_messages_neither_panic_nor_hang() {
     assert_eq!(resp.status(), 200);
     let _ = resp.bytes().await;
     let sent = h.mock.last().json();
-    assert_eq!(sent["messages"][0], json!({"role": "system", "content": "s"}));
-    assert_eq!(sent["messages"].as_array().unwrap().last().unwrap(), &json!({"role": "user", "content": "last"}));
+    assert_eq!(
+        sent["messages"][0],
+        json!({"role": "system", "content": "s"})
+    );
+    assert_eq!(
+        sent["messages"].as_array().unwrap().last().unwrap(),
+        &json!({"role": "user", "content": "last"})
+    );
     clean(&h).await;
 }
 
@@ -205,7 +216,8 @@ async fn a_hundred_thousand_messages_neither_panic_nor_hang() {
 async fn a_huge_string_is_measured_and_forwarded() {
     let h = harness().await;
     let huge = "word ".repeat(800_000);
-    let body = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": huge}]}).to_string();
+    let body =
+        json!({"model": "gpt-4o", "messages": [{"role": "user", "content": huge}]}).to_string();
     let resp = post(&h, body.clone()).await;
     assert_eq!(resp.status(), 200);
     // The last user message is never cut: forwarded as it came (it does
@@ -243,7 +255,10 @@ async fn header_tricks_cannot_split_the_response() {
         assert!(!text.starts_with("HTTP/1.1 5"), "{trick:?}: {text}");
         let head = text.split("\r\n\r\n").next().unwrap();
         for line in head.lines().skip(1) {
-            assert!(!line.to_ascii_lowercase().starts_with("injected"), "{trick:?}: {head}");
+            assert!(
+                !line.to_ascii_lowercase().starts_with("injected"),
+                "{trick:?}: {head}"
+            );
             assert!(line.contains(':'), "{trick:?}: {head}");
         }
     }

@@ -26,8 +26,10 @@
 //! messages, the last user message and unconsumed tool results come out
 //! byte-identical (except under `emergency`); every tool result still
 //! follows the call it answers; the output never has more tokens than the
-//! input; a request under the trigger is returned unchanged; compacting the
-//! output again changes nothing.
+//! input; a request under the trigger is returned unchanged; compacting an
+//! output that fits its budget again changes nothing (one that does not fit
+//! was cut as far as one `emergency` pass goes, and a second pass may cut
+//! more).
 
 pub mod conversation;
 pub mod emergency;
