@@ -13,6 +13,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -227,6 +228,14 @@ impl Server {
                 source,
             })?;
         let addr = listener.local_addr()?;
+        // Streams are relayed chunk by chunk: without TCP_NODELAY, Nagle's
+        // algorithm holds each small chunk until the client's delayed ACK
+        // (about 40 ms per chunk on Linux).
+        let listener = listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "cannot set TCP_NODELAY on a client connection");
+            }
+        });
         let (stop, mut stopped) = watch::channel(false);
         let flag = state.shutting_down.clone();
         let service = app(state.clone()).into_make_service();
