@@ -78,9 +78,16 @@ fn check_config_fails_on_unknown_or_invalid_keys() {
 #[tokio::test]
 async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() {
     let mock = MockUpstream::start().await;
+    // The summarizer (the mock) answers 401 quoting the key it was sent.
+    mock.set_summary_mode("echo_key");
     let mut child = condense()
         .env("CONDENSE_SERVER__LISTEN", "127.0.0.1:0")
         .env("CONDENSE_UPSTREAM__BASE_URL", mock.base_url())
+        // Summaries for any request of more than 6 messages, on a small
+        // window, so that the summarizer path runs too.
+        .env("CONDENSE_SUMMARY__TRIGGER__KIND", "messages")
+        .env("CONDENSE_SUMMARY__TRIGGER__VALUE", "6")
+        .env("CONDENSE_DEFAULT_CONTEXT_WINDOW", "2048")
         .env("RUST_LOG", "trace")
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
@@ -122,6 +129,42 @@ async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() 
         mock.last().headers["authorization"],
         "Bearer sk-never-log-this-key"
     );
+    // A long session: the summarizer is called (with the client's key, on
+    // the upstream's host) and fails; then an overflow is recovered.
+    let mut messages = vec![
+        serde_json::json!({"role": "system", "content": "s"}),
+        serde_json::json!({"role": "user", "content": "task"}),
+    ];
+    for t in 0..10 {
+        messages.push(serde_json::json!({"role": "assistant", "content": format!("step {t}")}));
+        messages.push(serde_json::json!({"role": "user", "content": format!("ok {t}")}));
+    }
+    let long = serde_json::json!({"model": "small-model", "messages": messages, "max_tokens": 64});
+    for extra in [None, Some(("x-mock-window", "100"))] {
+        let mut req = client
+            .post(format!("http://{addr}/v1/chat/completions"))
+            .bearer_auth("sk-never-log-this-key")
+            .header("x-mock-token-factor", "1.0");
+        if let Some((k, v)) = extra {
+            req = req.header(k, v);
+        }
+        let resp = req.body(long.to_string()).send().await.unwrap();
+        // The overflow may be beyond recovery; either way it is logged.
+        assert!(resp.status() == 200 || extra.is_some(), "{}", resp.status());
+        resp.text().await.unwrap();
+    }
+    let calls = mock.summary_calls();
+    assert!(!calls.is_empty(), "the summarizer path ran");
+    assert_eq!(
+        calls[0].headers["authorization"],
+        "Bearer sk-never-log-this-key"
+    );
+    assert!(
+        mock.state
+            .overflows
+            .load(std::sync::atomic::Ordering::SeqCst)
+            >= 1
+    );
 
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
@@ -136,6 +179,8 @@ async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() 
     reader.join().unwrap();
     let log = log.lock().unwrap().clone();
     assert!(log.contains("shutdown signal received"), "{log}");
+    assert!(log.contains("summarizer call failed"), "{log}");
+    assert!(log.contains("upstream context overflow"), "{log}");
     assert!(
         !log.contains("never-log-this"),
         "a key reached the logs:\n{log}"

@@ -111,6 +111,13 @@ impl Client {
             "stream": false,
         });
         body[max_field] = json!(max_tokens);
+        let secrets: Vec<String> = headers
+            .iter()
+            .filter(|(name, _)| CREDENTIAL_HEADERS.contains(&name.as_str()))
+            .filter_map(|(_, v)| v.to_str().ok())
+            .map(|v| v.trim_start_matches("Bearer ").to_string())
+            .filter(|v| v.len() >= 8)
+            .collect();
         let resp = self
             .http
             .post(&self.url)
@@ -125,7 +132,14 @@ impl Client {
             .await
             .map_err(|e| CallError::Transport(e.without_url().to_string()))?;
         if !status.is_success() {
-            let body = String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).to_string();
+            // The error is logged: a summarizer that echoes the key it was
+            // sent must not put it in the logs.
+            let mut body = String::from_utf8_lossy(&bytes).to_string();
+            for s in &secrets {
+                body = body.replace(s.as_str(), "[redacted]");
+            }
+            let cut = crate::compaction::text::floor_boundary(&body, 300);
+            body.truncate(cut);
             return Err(CallError::Status {
                 status: status.as_u16(),
                 body,

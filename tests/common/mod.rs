@@ -18,7 +18,8 @@
 //!   summarizer call: it is answered per `MockState::summary_mode` ("ok": a
 //!   checkpoint with every section, naming the call's number as
 //!   `checkpoint-N`; "error": a 500; "hang": never; "unusable": an answer
-//!   without the sections), after `summary_delay_ms`.
+//!   without the sections; "echo_key": a 401 quoting the Authorization it
+//!   got), after `summary_delay_ms`.
 //! - `x-mock-window: N` rejects a chat request whose prompt tokens plus
 //!   `max_tokens` exceed N with OpenAI's `context_length_exceeded` error
 //!   (counted in `MockState::overflows`); `x-mock-always-overflow: 1`
@@ -168,7 +169,7 @@ async fn handle(State(state): State<Arc<MockState>>, req: Request) -> Response {
     }
     if parts.uri.path() == "/v1/chat/completions" && parts.method == "POST" {
         if is_summary_call(&body) {
-            return summary(state).await;
+            return summary(state, h).await;
         }
         return chat(state, h, &body);
     }
@@ -198,7 +199,7 @@ pub fn is_summary_call(body: &[u8]) -> bool {
         .is_some_and(|c| c.contains("<conversation>"))
 }
 
-async fn summary(state: Arc<MockState>) -> Response {
+async fn summary(state: Arc<MockState>, h: &HeaderMap) -> Response {
     let n = state
         .requests
         .lock()
@@ -215,6 +216,14 @@ async fn summary(state: Arc<MockState>) -> Response {
             return (StatusCode::INTERNAL_SERVER_ERROR, "summarizer down").into_response();
         }
         "hang" => std::future::pending::<String>().await,
+        "echo_key" => {
+            let key = h
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("none");
+            let body = json!({"error": {"message": format!("Incorrect API key provided: {key}"), "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}});
+            return (StatusCode::UNAUTHORIZED, body.to_string()).into_response();
+        }
         "unusable" => "Sure! The agent worked on some files.".to_string(),
         _ => format!(
             "## Task intent\nFix the failing test.\n## Files and artifacts\nsrc/parser.rs\n## Decisions\nnone\n## Errors and blockers\nerror[E0308]\n## Current state\nreading files\n## Next steps\nfix it\n## Critical identifiers\ncheckpoint-{n}\n"
