@@ -490,24 +490,7 @@ impl Proxy {
     ) -> Option<Prepared> {
         let chat = ChatRequest::parse(original).ok()?;
         let p = self.measure_or_forward(chat, original, model, info).ok()?;
-        let p = match (&p.pending, &self.summarizer) {
-            (None, _) => p,
-            (Some(_), None) => pipeline::finish(&self.tokens, p, None),
-            (Some(_), Some(s)) => {
-                let work = pipeline::summarize(
-                    &self.tokens,
-                    s,
-                    self.upstream.base_url(),
-                    model,
-                    Some(headers),
-                    p,
-                );
-                match AssertUnwindSafe(work).catch_unwind().await {
-                    Ok((p, Some(Ok(_)))) => p,
-                    _ => return None,
-                }
-            }
-        };
+        let p = self.checkpointed(p, model, headers, false).await?;
         let outcome = p.outcome.as_ref()?;
         if outcome.messages.is_none() || !outcome.fits {
             return None;
@@ -569,27 +552,44 @@ impl Proxy {
         model: String,
         headers: &HeaderMap,
     ) -> Prepared {
-        let p = match (&p.pending, &self.summarizer) {
-            (None, _) => p,
-            (Some(_), None) => pipeline::finish(&self.tokens, p, None),
+        let Some(p) = self.checkpointed(p, &model, headers, true).await else {
+            return self.forward_unchanged(body, &model);
+        };
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.ready(p, &model))) {
+            Ok(prepared) => prepared,
+            Err(_) => self.forward_unchanged(body, &model),
+        }
+    }
+
+    /// Finishes a request whose plan needs a checkpoint: with one from the
+    /// summarizer, or (with `mechanical_fallback`) with the mechanical plan
+    /// when none comes. None when it cannot be finished (no checkpoint and
+    /// no fallback, or a panic).
+    async fn checkpointed(
+        &self,
+        p: pipeline::Processed,
+        model: &str,
+        headers: &HeaderMap,
+        mechanical_fallback: bool,
+    ) -> Option<pipeline::Processed> {
+        match (&p.pending, &self.summarizer) {
+            (None, _) => Some(p),
+            (Some(_), None) => Some(pipeline::finish(&self.tokens, p, None)),
             (Some(_), Some(summarizer)) => {
                 let work = pipeline::summarize(
                     &self.tokens,
                     summarizer,
                     self.upstream.base_url(),
-                    &model,
+                    model,
                     Some(headers),
                     p,
                 );
                 match AssertUnwindSafe(work).catch_unwind().await {
-                    Ok((p, _)) => p,
-                    Err(_) => return self.forward_unchanged(body, &model),
+                    Ok((_, Some(Err(_)))) if !mechanical_fallback => None,
+                    Ok((p, _)) => Some(p),
+                    Err(_) => None,
                 }
             }
-        };
-        match std::panic::catch_unwind(AssertUnwindSafe(|| self.ready(p, &model))) {
-            Ok(prepared) => prepared,
-            Err(_) => self.forward_unchanged(body, &model),
         }
     }
 
