@@ -5,17 +5,11 @@
 mod common;
 
 use common::Harness;
-use condense::config::{Config, ModelProfile};
+use condense::config::Config;
 use serde_json::{Value, json};
 
 fn small_window(c: &mut Config) {
-    c.models.push(ModelProfile {
-        pattern: "agent-*".to_string(),
-        context_window: 8192,
-        encoding: None,
-        trigger: None,
-        target: None,
-    });
+    c.models.push(common::profile("agent-*", 8192));
 }
 
 fn long_session() -> Value {

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::Harness;
-use condense::config::{Config, ModelProfile};
+use condense::config::Config;
 use serde_json::{Value, json};
 
 static PANICS: AtomicUsize = AtomicUsize::new(0);
@@ -33,13 +33,7 @@ fn count_panics() {
 async fn harness() -> Harness {
     count_panics();
     Harness::with(|c: &mut Config| {
-        c.models.push(ModelProfile {
-            pattern: "tiny-*".to_string(),
-            context_window: 4096,
-            encoding: None,
-            trigger: None,
-            target: None,
-        });
+        c.models.push(common::profile("tiny-*", 4096));
     })
     .await
 }

@@ -251,13 +251,7 @@ async fn replay_against_a_small_window(
     window: &str,
 ) -> (usize, usize, usize) {
     let h = Harness::with(|c| {
-        c.models = vec![condense::config::ModelProfile {
-            pattern: "*".to_string(),
-            context_window: 131_072,
-            encoding: None,
-            trigger: None,
-            target: None,
-        }];
+        c.models = vec![common::profile("*", 131_072)];
     })
     .await;
     let full: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();

@@ -10,17 +10,11 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
 use common::{Harness, Redis};
-use condense::config::{Config, ModelProfile, SummaryTrigger, TriggerKind};
+use condense::config::{Config, SummaryTrigger, TriggerKind};
 use serde_json::{Value, json};
 
 fn small_window(c: &mut Config) {
-    c.models.push(ModelProfile {
-        pattern: "agent-*".to_string(),
-        context_window: 8192,
-        encoding: None,
-        trigger: None,
-        target: None,
-    });
+    c.models.push(common::profile("agent-*", 8192));
 }
 
 /// Summarize once a request has more than `n` messages, with a summarizer
@@ -365,13 +359,7 @@ async fn a_summarizer_on_another_host_never_gets_the_clients_key() {
         by_messages(20.0)(c);
         c.summary.base_url = Some(url);
         c.summary.model = Some("summarizer-mini".to_string());
-        c.models.push(ModelProfile {
-            pattern: "summarizer-*".to_string(),
-            context_window: 128_000,
-            encoding: None,
-            trigger: None,
-            target: None,
-        });
+        c.models.push(common::profile("summarizer-*", 128_000));
     })
     .await;
     let resp = send(&h, &session(12, 5)).await;

@@ -7,19 +7,13 @@
 mod common;
 
 use common::Harness;
-use condense::config::{Config, ModelProfile};
+use condense::config::Config;
 use serde_json::{Value, json};
 
 /// A model with a small window, so modest requests are measured (not
 /// waved through on the cheap path).
 fn small_window(c: &mut Config) {
-    c.models.push(ModelProfile {
-        pattern: "small-*".to_string(),
-        context_window: 4096,
-        encoding: None,
-        trigger: None,
-        target: None,
-    });
+    c.models.push(common::profile("small-*", 4096));
 }
 
 fn conversation(model: &str, turns: usize, stream: bool) -> Value {

@@ -404,6 +404,17 @@ impl Harness {
     }
 }
 
+/// A `[[models]]` profile: `pattern` gets a `window`-token context window.
+pub fn profile(pattern: &str, window: u64) -> condense::config::ModelProfile {
+    condense::config::ModelProfile {
+        pattern: pattern.to_string(),
+        context_window: window,
+        encoding: None,
+        trigger: None,
+        target: None,
+    }
+}
+
 pub fn chat_body(stream: bool) -> Value {
     json!({
         "model": "gpt-4o",
