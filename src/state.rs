@@ -126,6 +126,54 @@ impl StateStore {
         }
     }
 
+    /// Takes a lease on `key` for `ttl`, so that one replica does a piece
+    /// of work the others then find stored. True when this caller holds it;
+    /// in process always (single flight covers one process), and also when
+    /// Redis fails (doing the work twice beats not doing it).
+    pub async fn lease(&self, key: &str, ttl: Duration) -> bool {
+        let Backend::Redis { conn, timeout } = &self.backend else {
+            return true;
+        };
+        let mut conn = conn.clone();
+        let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(format!("{PREFIX}lease:{key}"))
+            .arg(1)
+            .arg("NX")
+            .arg("PX")
+            .arg(ms);
+        match tokio::time::timeout(*timeout, cmd.query_async::<Option<String>>(&mut conn)).await {
+            Ok(Ok(taken)) => taken.is_some(),
+            Ok(Err(e)) => {
+                self.failed("lease", &e.to_string());
+                true
+            }
+            Err(_) => {
+                self.failed("lease", "timed out");
+                true
+            }
+        }
+    }
+
+    /// Gives up a lease taken with [`StateStore::lease`] (the work failed;
+    /// another replica may try at once).
+    pub async fn release(&self, key: &str) {
+        let Backend::Redis { conn, timeout } = &self.backend else {
+            return;
+        };
+        let mut conn = conn.clone();
+        let del = conn.del::<_, ()>(format!("{PREFIX}lease:{key}"));
+        match tokio::time::timeout(*timeout, del).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                self.failed("release", &e.to_string());
+            }
+            Err(_) => {
+                self.failed("release", "timed out");
+            }
+        }
+    }
+
     fn failed(&self, op: &'static str, error: &str) -> Option<String> {
         tracing::warn!(op, error, "state store unavailable; carrying on without it");
         if let Some(m) = &self.metrics {

@@ -475,3 +475,44 @@ async fn a_redis_that_goes_away_is_a_miss_and_comes_back() {
     }
     assert!(reused, "checkpoints are reused once Redis is back");
 }
+
+#[tokio::test]
+async fn concurrent_requests_on_two_replicas_share_one_call_through_redis() {
+    let Some(redis) = Redis::start() else {
+        return;
+    };
+    let url = redis.url();
+    let setup = |c: &mut Config| {
+        by_messages(20.0)(c);
+        c.state.redis_url = Some(condense::config::Secret::new(&url));
+    };
+    let a = Harness::with(setup).await;
+    a.mock.state.summary_delay_ms.store(400, Ordering::SeqCst);
+    let mut config = Config::default();
+    setup(&mut config);
+    config.server.listen = "127.0.0.1:0".parse().unwrap();
+    config.upstream.base_url = a.mock.base_url();
+    let b = condense::server::Server::start(&config).await.unwrap();
+
+    let body = session_with(12, 5, 8);
+    let via_b = a
+        .client
+        .post(format!("http://{}/v1/chat/completions", b.local_addr()))
+        .header("x-mock-token-factor", "1.0")
+        .body(body.to_string())
+        .send();
+    let (ra, rb) = tokio::join!(send(&a, &body), via_b);
+    let rb = rb.unwrap();
+    assert!(actions(&ra).contains("summarize"));
+    assert!(actions(&rb).contains("summarize"));
+    let _ = (ra.text().await, rb.text().await);
+    assert_eq!(
+        a.mock.summary_calls().len(),
+        1,
+        "one replica wrote it, the other waited"
+    );
+    let sent = a.mock.chat_requests();
+    assert_eq!(sent.len(), 2);
+    assert_eq!(sent[0].body, sent[1].body);
+    b.shutdown().await.unwrap();
+}

@@ -18,7 +18,8 @@
 //!    summarizer can read at once (each chunk updates the previous result).
 //!
 //! Concurrent requests for the same checkpoint share one call
-//! (`flight.rs`). A failed, timed-out or unusable answer never fails the
+//! (`flight.rs`); across replicas sharing a Redis, a lease lets one write it
+//! while the others wait for it to appear in the store. A failed, timed-out or unusable answer never fails the
 //! request: the caller drops the span mechanically instead, and the
 //! conversation cools down (`backoff.rs`).
 
@@ -43,6 +44,8 @@ use backoff::Backoff;
 use client::{CallError, Client};
 use flight::Flights;
 
+/// How often a replica waiting on another's checkpoint looks for it.
+const LEASE_POLL: Duration = Duration::from_millis(100);
 /// Earlier span ends looked up for a checkpoint to update, at most.
 const MAX_PREVIOUS: usize = 8;
 /// Revisions quoted verbatim in a checkpoint at most.
@@ -103,13 +106,14 @@ pub struct Checkpoint {
     pub completion_tokens: u64,
 }
 
-/// A summary written by this process.
+/// A summary written by this process (or, `reused`, by another replica).
 #[derive(Debug, Clone)]
 struct Written {
     text: String,
     calls: u32,
     prompt_tokens: u64,
     completion_tokens: u64,
+    reused: bool,
 }
 
 struct Inner {
@@ -234,15 +238,16 @@ impl Summarizer {
         match result {
             Ok(w) => {
                 self.backoff.succeeded(conversation);
-                if shared {
+                let reused = shared || w.reused;
+                if reused {
                     self.count_call("reused");
                 }
                 Ok(Checkpoint {
                     message: build(&w.text),
-                    reused: shared,
-                    calls: if shared { 0 } else { w.calls },
-                    prompt_tokens: if shared { 0 } else { w.prompt_tokens },
-                    completion_tokens: if shared { 0 } else { w.completion_tokens },
+                    reused,
+                    calls: if reused { 0 } else { w.calls },
+                    prompt_tokens: if reused { 0 } else { w.prompt_tokens },
+                    completion_tokens: if reused { 0 } else { w.completion_tokens },
                 })
             }
             Err(f) => {
@@ -286,6 +291,34 @@ struct Job {
 
 impl Job {
     async fn run(self) -> Result<Written, Failure> {
+        // Replicas sharing a Redis: one writes, the others wait for it.
+        let timeout = Duration::from_secs_f64(self.inner.config.timeout_seconds);
+        if !self.inner.store.lease(&self.store_key, timeout).await {
+            let deadline = Instant::now() + timeout;
+            while Instant::now() < deadline {
+                tokio::time::sleep(LEASE_POLL).await;
+                if let Some(text) = self.inner.store.get(&self.store_key).await {
+                    return Ok(Written {
+                        text,
+                        calls: 0,
+                        prompt_tokens: 0,
+                        completion_tokens: 0,
+                        reused: true,
+                    });
+                }
+            }
+            // The other replica did not deliver: write it here.
+        }
+        let written = self.write().await;
+        if written.is_err() {
+            self.inner.store.release(&self.store_key).await;
+        }
+        written
+    }
+
+    /// Writes the checkpoint: from the newest stored shorter one, or from
+    /// scratch, in chunks; stores it.
+    async fn write(&self) -> Result<Written, Failure> {
         let mut previous = None;
         let mut from = 0;
         for (end, key) in &self.previous_keys {
@@ -312,6 +345,7 @@ impl Job {
             calls: 0,
             prompt_tokens: 0,
             completion_tokens: 0,
+            reused: false,
         };
         let mut chunk = String::new();
         let mut markers = false;
