@@ -10,10 +10,14 @@ Behaviour is chosen by the last message of the conversation:
 - a tool message gets an answer that quotes the tool result;
 - a user message containing "RATE_LIMIT" gets OpenAI's 429 error body;
 - a user message containing "BAD_REQUEST" gets a 400 error body;
+- a streamed request whose user message contains "CUT_STREAM" gets one
+  event, then a connection reset;
 - anything else gets "Hello from the mock.".
 """
 
 import json
+import socket
+import struct
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -95,7 +99,9 @@ class Handler(BaseHTTPRequestHandler):
         else:
             message = {"role": "assistant", "content": "Hello from the mock."}
             finish = "stop"
-        if body.get("stream"):
+        if body.get("stream") and "CUT_STREAM" in text:
+            self._cut_stream(body)
+        elif body.get("stream"):
             self._stream(body, message, finish, usage)
         else:
             self._send_json(200, {
@@ -135,6 +141,20 @@ class Handler(BaseHTTPRequestHandler):
             time.sleep(0.01)
         self._write_chunk(b"data: [DONE]\n\n")
         self.wfile.write(b"0\r\n\r\n")
+
+    def _cut_stream(self, body):
+        """Sends one event, then resets the connection."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        ev = {"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": body.get("model"),
+              "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}, "finish_reason": None}]}
+        self._write_chunk(("data: " + json.dumps(ev) + "\n\n").encode())
+        time.sleep(0.05)
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.connection.close()
+        self.close_connection = True
 
     def _write_chunk(self, data):
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))

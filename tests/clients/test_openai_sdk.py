@@ -96,6 +96,19 @@ def test_upstream_errors_surface_as_sdk_exceptions(condense):
     assert "temperature" in err.value.message
 
 
+def test_a_stream_cut_off_upstream_raises_an_api_error(condense):
+    # The upstream resets the connection after one event: condense ends the
+    # stream with an error event, which the SDK raises.
+    stream = client(condense.base_url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "CUT_STREAM"}], stream=True)
+    got = []
+    with pytest.raises(openai.APIError) as err:
+        for chunk in stream:
+            got.extend(ch.delta.content or "" for ch in chunk.choices)
+    assert "".join(got) == "Hel"
+    assert "mid-stream" in err.value.message
+
+
 def test_models_listing(condense):
     models = client(condense.base_url).models.list()
     assert [m.id for m in models.data] == ["gpt-4o"]
