@@ -14,16 +14,18 @@ pub struct Message {
     /// Parsed on first use: requests forwarded without compaction never pay
     /// for building it.
     view: OnceLock<View>,
+    /// `content`, parsed apart and on first use: most of a conversation's
+    /// bytes are tool output, and most stages only need the other fields.
+    content: OnceLock<Option<Value>>,
 }
 
-/// The fields condense reads. Everything is optional and loosely typed: a
-/// message with odd fields is still forwarded, just not understood.
+/// The fields condense reads, but `content`. Everything is optional and
+/// loosely typed: a message with odd fields is still forwarded, just not
+/// understood.
 #[derive(Debug, Clone, Default, Deserialize)]
 struct View {
     #[serde(default)]
     role: Option<Value>,
-    #[serde(default)]
-    content: Option<Value>,
     #[serde(default)]
     name: Option<Value>,
     #[serde(default)]
@@ -32,12 +34,19 @@ struct View {
     tool_call_id: Option<Value>,
 }
 
+#[derive(Default, Deserialize)]
+struct Content {
+    #[serde(default)]
+    content: Option<Value>,
+}
+
 impl Message {
     /// A message from its exact JSON bytes (which must be valid JSON).
     pub fn from_bytes(raw: Bytes) -> Message {
         Message {
             raw,
             view: OnceLock::new(),
+            content: OnceLock::new(),
         }
     }
 
@@ -57,7 +66,13 @@ impl Message {
 
     /// `content`: a string, an array of parts, null, or absent.
     pub fn content(&self) -> Option<&Value> {
-        self.view().content.as_ref()
+        self.content
+            .get_or_init(|| {
+                serde_json::from_slice::<Content>(&self.raw)
+                    .map(|c| c.content)
+                    .unwrap_or_default()
+            })
+            .as_ref()
     }
 
     pub fn name(&self) -> Option<&str> {
