@@ -90,12 +90,9 @@ impl StateStore {
             Backend::Redis { conn, timeout } => {
                 let mut conn = conn.clone();
                 let full = format!("{PREFIX}{key}");
-                let got = tokio::time::timeout(*timeout, conn.get::<_, Option<String>>(full)).await;
-                match got {
-                    Ok(Ok(v)) => v,
-                    Ok(Err(e)) => self.failed("get", &e.to_string()),
-                    Err(_) => self.failed("get", "timed out"),
-                }
+                self.redis("get", *timeout, conn.get::<_, Option<String>>(full))
+                    .await
+                    .flatten()
             }
         }
     }
@@ -113,15 +110,7 @@ impl StateStore {
                 let full = format!("{PREFIX}{key}");
                 let ttl = self.ttl.as_secs().max(1);
                 let put = conn.set_ex::<_, _, ()>(full, value, ttl);
-                match tokio::time::timeout(*timeout, put).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => {
-                        self.failed("put", &e.to_string());
-                    }
-                    Err(_) => {
-                        self.failed("put", "timed out");
-                    }
-                }
+                self.redis("put", *timeout, put).await;
             }
         }
     }
@@ -142,17 +131,10 @@ impl StateStore {
             .arg("NX")
             .arg("PX")
             .arg(ms);
-        match tokio::time::timeout(*timeout, cmd.query_async::<Option<String>>(&mut conn)).await {
-            Ok(Ok(taken)) => taken.is_some(),
-            Ok(Err(e)) => {
-                self.failed("lease", &e.to_string());
-                true
-            }
-            Err(_) => {
-                self.failed("lease", "timed out");
-                true
-            }
-        }
+        let set = cmd.query_async::<Option<String>>(&mut conn);
+        self.redis("lease", *timeout, set)
+            .await
+            .is_none_or(|taken| taken.is_some())
     }
 
     /// Gives up a lease taken with [`StateStore::lease`] (the work failed;
@@ -163,18 +145,22 @@ impl StateStore {
         };
         let mut conn = conn.clone();
         let del = conn.del::<_, ()>(format!("{PREFIX}lease:{key}"));
-        match tokio::time::timeout(*timeout, del).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                self.failed("release", &e.to_string());
-            }
-            Err(_) => {
-                self.failed("release", "timed out");
-            }
-        }
+        self.redis("release", *timeout, del).await;
     }
 
-    fn failed(&self, op: &'static str, error: &str) -> Option<String> {
+    /// One Redis operation within `timeout`; an error or a timeout is
+    /// logged, counted and None.
+    async fn redis<T>(
+        &self,
+        op: &'static str,
+        timeout: Duration,
+        f: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Option<T> {
+        let error = match tokio::time::timeout(timeout, f).await {
+            Ok(Ok(v)) => return Some(v),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "timed out".to_string(),
+        };
         tracing::warn!(op, error, "state store unavailable; carrying on without it");
         if let Some(m) = &self.metrics {
             m.state_errors_total.with_label_values(&[op]).inc();
