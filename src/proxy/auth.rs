@@ -19,15 +19,9 @@ pub struct Credentials {
 
 impl Credentials {
     pub fn new(auth: &AuthConfig, upstream_key: Option<&Secret>) -> Credentials {
-        let upstream_key = upstream_key
-            .and_then(|k| HeaderValue::from_str(&format!("Bearer {}", k.expose())).ok())
-            .map(|mut v| {
-                v.set_sensitive(true);
-                v
-            });
         Credentials {
             client_keys: auth.client_keys.clone(),
-            upstream_key,
+            upstream_key: upstream_key.and_then(bearer),
         }
     }
 
@@ -65,6 +59,13 @@ impl Credentials {
             v.set_sensitive(true);
         }
     }
+}
+
+/// `Bearer <key>` as a header value marked sensitive (kept out of logs).
+pub fn bearer(key: &Secret) -> Option<HeaderValue> {
+    let mut v = HeaderValue::from_str(&format!("Bearer {}", key.expose())).ok()?;
+    v.set_sensitive(true);
+    Some(v)
 }
 
 fn bearer_token(value: &str) -> Option<&str> {

@@ -7,6 +7,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, header};
 use serde_json::{Value, json};
 
 use crate::config::Secret;
+use crate::proxy::auth::bearer;
 
 /// Headers that carry a client's credentials; they go to the summarizer only
 /// when it is the upstream's own host.
@@ -51,12 +52,7 @@ impl Client {
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| CallError::Transport(e.to_string()))?;
-        let api_key = api_key
-            .and_then(|k| HeaderValue::from_str(&format!("Bearer {}", k.expose())).ok())
-            .map(|mut v| {
-                v.set_sensitive(true);
-                v
-            });
+        let api_key = api_key.and_then(bearer);
         Ok(Client {
             http,
             url: format!("{}/chat/completions", base_url.trim_end_matches('/')),
