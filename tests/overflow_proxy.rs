@@ -212,13 +212,11 @@ async fn a_window_learned_by_one_replica_reaches_the_others_through_redis() {
         return;
     };
     let url = redis.url();
-    let a = Harness::with(|c| c.state.redis_url = Some(condense::config::Secret::new(url.clone())))
-        .await;
-    let mut config = condense::config::Config::default();
-    config.state.redis_url = Some(condense::config::Secret::new(url));
-    config.server.listen = "127.0.0.1:0".parse().unwrap();
-    config.upstream.base_url = a.mock.base_url();
-    let b = condense::server::Server::start(&config).await.unwrap();
+    let setup = |c: &mut condense::config::Config| {
+        c.state.redis_url = Some(condense::config::Secret::new(&url));
+    };
+    let a = Harness::with(setup).await;
+    let b = a.replica(setup).await;
 
     let window = [("x-mock-window", "8192")];
     assert_eq!(send(&a, &session(14), &window).await.status(), 200);

@@ -400,11 +400,7 @@ async fn replicas_sharing_a_redis_share_checkpoints() {
         c.state.redis_url = Some(condense::config::Secret::new(&url));
     };
     let a = Harness::with(setup).await;
-    let mut config = Config::default();
-    setup(&mut config);
-    config.server.listen = "127.0.0.1:0".parse().unwrap();
-    config.upstream.base_url = a.mock.base_url();
-    let b = condense::server::Server::start(&config).await.unwrap();
+    let b = a.replica(setup).await;
 
     let body = session_with(12, 5, 8);
     assert!(actions(&send(&a, &body).await).contains("summarize"));
@@ -488,11 +484,7 @@ async fn concurrent_requests_on_two_replicas_share_one_call_through_redis() {
     };
     let a = Harness::with(setup).await;
     a.mock.state.summary_delay_ms.store(400, Ordering::SeqCst);
-    let mut config = Config::default();
-    setup(&mut config);
-    config.server.listen = "127.0.0.1:0".parse().unwrap();
-    config.upstream.base_url = a.mock.base_url();
-    let b = condense::server::Server::start(&config).await.unwrap();
+    let b = a.replica(setup).await;
 
     let body = session_with(12, 5, 8);
     let via_b = a

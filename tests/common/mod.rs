@@ -343,6 +343,17 @@ impl Drop for DropCounter {
     }
 }
 
+/// condense on 127.0.0.1 port 0 in front of `mock`, with the default
+/// config adjusted by `tweak`.
+async fn start_server(mock: &MockUpstream, tweak: impl FnOnce(&mut Config)) -> Server {
+    let mut config = Config::default();
+    config.server.listen = "127.0.0.1:0".parse().unwrap();
+    config.upstream.base_url = mock.base_url();
+    tweak(&mut config);
+    config.validate().unwrap();
+    Server::start(&config).await.unwrap()
+}
+
 /// condense in front of a mock upstream.
 pub struct Harness {
     pub mock: MockUpstream,
@@ -359,12 +370,7 @@ impl Harness {
     /// Starts with the default config, adjusted by `tweak`.
     pub async fn with(tweak: impl FnOnce(&mut Config)) -> Harness {
         let mock = MockUpstream::start().await;
-        let mut config = Config::default();
-        config.server.listen = "127.0.0.1:0".parse().unwrap();
-        config.upstream.base_url = mock.base_url();
-        tweak(&mut config);
-        config.validate().unwrap();
-        let server = Server::start(&config).await.unwrap();
+        let server = start_server(&mock, tweak).await;
         let addr = server.local_addr();
         Harness {
             mock,
@@ -372,6 +378,12 @@ impl Harness {
             addr,
             client: reqwest::Client::new(),
         }
+    }
+
+    /// A second condense in front of the same mock (a replica), with the
+    /// default config adjusted by `tweak`; the caller shuts it down.
+    pub async fn replica(&self, tweak: impl FnOnce(&mut Config)) -> Server {
+        start_server(&self.mock, tweak).await
     }
 
     pub fn url(&self, path: &str) -> String {
