@@ -47,9 +47,15 @@ pub struct Processed {
     pub pending: Option<Pending>,
 }
 
-/// A compaction waiting for a checkpoint.
+/// A compaction waiting for a checkpoint of `span`.
 pub struct Pending {
     pub span: Span,
+    setup: Setup,
+}
+
+/// How a request is compacted: fixed when it is measured, used again when
+/// its checkpoint comes.
+struct Setup {
     limits: Limits,
     settings: CompactionConfig,
     replacement: Replacement,
@@ -60,7 +66,7 @@ pub struct Pending {
 impl Pending {
     /// Most tokens the checkpoint's summary may have.
     pub fn summary_tokens(&self) -> u64 {
-        match &self.replacement {
+        match &self.setup.replacement {
             Replacement::Checkpoint { max_tokens, .. } => *max_tokens,
             Replacement::Digest => 0,
         }
@@ -129,30 +135,24 @@ pub fn process(
         fixed: count.total - count.per_message.iter().sum::<u64>(),
     };
     let settings = compaction_config.for_model(info.trigger, info.target);
-    let pending = Pending {
-        span: Span {
-            start: 0,
-            end: 0,
-            previous_ends: Vec::new(),
-            kept: None,
-        },
+    let setup = Setup {
         limits,
         settings,
         replacement: replacement.for_budget(limits.budget),
         encoding: info.encoding,
         ratio,
     };
-    apply(tokens, req, assessment, pending)
+    apply(tokens, req, assessment, setup)
 }
 
 /// Finishes a [`Processed::pending`] request: old turns replaced by
 /// `checkpoint` (a checkpoint message), or, without one, dropped with a
 /// digest. A request with nothing pending is returned as it is.
 pub fn finish(tokens: &TokenService, mut p: Processed, checkpoint: Option<Bytes>) -> Processed {
-    let Some(mut pending) = p.pending.take() else {
+    let Some(Pending { mut setup, .. }) = p.pending.take() else {
         return p;
     };
-    pending.replacement = match (pending.replacement, checkpoint) {
+    setup.replacement = match (setup.replacement, checkpoint) {
         (
             Replacement::Checkpoint {
                 trigger,
@@ -167,34 +167,31 @@ pub fn finish(tokens: &TokenService, mut p: Processed, checkpoint: Option<Bytes>
         },
         _ => Replacement::Digest,
     };
-    apply(tokens, p.request, p.assessment, pending)
+    apply(tokens, p.request, p.assessment, setup)
 }
 
 fn apply(
     tokens: &TokenService,
     mut req: ChatRequest,
     assessment: Assessment,
-    mut pending: Pending,
+    setup: Setup,
 ) -> Processed {
     let counter = CachedCounter {
         tokens,
-        encoding: pending.encoding,
+        encoding: setup.encoding,
     };
     let outcome = compaction::compact_with(
         req.messages(),
-        &pending.limits,
-        &pending.settings,
+        &setup.limits,
+        &setup.settings,
         &counter,
-        &pending.replacement,
+        &setup.replacement,
     );
     if let Some(messages) = outcome.messages.clone() {
         req.set_messages(messages);
     }
-    let ratio = pending.ratio;
-    let pending = outcome.span.clone().map(|span| {
-        pending.span = span;
-        pending
-    });
+    let ratio = setup.ratio;
+    let pending = outcome.span.clone().map(|span| Pending { span, setup });
     Processed {
         tokens_after: (outcome.tokens_after as f64 * ratio).round() as u64,
         raw_after: Some(outcome.tokens_after),
