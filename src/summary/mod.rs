@@ -426,33 +426,28 @@ impl Job {
     }
 }
 
-fn hasher(need: &Need<'_>) -> Xxh3 {
+/// A hash of the upstream, the model and the first `n` messages' exact
+/// bytes.
+fn key_of(need: &Need<'_>, n: usize) -> u128 {
     let mut h = Xxh3::new();
     h.update(need.upstream.as_bytes());
     h.update(&[0]);
     h.update(need.model.as_bytes());
     h.update(&[0]);
-    h
-}
-
-/// The key of the checkpoint covering `messages[..end]`.
-fn prefix_key(need: &Need<'_>, end: usize) -> u128 {
-    let mut h = hasher(need);
-    for m in &need.messages[..end.min(need.messages.len())] {
+    for m in &need.messages[..n.min(need.messages.len())] {
         h.update(&(m.raw().len() as u64).to_le_bytes());
         h.update(m.raw());
     }
     h.digest128()
+}
+
+/// The key of the checkpoint covering `messages[..end]`.
+fn prefix_key(need: &Need<'_>, end: usize) -> u128 {
+    key_of(need, end)
 }
 
 /// Which conversation a request belongs to: its system/developer messages
 /// and first message after them.
 fn conversation_key(need: &Need<'_>) -> u128 {
-    let mut h = hasher(need);
-    let first = need.span.start.min(need.messages.len().saturating_sub(1));
-    for m in &need.messages[..=first] {
-        h.update(&(m.raw().len() as u64).to_le_bytes());
-        h.update(m.raw());
-    }
-    h.digest128()
+    key_of(need, need.span.start + 1)
 }
