@@ -534,27 +534,19 @@ impl Config {
         if self.auth.client_keys.iter().any(|k| k.expose().is_empty()) {
             return Err(invalid("auth.client_keys", "keys must not be empty"));
         }
-        if self
-            .upstream
-            .api_key
-            .as_ref()
-            .is_some_and(|k| k.expose().is_empty())
-        {
-            return Err(invalid("upstream.api_key", "must not be empty when set"));
+        for (key, secret) in [
+            ("upstream.api_key", &self.upstream.api_key),
+            ("summary.api_key", &self.summary.api_key),
+        ] {
+            if secret.as_ref().is_some_and(|k| k.expose().is_empty()) {
+                return Err(invalid(key, "must not be empty when set"));
+            }
         }
         if let Some(u) = &self.summary.base_url {
             check_http_url("summary.base_url", u)?;
         }
         if self.summary.model.as_ref().is_some_and(String::is_empty) {
             return Err(invalid("summary.model", "must not be empty when set"));
-        }
-        if self
-            .summary
-            .api_key
-            .as_ref()
-            .is_some_and(|k| k.expose().is_empty())
-        {
-            return Err(invalid("summary.api_key", "must not be empty when set"));
         }
         if !(64..=32_768).contains(&self.summary.max_tokens) {
             return Err(invalid("summary.max_tokens", "must be in [64, 32768]"));
