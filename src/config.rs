@@ -139,6 +139,10 @@ pub struct CompactionConfig {
     /// Largest share of the budget a single result or argument string may
     /// take (`fit`).
     pub fit_share: f64,
+    /// An answered tool result whose placeholder saves at least this share
+    /// of the budget is masked even inside the recent window when the
+    /// request would otherwise stay at the trigger.
+    pub ahead_share: f64,
 }
 
 impl CompactionConfig {
@@ -155,13 +159,14 @@ impl CompactionConfig {
 impl Default for CompactionConfig {
     fn default() -> Self {
         CompactionConfig {
-            trigger: 0.90,
+            trigger: 0.98,
             target: 0.50,
             recent_turns: 3,
             recent_share: 0.10,
             placeholder_chars: 300,
             fade_share: 0.05,
             fit_share: 0.30,
+            ahead_share: 0.10,
         }
     }
 }
@@ -675,13 +680,13 @@ mod tests {
     #[test]
     fn a_models_table_replaces_the_shipped_one() {
         let c = Config::from_toml(
-            "[[models]]\nmatch = \"my-*\"\ncontext_window = 8192\nencoding = \"cl100k_base\"\ntrigger = 0.9\ntarget = 0.5\n",
+            "[[models]]\nmatch = \"my-*\"\ncontext_window = 8192\nencoding = \"cl100k_base\"\ntrigger = 0.85\ntarget = 0.4\n",
         )
         .unwrap();
         assert_eq!(c.models.len(), 1);
         assert_eq!(c.models[0].encoding, Some(Encoding::Cl100k));
-        assert_eq!(c.thresholds(Some(&c.models[0])), (0.9, 0.5));
-        assert_eq!(c.thresholds(None), (0.9, 0.5));
+        assert_eq!(c.thresholds(Some(&c.models[0])), (0.85, 0.4));
+        assert_eq!(c.thresholds(None), (0.98, 0.5));
     }
 
     #[test]

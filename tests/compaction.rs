@@ -28,6 +28,10 @@ fn settings() -> Settings {
 }
 
 fn run(svc: &TokenService, messages: &[Message], budget: f64) -> Outcome {
+    run_with(svc, messages, budget, &settings())
+}
+
+fn run_with(svc: &TokenService, messages: &[Message], budget: f64, s: &Settings) -> Outcome {
     let counter = CachedCounter {
         tokens: svc,
         encoding: Encoding::O200k,
@@ -37,7 +41,7 @@ fn run(svc: &TokenService, messages: &[Message], budget: f64) -> Outcome {
         window: budget * 1.3,
         fixed: 3,
     };
-    compaction::compact(messages, &limits, &settings(), &counter)
+    compaction::compact(messages, &limits, s, &counter)
 }
 
 fn tokens(svc: &TokenService, messages: &[Message]) -> u64 {
@@ -471,6 +475,116 @@ fn unconsumed_results_are_untouched_until_emergency() {
         out.messages.unwrap().last().unwrap().raw() == m[last].raw(),
         "the unconsumed result changed"
     );
+}
+
+/// A tool result of about `chars` characters with a path and an error line
+/// an extractive placeholder keeps.
+fn big_result(id: &str, chars: usize) -> Message {
+    let mut body = String::new();
+    while body.len() < chars {
+        body.push_str(&format!("{:>5}  row = fetch({})\n", body.len(), body.len()));
+    }
+    body.push_str("File \"/repo/src/big.py\", line 9\nKeyError: 'missing_header'\n");
+    msg(json!({"role": "tool", "tool_call_id": id, "content": body}))
+}
+
+#[test]
+fn large_answered_results_are_masked_ahead_of_the_recent_window() {
+    // Once compaction has begun, a large result the agent has answered is
+    // masked even inside the recent turns (it sits near the end, so this
+    // costs the cache little), while small recent results stay verbatim,
+    // and the masked form stays the same on the next turn.
+    let svc = service();
+    let mut m = agent_turns(12, 1500);
+    let big = 2 + 2 * 9 + 1; // turn 9's result, answered by turn 10
+    m[big] = big_result("call_9", 6000);
+    let budget = tokens(&svc, &m) as f64 / 1.15;
+    let out = run(&svc, &m, budget);
+    let result = out.messages.expect("compacted");
+    assert_eq!(result.len(), m.len(), "nothing was dropped");
+    let masked = content(&result[big]);
+    assert!(masked.starts_with("[condense:"), "{masked}");
+    assert!(masked.contains("KeyError: 'missing_header'"), "{masked}");
+    // Turn 10's result, small and just as recent, is untouched; so is the
+    // unanswered last one.
+    assert!(result[big + 2].raw() == m[big + 2].raw());
+    assert!(result[big + 4].raw() == m[big + 4].raw());
+
+    // Next turn: the placeholder is byte-identical.
+    let mut next = m.clone();
+    next.push(msg(
+        json!({"role": "assistant", "content": "Step 12: done reading."}),
+    ));
+    next.push(msg(json!({"role": "user", "content": "Thanks, go on."})));
+    let again = run(&svc, &next, budget).messages.expect("compacted");
+    assert!(
+        again[big].raw() == result[big].raw(),
+        "the placeholder changed"
+    );
+
+    // With the share out of reach, it is not masked ahead.
+    let off = Settings {
+        ahead_share: 10.0,
+        ..settings()
+    };
+    let kept = run_with(&svc, &m, budget, &off)
+        .messages
+        .expect("compacted");
+    assert!(
+        content(&kept[big]) != masked,
+        "masked with ahead_share = 10"
+    );
+}
+
+#[test]
+fn a_huge_unanswered_result_does_not_take_the_history_with_it() {
+    // The newest result (no answer yet, so untouchable) alone is more than
+    // the target: drops go only as far as the request must, counting the
+    // result at the size it will have once answered, and the next turn
+    // replays exactly the same drops.
+    let svc = service();
+    // Results too short to mask: only drops make room.
+    let mut m = agent_turns(10, 600);
+    let last = m.len() - 1;
+    m[last] = big_result("call_9", 100);
+    let rest = tokens(&svc, &m) as f64;
+    let budget = rest / 0.75;
+    m[last] = big_result("call_9", (budget * 0.45 * 3.0) as usize);
+    let out = run(&svc, &m, budget);
+    assert!(
+        out.fits && out.actions().contains("prune"),
+        "{} -> {} of {budget}: {}",
+        out.tokens_before,
+        out.tokens_after,
+        out.actions()
+    );
+    let result = out.messages.expect("compacted");
+    assert!(result.last().unwrap().raw() == m[last].raw());
+    // Dropping down to the target with the result at full size would take
+    // every turn but its own; counted at its answered size, the next turn
+    // lands at the target and older turns survive.
+    let turns = result
+        .iter()
+        .filter(|x| json_of(x)["role"] == "assistant")
+        .count();
+    assert!(turns >= 4, "{turns} of 10 turns left");
+
+    let mut next = m.clone();
+    next.push(msg(
+        json!({"role": "assistant", "content": "Step 10: found the bad key."}),
+    ));
+    next.push(msg(json!({"role": "user", "content": "Fix it."})));
+    let again = run(&svc, &next, budget).messages.expect("compacted");
+    let stable = result.len() - 1;
+    assert!(
+        again[..stable]
+            .iter()
+            .zip(&result[..stable])
+            .all(|(x, y)| x.raw() == y.raw()),
+        "the drops moved between turns"
+    );
+    // ... and the result, now answered, is a placeholder.
+    assert!(content(&again[stable]).starts_with("[condense:"));
 }
 
 #[test]

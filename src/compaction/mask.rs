@@ -25,6 +25,13 @@ const ARGS_MAX_CHARS: usize = 600;
 const ARG_VALUE_MAX_CHARS: usize = 300;
 const ARG_VALUE_KEEP_CHARS: usize = 200;
 
+/// About what a masked result costs with `placeholder_chars` of key lines
+/// (its label, the lines, and the message's own frame), for planning before
+/// the placeholder exists.
+pub fn placeholder_tokens(placeholder_chars: usize) -> u64 {
+    (placeholder_chars / 3 + 40) as u64
+}
+
 /// The masked form of message `i`, if masking would change it.
 pub fn masked(
     a: &Analysis,

@@ -9,7 +9,7 @@
 //! |-------------|----------------|------------------------------------------------------|
 //! | `fit`       | `fit.rs`       | no single result or argument string over 30% of the budget |
 //! | `prune`     | `prune.rs`     | old units dropped, a digest in their place (replayed, only when masking cannot get under the budget) |
-//! | `mask`      | `mask.rs`      | old tool output → extractive placeholder, old long arguments shortened (replayed frontier) |
+//! | `mask`      | `mask.rs`      | old tool output → extractive placeholder, old long arguments shortened (replayed frontier); large answered results masked ahead of it |
 //! | `fade`      | `fade.rs`      | recent large results shrunk by pressure band and age |
 //! | `emergency` | `emergency.rs` | everything but system/developer and the last user message shortened |
 //!
@@ -349,6 +349,9 @@ pub fn compact_with(
         &a,
         &plan::Costs {
             full: &w.cost,
+            sent: &full,
+            fit_limit: fit::limit(limits.budget, s.fit_share),
+            placeholder_tokens: mask::placeholder_tokens(s.placeholder_chars),
             masked: &plan_masked,
             fixed: limits.fixed,
             budget: limits.budget,
@@ -357,6 +360,7 @@ pub fn compact_with(
             target: s.target,
             recent_turns: s.recent_turns,
             recent_share: s.recent_share,
+            ahead_saving: s.ahead_share * limits.budget,
             drops: drop_policy(replacement, limits),
         },
     );
@@ -395,7 +399,8 @@ pub fn compact_with(
             break;
         }
         let (mut count, mut saved) = (0, 0);
-        for i in a.base..plan.frontier.min(n) {
+        let ahead = (plan.frontier..n).filter(|&i| plan.ahead[i]);
+        for i in (a.base..plan.frontier.min(n)).chain(ahead) {
             if w.dropped[i] || a.marker[i] != markers {
                 continue;
             }
