@@ -139,9 +139,9 @@ pub struct CompactionConfig {
     /// Largest share of the budget a single result or argument string may
     /// take (`fit`).
     pub fit_share: f64,
-    /// An answered tool result whose placeholder saves at least this share
-    /// of the budget is masked even inside the recent window when the
-    /// request would otherwise stay at the trigger.
+    /// Once compaction has begun, an answered tool result (or tool-call
+    /// arguments) whose masked form saves at least this share of the budget
+    /// is masked even inside the recent window.
     pub ahead_share: f64,
 }
 

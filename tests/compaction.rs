@@ -490,14 +490,21 @@ fn big_result(id: &str, chars: usize) -> Message {
 
 #[test]
 fn large_answered_results_are_masked_ahead_of_the_recent_window() {
-    // Once compaction has begun, a large result the agent has answered is
-    // masked even inside the recent turns (it sits near the end, so this
+    // Once compaction has begun, a large result the agent has answered (or
+    // large arguments of an answered call) is masked even inside the recent
+    // turns (it sits near the end, so this
     // costs the cache little), while small recent results stay verbatim,
     // and the masked form stays the same on the next turn.
     let svc = service();
     let mut m = agent_turns(12, 1500);
     let big = 2 + 2 * 9 + 1; // turn 9's result, answered by turn 10
     m[big] = big_result("call_9", 6000);
+    // Turn 10 writes a large file: its arguments count the same way.
+    let file = "def handler(request):\n    return respond(request)\n".repeat(120);
+    let args = json!({"command": "create", "path": "/repo/src/handler.py", "file_text": file});
+    m[big + 1] = msg(
+        json!({"role": "assistant", "content": "Step 10: writing the handler.", "tool_calls": [{"id": "call_10", "type": "function", "function": {"name": "edit", "arguments": args.to_string()}}]}),
+    );
     let budget = tokens(&svc, &m) as f64 / 1.15;
     let out = run(&svc, &m, budget);
     let result = out.messages.expect("compacted");
@@ -505,6 +512,11 @@ fn large_answered_results_are_masked_ahead_of_the_recent_window() {
     let masked = content(&result[big]);
     assert!(masked.starts_with("[condense:"), "{masked}");
     assert!(masked.contains("KeyError: 'missing_header'"), "{masked}");
+    // The large arguments are shortened and stay valid JSON with the path.
+    let call = &json_of(&result[big + 1])["tool_calls"][0]["function"]["arguments"];
+    let shortened: Value = serde_json::from_str(call.as_str().unwrap()).unwrap();
+    assert_eq!(shortened["path"], "/repo/src/handler.py");
+    assert!(shortened["file_text"].as_str().unwrap().len() < 1000);
     // Turn 10's result, small and just as recent, is untouched; so is the
     // unanswered last one.
     assert!(result[big + 2].raw() == m[big + 2].raw());

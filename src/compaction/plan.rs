@@ -20,13 +20,15 @@
 //! of the window) is protected from masking, with two exceptions:
 //!
 //! - Masking ahead: once the replay has crossed the trigger, every tool
-//!   result an assistant message has answered whose placeholder saves at
-//!   least `ahead_share` of the budget is masked, recent or not. It sits
-//!   near the end of the prompt, so masking it costs the cached prefix only
-//!   the placeholder, while keeping it would bring the next frontier move or
-//!   drop (which rewrite everything after them) sooner. On the shared traces
-//!   at 16k this took uncached tokens from 101k to 86k (django) and 112k to
-//!   78k (requests), with probe retention up, not down.
+//!   result an assistant message has answered, and every assistant message
+//!   a later one follows, whose masked form saves at least `ahead_share` of
+//!   the budget is masked, recent or not (a 5k-token file listing, a call
+//!   that wrote a whole file). It sits near the end of the prompt, so
+//!   masking it costs the cached prefix only the placeholder, while keeping
+//!   it would bring the next frontier move or drop (which rewrite everything
+//!   after them) sooner. On the shared traces at 16k this took uncached
+//!   tokens from 101k to 79k (django) and 112k to 78k (requests), with probe
+//!   retention up, not down.
 //! - When the recent turns alone still hold the request at the trigger after
 //!   drops, the frontier moves into them, turn by turn, newest last. An
 //!   extractive placeholder that stays put keeps more and breaks the cache
@@ -292,9 +294,10 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
     }
 }
 
-/// Masks ahead of the frontier every tool result in `[*from, e)` that an
-/// assistant message before `e` has answered and whose placeholder saves at
-/// least `c.ahead_saving`; moves `*from` past them. Returns whether any was.
+/// Masks ahead of the frontier every tool result and assistant message in
+/// `[*from, e)` that a later assistant message before `e` follows and whose
+/// masked form saves at least `c.ahead_saving`; moves `*from` past them.
+/// Returns whether any was.
 fn mask_answered(
     a: &Analysis,
     c: &Costs,
@@ -309,7 +312,7 @@ fn mask_answered(
     };
     let mut changed = false;
     for i in *from..answered_before {
-        if a.roles[i] == Role::Tool
+        if matches!(a.roles[i], Role::Tool | Role::Assistant)
             && (full[i].saturating_sub(c.masked[i]) as f64) >= c.ahead_saving
         {
             ahead[i] = true;
