@@ -132,6 +132,9 @@ pub struct CompactionConfig {
     pub recent_turns: usize,
     /// ... nor, at least, the last this share of the window.
     pub recent_share: f64,
+    /// ... but the recent turns kept that way take at most this share of the
+    /// budget (the last turn always stays).
+    pub recent_max_share: f64,
     /// Characters of key lines a masked tool result keeps.
     pub placeholder_chars: usize,
     /// Per-result allowance of `fade`, as a share of the budget.
@@ -163,6 +166,7 @@ impl Default for CompactionConfig {
             target: 0.50,
             recent_turns: 3,
             recent_share: 0.10,
+            recent_max_share: 0.20,
             placeholder_chars: 300,
             fade_share: 0.05,
             fit_share: 0.30,

@@ -534,18 +534,24 @@ fn large_answered_results_are_masked_ahead_of_the_recent_window() {
         "the placeholder changed"
     );
 
-    // With the share out of reach, it is not masked ahead.
+    // Without masking ahead, the recent window (the last 3 turns) would
+    // keep it, were the window not limited to 20% of the budget.
     let off = Settings {
         ahead_share: 10.0,
         ..settings()
     };
-    let kept = run_with(&svc, &m, budget, &off)
+    let capped = run_with(&svc, &m, budget, &off)
         .messages
         .expect("compacted");
-    assert!(
-        content(&kept[big]) != masked,
-        "masked with ahead_share = 10"
-    );
+    assert!(content(&capped[big]) == masked, "the recent window held it");
+    let uncapped = Settings {
+        recent_max_share: 10.0,
+        ..off
+    };
+    let kept = run_with(&svc, &m, budget, &uncapped)
+        .messages
+        .expect("compacted");
+    assert!(content(&kept[big]) != masked, "masked in the recent window");
 }
 
 #[test]

@@ -360,6 +360,7 @@ pub fn compact_with(
             target: s.target,
             recent_turns: s.recent_turns,
             recent_share: s.recent_share,
+            recent_max_share: s.recent_max_share,
             ahead_saving: s.ahead_share * limits.budget,
             drops: drop_policy(replacement, limits),
         },

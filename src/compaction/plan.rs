@@ -17,7 +17,8 @@
 //! put; `fade` then works on the current request only.
 //!
 //! The recent window (the larger of `recent_turns` turns and `recent_share`
-//! of the window) is protected from masking, with two exceptions:
+//! of the window, but at most `recent_max_share` of the budget and at least
+//! the last turn) is protected from masking, with two exceptions:
 //!
 //! - Masking ahead: once the replay has crossed the trigger, every tool
 //!   result an assistant message has answered, and every assistant message
@@ -118,6 +119,7 @@ pub struct Costs<'a> {
     pub target: f64,
     pub recent_turns: usize,
     pub recent_share: f64,
+    pub recent_max_share: f64,
     /// An answered tool result whose mask saves at least this many tokens
     /// may be masked ahead of the frontier.
     pub ahead_saving: f64,
@@ -384,7 +386,7 @@ fn span_cuts(a: &Analysis, from: usize, frontier: usize) -> Vec<usize> {
 
 /// Where the protected recent window starts in the prefix ending at `e`: the
 /// larger of the last `recent_turns` turns and the last `recent_share` of
-/// the window, starting at an assistant message (so everything before it is
+/// the window, at most `recent_max_share` of the budget, starting at an assistant message (so everything before it is
 /// consumed).
 fn protect_start(a: &Analysis, sums: &Sums, c: &Costs, e: usize) -> usize {
     let idx = a.assistants.partition_point(|&x| x < e);
@@ -395,6 +397,12 @@ fn protect_start(a: &Analysis, sums: &Sums, c: &Costs, e: usize) -> usize {
     let min_tokens = c.recent_share * c.window;
     while pos > 0 && ((sums.raw[e] - sums.raw[a.assistants[pos]]) as f64) < min_tokens {
         pos -= 1;
+    }
+    // ... but at most `recent_max_share` of the budget (at least one turn):
+    // on a small window, three turns of large results cannot all stay.
+    let max_tokens = c.recent_max_share * c.budget;
+    while pos + 1 < idx && ((sums.raw[e] - sums.raw[a.assistants[pos]]) as f64) > max_tokens {
+        pos += 1;
     }
     a.assistants[pos].max(a.base)
 }
