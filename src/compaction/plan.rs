@@ -52,8 +52,8 @@ pub const DIGEST_ESTIMATE: u64 = 400;
 pub struct Plan {
     /// Messages in `[base, frontier)` are compacted (masked where maskable).
     pub frontier: usize,
-    /// Large answered tool results at or past the frontier, masked ahead of
-    /// it.
+    /// Large answered tool results and tool-call arguments at or past the
+    /// frontier, masked ahead of it.
     pub ahead: Vec<bool>,
     pub dropped: Vec<bool>,
     /// With [`Drops::Span`]: where the dropped span ended after each drop
@@ -120,8 +120,8 @@ pub struct Costs<'a> {
     pub recent_turns: usize,
     pub recent_share: f64,
     pub recent_max_share: f64,
-    /// An answered tool result whose mask saves at least this many tokens
-    /// may be masked ahead of the frontier.
+    /// An answered tool result or assistant message whose masked form saves
+    /// at least this many tokens is masked ahead of the frontier.
     pub ahead_saving: f64,
     pub drops: DropPolicy,
 }
@@ -169,8 +169,8 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         full: prefix_sums(&full),
         masked: prefix_sums(c.masked),
         raw: prefix_sums(c.full),
-        unfit: unfit_tails(a, c, |i| c.sent[i].saturating_sub(c.full[i])),
-        relief: unfit_tails(a, c, |i| c.sent[i].saturating_sub(answered_cost(c, i))),
+        unfit: tail_sums(a, c, |i| c.sent[i].saturating_sub(c.full[i])),
+        relief: tail_sums(a, c, |i| c.sent[i].saturating_sub(answered_cost(c, i))),
     };
     let mut frontier = a.base;
     let mut dropped = vec![false; n];
@@ -341,7 +341,7 @@ fn answered_cost(c: &Costs, i: usize) -> u64 {
 
 /// For every prefix end `e`, `excess` summed over the tool results after its
 /// last assistant message.
-fn unfit_tails(a: &Analysis, c: &Costs, excess: impl Fn(usize) -> u64) -> Vec<u64> {
+fn tail_sums(a: &Analysis, c: &Costs, excess: impl Fn(usize) -> u64) -> Vec<u64> {
     let n = c.full.len();
     let mut out = vec![0; n + 1];
     let mut extra = 0;
@@ -386,8 +386,8 @@ fn span_cuts(a: &Analysis, from: usize, frontier: usize) -> Vec<usize> {
 
 /// Where the protected recent window starts in the prefix ending at `e`: the
 /// larger of the last `recent_turns` turns and the last `recent_share` of
-/// the window, at most `recent_max_share` of the budget, starting at an assistant message (so everything before it is
-/// consumed).
+/// the window, at most `recent_max_share` of the budget, starting at an
+/// assistant message (so everything before it is consumed).
 fn protect_start(a: &Analysis, sums: &Sums, c: &Costs, e: usize) -> usize {
     let idx = a.assistants.partition_point(|&x| x < e);
     if idx < c.recent_turns.max(1) {
