@@ -600,6 +600,21 @@ impl Config {
             self.compaction.trigger,
             self.compaction.target,
         )?;
+        let c = &self.compaction;
+        for (key, value, max) in [
+            ("compaction.recent_share", c.recent_share, 1.0),
+            ("compaction.recent_max_share", c.recent_max_share, 10.0),
+            ("compaction.fade_share", c.fade_share, 1.0),
+            ("compaction.fit_share", c.fit_share, 1.0),
+            ("compaction.ahead_share", c.ahead_share, 10.0),
+        ] {
+            if !(value > 0.0 && value <= max) {
+                return Err(ConfigError::Invalid {
+                    key,
+                    reason: format!("must be in (0, {max}] (got {value})"),
+                });
+            }
+        }
         for m in &self.models {
             if m.pattern.is_empty() {
                 return Err(invalid("models.match", "must not be empty"));
@@ -707,6 +722,20 @@ mod tests {
         assert!(Config::from_toml("[server]\nlisten = \"nowhere\"\n").is_err());
         assert!(Config::from_toml("[log]\nformat = \"xml\"\n").is_err());
         assert!(Config::from_toml("[compaction]\ntrigger = 0.5\ntarget = 0.7\n").is_err());
+        for bad in [
+            "fit_share = 0.0",
+            "fit_share = 1.5",
+            "recent_share = -0.1",
+            "ahead_share = nan",
+            "recent_max_share = 0",
+            "fade_share = inf",
+        ] {
+            let err = Config::from_toml(&format!("[compaction]\n{bad}\n")).unwrap_err();
+            let key = bad.split(' ').next().unwrap();
+            assert!(err.to_string().contains(key), "{bad}: {err}");
+        }
+        // Out of reach on purpose: turns a mechanism off.
+        assert!(Config::from_toml("[compaction]\nahead_share = 10\n").is_ok());
         assert!(Config::from_toml("[[models]]\nmatch = \"x\"\ncontext_window = 10\n").is_err());
         assert!(
             Config::from_toml(
