@@ -492,9 +492,9 @@ fn big_result(id: &str, chars: usize) -> Message {
 fn large_answered_results_are_masked_ahead_of_the_recent_window() {
     // Once compaction has begun, a large result the agent has answered (or
     // large arguments of an answered call) is masked even inside the recent
-    // turns (it sits near the end, so this
-    // costs the cache little), while small recent results stay verbatim,
-    // and the masked form stays the same on the next turn.
+    // turns: it sits near the end, so this costs the cache little. Small
+    // recent results stay verbatim, and the masked form stays the same on
+    // the next turn.
     let svc = service();
     let mut m = agent_turns(12, 1500);
     let big = 2 + 2 * 9 + 1; // turn 9's result, answered by turn 10
