@@ -7,6 +7,7 @@
 mod common;
 
 use std::collections::HashSet;
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 
 use common::{Harness, Redis};
@@ -55,8 +56,14 @@ fn session_with(turns: usize, think: usize, lines: usize) -> Value {
 }
 
 async fn send(h: &Harness, body: &Value) -> reqwest::Response {
+    send_to(h, h.addr, body).await
+}
+
+/// [`send`], to the condense at `addr` (a replica), with the harness's
+/// client.
+async fn send_to(h: &Harness, addr: SocketAddr, body: &Value) -> reqwest::Response {
     h.client
-        .post(h.url("/v1/chat/completions"))
+        .post(format!("http://{addr}/v1/chat/completions"))
         .header("authorization", "Bearer sk-client-key")
         .header("x-mock-token-factor", "1.0")
         .body(body.to_string())
@@ -389,11 +396,9 @@ async fn summary_disabled_means_mechanical_drops_and_no_calls() {
     assert!(h.mock.summary_calls().is_empty());
 }
 
-#[tokio::test]
-async fn replicas_sharing_a_redis_share_checkpoints() {
-    let Some(redis) = Redis::start() else {
-        return;
-    };
+/// Two condense replicas in front of the harness's mock, sharing `redis`,
+/// summarizing by message count.
+async fn replicas_sharing(redis: &Redis) -> (Harness, condense::server::Server) {
     let url = redis.url();
     let setup = |c: &mut Config| {
         by_messages(20.0)(c);
@@ -401,18 +406,20 @@ async fn replicas_sharing_a_redis_share_checkpoints() {
     };
     let a = Harness::with(setup).await;
     let b = a.replica(setup).await;
+    (a, b)
+}
+
+#[tokio::test]
+async fn replicas_sharing_a_redis_share_checkpoints() {
+    let Some(redis) = Redis::start() else {
+        return;
+    };
+    let (a, b) = replicas_sharing(&redis).await;
 
     let body = session_with(12, 5, 8);
     assert!(actions(&send(&a, &body).await).contains("summarize"));
     assert_eq!(a.mock.summary_calls().len(), 1);
-    let via_b = a
-        .client
-        .post(format!("http://{}/v1/chat/completions", b.local_addr()))
-        .header("x-mock-token-factor", "1.0")
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
+    let via_b = send_to(&a, b.local_addr(), &body).await;
     assert!(actions(&via_b).contains("summarize"));
     let _ = via_b.text().await.unwrap();
     assert_eq!(
@@ -477,24 +484,11 @@ async fn concurrent_requests_on_two_replicas_share_one_call_through_redis() {
     let Some(redis) = Redis::start() else {
         return;
     };
-    let url = redis.url();
-    let setup = |c: &mut Config| {
-        by_messages(20.0)(c);
-        c.state.redis_url = Some(condense::config::Secret::new(&url));
-    };
-    let a = Harness::with(setup).await;
+    let (a, b) = replicas_sharing(&redis).await;
     a.mock.state.summary_delay_ms.store(400, Ordering::SeqCst);
-    let b = a.replica(setup).await;
 
     let body = session_with(12, 5, 8);
-    let via_b = a
-        .client
-        .post(format!("http://{}/v1/chat/completions", b.local_addr()))
-        .header("x-mock-token-factor", "1.0")
-        .body(body.to_string())
-        .send();
-    let (ra, rb) = tokio::join!(send(&a, &body), via_b);
-    let rb = rb.unwrap();
+    let (ra, rb) = tokio::join!(send(&a, &body), send_to(&a, b.local_addr(), &body));
     assert!(actions(&ra).contains("summarize"));
     assert!(actions(&rb).contains("summarize"));
     let _ = (ra.text().await, rb.text().await);
