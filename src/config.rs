@@ -609,10 +609,10 @@ impl Config {
             ("compaction.ahead_share", c.ahead_share, 10.0),
         ] {
             if !(value > 0.0 && value <= max) {
-                return Err(ConfigError::Invalid {
+                return Err(invalid(
                     key,
-                    reason: format!("must be in (0, {max}] (got {value})"),
-                });
+                    &format!("must be in (0, {max}] (got {value})"),
+                ));
             }
         }
         for m in &self.models {
