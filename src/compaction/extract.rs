@@ -150,18 +150,21 @@ fn path_in(l: &str) -> Option<&str> {
 /// merits; long lines are cut (error lines less than others).
 pub fn key_lines(text: &str, budget: usize) -> String {
     let mut seen_paths: Vec<&str> = Vec::new();
-    let mut scored: Vec<(u32, usize, &str)> = Vec::new();
+    // (score, line index, line, where a path new to the placeholder ends)
+    let mut scored: Vec<(u32, usize, &str, Option<usize>)> = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let (mut s, path) = score(line);
+        let mut path_end = None;
         if let Some(p) = path {
             if seen_paths.contains(&p) {
                 s = s.saturating_sub(3);
             } else {
                 seen_paths.push(p);
+                path_end = line.find(p).map(|at| line[..at + p.len()].chars().count());
             }
         }
         if s > 0 {
-            scored.push((s, i, line.trim_end()));
+            scored.push((s, i, line.trim_end(), path_end));
         }
     }
     // Best first; among equals the later line (the final error, the last
@@ -169,8 +172,16 @@ pub fn key_lines(text: &str, budget: usize) -> String {
     scored.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
     let mut chosen: Vec<(usize, String)> = Vec::new();
     let mut used = 0;
-    for (s, i, line) in scored {
-        let max_line = if s >= 7 { 240 } else { (budget / 2).max(60) };
+    for (s, i, line, path_end) in scored {
+        let mut max_line = if s >= 7 { 240 } else { (budget / 2).max(60) };
+        // A line too long for what is left still goes in, cut, when the
+        // path it names fits (a traceback's middle frames).
+        let room = budget.saturating_sub(used + 2);
+        if line.chars().count() + used + 1 > budget
+            && let Some(end) = path_end.filter(|&end| end <= room)
+        {
+            max_line = max_line.min(room.max(end));
+        }
         let line = if line.chars().count() > max_line {
             let cut: String = line.chars().take(max_line).collect();
             format!("{cut}…")
@@ -302,6 +313,30 @@ mod tests {
         assert!(!p.contains("noise line"));
         assert!(p.starts_with("[condense:"));
         assert!(p.len() < 500, "{}", p.len());
+    }
+
+    #[test]
+    fn a_traceback_keeps_the_file_of_a_middle_frame_too_long_to_fit() {
+        // The error line and the innermost frame take most of the budget;
+        // the middle frames' file must still be named, its line cut short.
+        let text = "Traceback (most recent call last):\n\
+  File \"/srv/app/pkg/dataset.py\", line 836, in __getattr_for_missing_element__\n\
+    return object.__getattribute__(self, name)\n\
+  File \"/srv/app/pkg/dataset.py\", line 1563, in _do_pixel_data_conversion\n\
+    arr = handler.get_pixeldata(self)\n\
+  File \"/srv/app/pkg/pixel_data_handlers/numpy_handler_for_uncompressed.py\", line 293, in get_pixeldata\n\
+    raise AttributeError(\n\
+AttributeError: Unable to convert the pixel data as the following required elements are missing from the dataset: PixelRepresentation\n";
+        let p = placeholder(text, 300);
+        for kept in [
+            "/srv/app/pkg/dataset.py",
+            "/srv/app/pkg/pixel_data_handlers/numpy_handler_for_uncompressed.py\", line 293",
+            "missing from the dataset: PixelRepresentation",
+        ] {
+            assert!(p.contains(kept), "{kept} missing from {p}");
+        }
+        let kept_chars = p.split_once('\n').map_or(0, |(_, k)| k.chars().count());
+        assert!(kept_chars <= 300, "{kept_chars}: {p}");
     }
 
     #[test]
