@@ -142,9 +142,10 @@ pub struct CompactionConfig {
     /// Largest share of the budget a single result or argument string may
     /// take (`fit`).
     pub fit_share: f64,
-    /// Once compaction has begun, an answered tool result (or tool-call
-    /// arguments) whose masked form saves at least this share of the budget
-    /// is masked even inside the recent window.
+    /// Once compaction has begun, an answered tool result (or the
+    /// arguments of a call whose results are in and report no error) whose
+    /// masked form saves at least this share of the budget is masked even
+    /// inside the recent window.
     pub ahead_share: f64,
 }
 

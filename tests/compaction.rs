@@ -554,6 +554,66 @@ fn large_answered_results_are_masked_ahead_of_the_recent_window() {
     assert!(content(&kept[big]) != masked, "masked in the recent window");
 }
 
+/// Turn `t` of [`agent_turns`] rewritten as a call that writes a large file,
+/// with `result` as its tool result.
+fn write_turn(m: &mut [Message], t: usize, result: &str) {
+    let file = "def handler(request):\n    return respond(request)\n".repeat(120);
+    let args = json!({"command": "create", "path": "/repo/src/handler.py", "file_text": file});
+    let id = format!("call_{t}");
+    m[2 + 2 * t] = msg(
+        json!({"role": "assistant", "content": format!("Step {t}: writing the handler."), "tool_calls": [{"id": id, "type": "function", "function": {"name": "edit", "arguments": args.to_string()}}]}),
+    );
+    m[3 + 2 * t] = msg(json!({"role": "tool", "tool_call_id": id, "content": result}));
+}
+
+#[test]
+fn a_large_write_is_shortened_as_soon_as_its_result_is_in() {
+    // Once compaction has begun, the arguments of a call that wrote a whole
+    // file are shortened in the very request that brings its result: they
+    // are new in that request, so the cached prefix loses nothing, where
+    // shortening them a turn later rewrites everything after them.
+    let svc = service();
+    let mut m = agent_turns(12, 1500);
+    let last = m.len() - 1;
+    write_turn(
+        &mut m,
+        11,
+        "File created successfully at: /repo/src/handler.py",
+    );
+    let budget = tokens(&svc, &m) as f64 / 1.15;
+    let result = run(&svc, &m, budget).messages.expect("compacted");
+    let call = &json_of(&result[last - 1])["tool_calls"][0]["function"]["arguments"];
+    let shortened: Value = serde_json::from_str(call.as_str().unwrap()).unwrap();
+    assert_eq!(shortened["path"], "/repo/src/handler.py");
+    assert!(shortened["file_text"].as_str().unwrap().len() < 1000);
+    assert_eq!(content(&result[last - 1]), "Step 11: writing the handler.");
+    assert!(result[last].raw() == m[last].raw(), "the result changed");
+
+    // The next turn keeps the shortened call byte-identical.
+    let mut next = m.clone();
+    next.push(msg(
+        json!({"role": "assistant", "content": "Step 12: running it.", "tool_calls": [{"id": "call_12", "type": "function", "function": {"name": "run", "arguments": "{\"cmd\": \"pytest\"}"}}]}),
+    ));
+    next.push(msg(
+        json!({"role": "tool", "tool_call_id": "call_12", "content": "1 passed"}),
+    ));
+    let again = run(&svc, &next, budget).messages.expect("compacted");
+    assert!(again.len() == next.len() && again[last - 1].raw() == result[last - 1].raw());
+
+    // A write that failed keeps its arguments until the agent has answered
+    // (it may retry with the same content) ...
+    write_turn(
+        &mut m,
+        11,
+        "ERROR: File already exists at: /repo/src/handler.py. Cannot overwrite files using command `create`.",
+    );
+    let failed = run(&svc, &m, budget).messages.expect("compacted");
+    assert!(
+        failed[last - 1].raw() == m[last - 1].raw(),
+        "a failed call was shortened"
+    );
+}
+
 #[test]
 fn a_huge_unanswered_result_does_not_take_the_history_with_it() {
     // The newest result (no answer yet, so untouchable) alone is more than

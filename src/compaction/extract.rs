@@ -40,6 +40,13 @@ pub fn placeholder(text: &str, budget: usize) -> String {
     }
 }
 
+/// Whether a tool result reports a failure: a line such as "ValueError: ...",
+/// "ERROR: File already exists" or "FAILED tests/...". The agent may retry
+/// the call, so its arguments are worth keeping until it has.
+pub fn reports_error(text: &str) -> bool {
+    text.lines().any(|l| score(l).0 >= 7)
+}
+
 /// How likely a line is to matter again, and the path it names (so that a
 /// traceback's twenty frames in one file count once).
 fn score(line: &str) -> (u32, Option<&str>) {

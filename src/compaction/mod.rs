@@ -345,6 +345,19 @@ pub fn compact_with(
             }
         })
         .collect();
+    // Whether a large call's results report a failure (only calls large
+    // enough to be masked ahead are read).
+    let ahead_saving = s.ahead_share * limits.budget;
+    let mut failed = vec![false; n];
+    for i in 0..n {
+        if let Some(o) = a.owner[i]
+            && !failed[o]
+            && (w.cost[o].saturating_sub(plan_masked[o]) as f64) >= ahead_saving
+        {
+            failed[o] =
+                content_text(messages[i].content()).is_some_and(|t| extract::reports_error(&t));
+        }
+    }
     let plan = plan::plan(
         &a,
         &plan::Costs {
@@ -361,7 +374,8 @@ pub fn compact_with(
             recent_turns: s.recent_turns,
             recent_share: s.recent_share,
             recent_max_share: s.recent_max_share,
-            ahead_saving: s.ahead_share * limits.budget,
+            failed: &failed,
+            ahead_saving,
             drops: drop_policy(replacement, limits),
         },
     );

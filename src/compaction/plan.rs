@@ -22,9 +22,12 @@
 //!
 //! - Masking ahead: once the replay has crossed the trigger, every tool
 //!   result an assistant message has answered, and every assistant message
-//!   a later one follows, whose masked form saves at least `ahead_share` of
-//!   the budget is masked, recent or not (a 5k-token file listing, a call
-//!   that wrote a whole file). It sits near the end of the prompt, so
+//!   whose results are in and report no error, whose masked form saves at
+//!   least `ahead_share` of the budget is masked, recent or not (a 5k-token
+//!   file listing, a call that wrote a whole file). A call's arguments are
+//!   new in the request that brings its results, so shortening them there
+//!   costs the cached prefix nothing at all; a call that failed keeps them
+//!   until the agent has answered, as it may retry with the same content. It sits near the end of the prompt, so
 //!   masking it costs the cached prefix only the placeholder, while keeping
 //!   it would bring the next frontier move or drop (which rewrite everything
 //!   after them) sooner. On the shared traces at 16k this took uncached
@@ -111,6 +114,8 @@ pub struct Costs<'a> {
     pub placeholder_tokens: u64,
     /// Each message masked (equal to `full` when masking does not apply).
     pub masked: &'a [u64],
+    /// Assistant messages a result of whose calls reports a failure.
+    pub failed: &'a [bool],
     /// Tokens outside the messages (reply priming, tool schemas).
     pub fixed: u64,
     pub budget: f64,
@@ -296,10 +301,11 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
     }
 }
 
-/// Masks ahead of the frontier every tool result and assistant message in
-/// `[*from, e)` that a later assistant message before `e` follows and whose
-/// masked form saves at least `c.ahead_saving`; moves `*from` past them.
-/// Returns whether any was.
+/// Masks ahead of the frontier, in `[*from, e)`, every tool result a later
+/// assistant message before `e` answers and every assistant message whose
+/// calls have done their work (see below), if its masked form saves at
+/// least `c.ahead_saving`; moves `*from` to the last assistant message
+/// before `e`. Returns whether any was masked.
 fn mask_answered(
     a: &Analysis,
     c: &Costs,
@@ -313,10 +319,15 @@ fn mask_answered(
         k => a.assistants[k - 1],
     };
     let mut changed = false;
-    for i in *from..answered_before {
-        if matches!(a.roles[i], Role::Tool | Role::Assistant)
-            && (full[i].saturating_sub(c.masked[i]) as f64) >= c.ahead_saving
-        {
+    for i in *from..e {
+        let done = match a.roles[i] {
+            Role::Tool => i < answered_before,
+            // A call has done its work once its results are in, unless one
+            // reports a failure (the agent may retry it).
+            Role::Assistant => i < answered_before || !c.failed[i],
+            _ => false,
+        };
+        if done && !ahead[i] && (full[i].saturating_sub(c.masked[i]) as f64) >= c.ahead_saving {
             ahead[i] = true;
             full[i] = c.masked[i];
             changed = true;
