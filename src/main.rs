@@ -51,10 +51,12 @@ enum Command {
     },
     /// Replay a recorded conversation turn by turn through the pipeline
     /// (offline) and report tokens, prefix stability, probe retention and
-    /// fit per turn, next to two common strategies.
+    /// fit per turn, next to two common strategies. Given several
+    /// conversations, report each one's totals and their means.
     Replay {
-        /// A chat request whose messages are the whole conversation.
-        file: PathBuf,
+        /// Chat requests whose messages are each a whole conversation.
+        #[arg(required = true, value_name = "FILE")]
+        files: Vec<PathBuf>,
         /// Use this context window instead of the model's.
         #[arg(long, value_name = "N")]
         window: Option<u64>,
@@ -62,8 +64,10 @@ enum Command {
         #[arg(long)]
         model: Option<String>,
         /// A JSON list of probes: {"text", "first_message_index"} facts
-        /// whose survival is measured.
-        #[arg(long, value_name = "FILE")]
+        /// whose survival is measured. With several conversations, a
+        /// directory holding each one's list under the conversation's file
+        /// name or as NAME.probes.json.
+        #[arg(long, value_name = "PATH")]
         probes: Option<PathBuf>,
         /// Print the report as JSON.
         #[arg(long)]
@@ -102,7 +106,7 @@ fn main() -> ExitCode {
             window,
         } => compact(&config, &file, CompactOptions { model, window }),
         Command::Replay {
-            file,
+            files,
             window,
             model,
             probes,
@@ -110,7 +114,7 @@ fn main() -> ExitCode {
             upstream,
         } => replay(
             &config,
-            &file,
+            &files,
             CompactOptions { model, window },
             probes.as_deref(),
             json,
@@ -134,51 +138,110 @@ fn read_input(file: &Path) -> Result<Vec<u8>, ExitCode> {
 
 fn replay(
     config: &Config,
-    file: &Path,
+    files: &[PathBuf],
     options: CompactOptions,
     probes: Option<&Path>,
     json: bool,
     upstream: Option<String>,
 ) -> ExitCode {
-    let body = match read_input(file) {
-        Ok(b) => b,
-        Err(code) => return code,
-    };
-    let probes: Vec<condense::replay::Probe> = match probes {
-        None => Vec::new(),
-        Some(p) => match read_input(p).map(|b| serde_json::from_slice(&b)) {
-            Ok(Ok(list)) => list,
-            Ok(Err(e)) => {
-                eprintln!("condense: {} is not a probe list: {e}", p.display());
-                return ExitCode::from(2);
-            }
+    let several = files.len() > 1;
+    if several && probes.is_some_and(|p| !p.is_dir()) {
+        eprintln!("condense: with several conversations, --probes names a directory");
+        return ExitCode::from(2);
+    }
+    let mut overviews = Vec::new();
+    let mut single = None;
+    for file in files {
+        let probe_file = probes.and_then(|p| probe_file(p, file));
+        let report = match replay_one(config, file, &options, probe_file.as_deref(), &upstream) {
+            Ok(r) => r,
             Err(code) => return code,
-        },
-    };
-    let body = body.into();
-    let report = match upstream {
-        None => {
-            condense::replay::replay(config, &body, &options, &probes).map_err(|e| e.to_string())
+        };
+        if several {
+            let name = file.file_name().unwrap_or(file.as_os_str());
+            overviews.push(condense::replay::Overview::of(
+                name.to_string_lossy().into_owned(),
+                report,
+            ));
+        } else {
+            single = Some(report);
         }
-        Some(url) => replay_summarized(config, &body, &options, &probes, &url),
-    };
-    let report = match report {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("condense: {e}");
-            return ExitCode::FAILURE;
+    }
+    let text = match (single, json) {
+        (Some(r), true) => serde_json::to_string_pretty(&r).unwrap_or_default(),
+        (Some(r), false) => condense::replay::render(&r),
+        (None, json) => {
+            let suite = condense::replay::Suite::of(overviews);
+            if json {
+                serde_json::to_string_pretty(&suite).unwrap_or_default()
+            } else {
+                condense::replay::render_suite(&suite)
+            }
         }
-    };
-    let text = if json {
-        serde_json::to_string_pretty(&report).unwrap_or_default()
-    } else {
-        condense::replay::render(&report)
     };
     let mut out = std::io::stdout().lock();
     if writeln!(out, "{text}").is_err() {
         return ExitCode::FAILURE;
     }
     ExitCode::SUCCESS
+}
+
+/// The probe list for `conversation`: `probes` itself, or for a directory
+/// the file in it named NAME.probes.json or like the conversation (when that
+/// is not the conversation itself).
+fn probe_file(probes: &Path, conversation: &Path) -> Option<PathBuf> {
+    if !probes.is_dir() {
+        return Some(probes.to_path_buf());
+    }
+    let name = conversation.file_name()?;
+    let stem = conversation.file_stem()?.to_string_lossy();
+    let itself = conversation.canonicalize().ok();
+    let found = [
+        probes.join(format!("{stem}.probes.json")),
+        probes.join(name),
+    ]
+    .into_iter()
+    .find(|p| p.is_file() && p.canonicalize().ok() != itself);
+    if found.is_none() {
+        eprintln!(
+            "condense: no probes for {} in {}",
+            conversation.display(),
+            probes.display()
+        );
+    }
+    found
+}
+
+/// One conversation's replay; errors are reported on stderr.
+fn replay_one(
+    config: &Config,
+    file: &Path,
+    options: &CompactOptions,
+    probes: Option<&Path>,
+    upstream: &Option<String>,
+) -> Result<condense::replay::Report, ExitCode> {
+    let body = read_input(file)?;
+    let probes: Vec<condense::replay::Probe> = match probes {
+        None => Vec::new(),
+        Some(p) => match serde_json::from_slice(&read_input(p)?) {
+            Ok(list) => list,
+            Err(e) => {
+                eprintln!("condense: {} is not a probe list: {e}", p.display());
+                return Err(ExitCode::from(2));
+            }
+        },
+    };
+    let body = body.into();
+    let report = match upstream {
+        None => {
+            condense::replay::replay(config, &body, options, &probes).map_err(|e| e.to_string())
+        }
+        Some(url) => replay_summarized(config, &body, options, &probes, url),
+    };
+    report.map_err(|e| {
+        eprintln!("condense: {}: {e}", file.display());
+        ExitCode::FAILURE
+    })
 }
 
 /// A replay whose old turns are summarized by the API at `url`.

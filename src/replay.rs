@@ -13,7 +13,8 @@
 //! byte-identical prefix of the previous turn's), uncached tokens (the rest,
 //! which a provider bills at full price), probe retention (the share of
 //! known facts from earlier messages still present verbatim), and whether
-//! each turn fit its budget.
+//! each turn fit its budget. Several conversations make a [`Suite`]: each
+//! one's totals and the means over all of them.
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -95,6 +96,84 @@ pub struct Report {
     pub last_10_results: Totals,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub summarizer: Option<SummaryStats>,
+}
+
+/// One conversation's totals, in a replay of several.
+#[derive(Debug, Clone, Serialize)]
+pub struct Overview {
+    pub conversation: String,
+    pub model: String,
+    pub window: u64,
+    pub prompt_budget: u64,
+    pub turns: usize,
+    pub condense: Totals,
+    pub drop_oldest: Totals,
+    pub last_10_results: Totals,
+}
+
+impl Overview {
+    pub fn of(conversation: String, r: Report) -> Overview {
+        Overview {
+            conversation,
+            model: r.model,
+            window: r.window,
+            prompt_budget: r.prompt_budget,
+            turns: r.turns.len(),
+            condense: r.condense,
+            drop_oldest: r.drop_oldest,
+            last_10_results: r.last_10_results,
+        }
+    }
+}
+
+/// Each strategy over all the conversations of a [`Suite`].
+#[derive(Debug, Clone, Serialize)]
+pub struct Overall {
+    pub condense: Totals,
+    pub drop_oldest: Totals,
+    pub last_10_results: Totals,
+}
+
+/// Several conversations replayed with the same settings: each one's
+/// totals, and over all of them tokens and turns summed, prefix stability
+/// and probe retention averaged (each conversation counts once, whatever
+/// its length, so one long conversation cannot hide the others).
+#[derive(Debug, Clone, Serialize)]
+pub struct Suite {
+    pub conversations: Vec<Overview>,
+    pub all: Overall,
+}
+
+impl Suite {
+    pub fn of(conversations: Vec<Overview>) -> Suite {
+        let all = Overall {
+            condense: mean(conversations.iter().map(|c| &c.condense)),
+            drop_oldest: mean(conversations.iter().map(|c| &c.drop_oldest)),
+            last_10_results: mean(conversations.iter().map(|c| &c.last_10_results)),
+        };
+        Suite { conversations, all }
+    }
+}
+
+/// Tokens and turns summed, stability and retention averaged.
+fn mean<'a>(totals: impl Iterator<Item = &'a Totals>) -> Totals {
+    let (mut out, mut n, mut kept, mut with_probes) = (Totals::default(), 0, 0.0, 0);
+    for t in totals {
+        out.tokens_sent += t.tokens_sent;
+        out.uncached_tokens += t.uncached_tokens;
+        out.turns_not_fit += t.turns_not_fit;
+        out.prefix_stability += t.prefix_stability;
+        n += 1;
+        if let Some(r) = t.probe_retention {
+            kept += r;
+            with_probes += 1;
+        }
+    }
+    if n > 0 {
+        out.prefix_stability /= n as f64;
+    }
+    out.probe_retention = (with_probes > 0).then(|| kept / with_probes as f64);
+    out
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -405,11 +484,26 @@ pub fn render(r: &Report) -> String {
             t.actions
         ));
     }
-    s.push_str("\nstrategy          tokens sent  uncached  prefix stability  probe retention  turns not fit\n");
+    s.push('\n');
+    strategies(&mut s, &r.condense, &r.drop_oldest, &r.last_10_results);
+    if let Some(st) = &r.summarizer {
+        s.push_str(&format!(
+            "\nsummarizer: {} calls ({} prompt + {} completion tokens), {} turns reused a stored checkpoint, {} fell back to drops\n",
+            st.calls, st.prompt_tokens, st.completion_tokens, st.reused, st.fallbacks
+        ));
+    }
+    s
+}
+
+/// The strategies' totals as a table.
+fn strategies(s: &mut String, condense: &Totals, drop_oldest: &Totals, last_10: &Totals) {
+    s.push_str(
+        "strategy          tokens sent  uncached  prefix stability  probe retention  turns not fit\n",
+    );
     for (name, t) in [
-        ("condense", &r.condense),
-        ("drop_oldest", &r.drop_oldest),
-        ("last_10_results", &r.last_10_results),
+        ("condense", condense),
+        ("drop_oldest", drop_oldest),
+        ("last_10_results", last_10),
     ] {
         s.push_str(&format!(
             "{:<17} {:>11} {:>9} {:>17.3} {:>16} {:>14}\n",
@@ -422,11 +516,24 @@ pub fn render(r: &Report) -> String {
             t.turns_not_fit
         ));
     }
-    if let Some(st) = &r.summarizer {
+}
+
+/// A replay of several conversations as text: each one's totals, then all.
+pub fn render_suite(suite: &Suite) -> String {
+    let mut s = String::new();
+    for c in &suite.conversations {
         s.push_str(&format!(
-            "\nsummarizer: {} calls ({} prompt + {} completion tokens), {} turns reused a stored checkpoint, {} fell back to drops\n",
-            st.calls, st.prompt_tokens, st.completion_tokens, st.reused, st.fallbacks
+            "{}  (model {}, window {}, prompt budget {}, {} turns)\n",
+            c.conversation, c.model, c.window, c.prompt_budget, c.turns
         ));
+        strategies(&mut s, &c.condense, &c.drop_oldest, &c.last_10_results);
+        s.push('\n');
     }
+    s.push_str(&format!(
+        "all {} conversations (tokens and turns summed; stability and retention averaged, each conversation once)\n",
+        suite.conversations.len()
+    ));
+    let a = &suite.all;
+    strategies(&mut s, &a.condense, &a.drop_oldest, &a.last_10_results);
     s
 }

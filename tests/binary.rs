@@ -320,3 +320,102 @@ async fn healthcheck_exits_zero_only_when_the_proxy_answers() {
     assert!(!down.status.success());
     assert!(String::from_utf8_lossy(&down.stderr).contains("is not healthy"));
 }
+
+#[test]
+fn replay_of_several_conversations_reports_each_and_their_means() {
+    let dir = std::env::temp_dir().join(format!("condense-suite-{}", std::process::id()));
+    let probes = dir.join("probes");
+    std::fs::create_dir_all(&probes).unwrap();
+    let session: serde_json::Value =
+        serde_json::from_slice(&std::fs::read("examples/agent-session.json").unwrap()).unwrap();
+    // A second, shorter conversation: the first 20 messages of the example.
+    let mut short = session.clone();
+    short["messages"] =
+        serde_json::Value::Array(session["messages"].as_array().unwrap()[..20].to_vec());
+    std::fs::write(dir.join("long.json"), session.to_string()).unwrap();
+    std::fs::write(dir.join("short.json"), short.to_string()).unwrap();
+    // Probes in both layouts: NAME.probes.json, and the conversation's name.
+    std::fs::copy(
+        "examples/agent-session.probes.json",
+        probes.join("long.probes.json"),
+    )
+    .unwrap();
+    std::fs::copy(
+        "examples/agent-session.probes.json",
+        probes.join("short.json"),
+    )
+    .unwrap();
+
+    let run = |json: bool| {
+        let mut c = condense();
+        c.arg("replay")
+            .arg(dir.join("long.json"))
+            .arg(dir.join("short.json"))
+            .arg("--probes")
+            .arg(&probes)
+            .args(["--window", "12000"]);
+        if json {
+            c.arg("--json");
+        }
+        c.output().unwrap()
+    };
+    let out = run(true);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let suite: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let each = suite["conversations"].as_array().unwrap();
+    assert_eq!(each.len(), 2);
+    assert_eq!(each[0]["conversation"], "long.json");
+    assert_eq!(each[1]["conversation"], "short.json");
+    assert!(each[0]["turns"].as_u64().unwrap() > each[1]["turns"].as_u64().unwrap());
+    for strategy in ["condense", "drop_oldest", "last_10_results"] {
+        let (a, b, all) = (
+            &each[0][strategy],
+            &each[1][strategy],
+            &suite["all"][strategy],
+        );
+        assert!(a["probe_retention"].is_f64() && b["probe_retention"].is_f64());
+        let sum = |k: &str| a[k].as_u64().unwrap() + b[k].as_u64().unwrap();
+        assert_eq!(all["tokens_sent"].as_u64().unwrap(), sum("tokens_sent"));
+        assert_eq!(
+            all["uncached_tokens"].as_u64().unwrap(),
+            sum("uncached_tokens")
+        );
+        let mean = |k: &str| (a[k].as_f64().unwrap() + b[k].as_f64().unwrap()) / 2.0;
+        for k in ["prefix_stability", "probe_retention"] {
+            assert!(
+                (all[k].as_f64().unwrap() - mean(k)).abs() < 1e-9,
+                "{strategy} {k}"
+            );
+        }
+    }
+    // The long one needs compaction at this window: condense beats
+    // drop-oldest on what the cache serves.
+    assert!(
+        each[0]["condense"]["uncached_tokens"].as_u64().unwrap()
+            < each[0]["drop_oldest"]["uncached_tokens"].as_u64().unwrap()
+    );
+
+    let text = String::from_utf8(run(false).stdout).unwrap();
+    assert!(
+        text.contains("long.json  (model gpt-4o, window 12000"),
+        "{text}"
+    );
+    assert!(text.contains("all 2 conversations"), "{text}");
+
+    // With several conversations, one probe file cannot serve them all.
+    let out = condense()
+        .arg("replay")
+        .arg(dir.join("long.json"))
+        .arg(dir.join("short.json"))
+        .arg("--probes")
+        .arg(probes.join("short.json"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--probes names a directory"));
+    std::fs::remove_dir_all(&dir).ok();
+}
