@@ -24,15 +24,15 @@
 //!   result an assistant message has answered, and every assistant message
 //!   whose results are in and report no error, whose masked form saves at
 //!   least `ahead_share` of the budget is masked, recent or not (a 5k-token
-//!   file listing, a call that wrote a whole file). A call's arguments are
-//!   new in the request that brings its results, so shortening them there
-//!   costs the cached prefix nothing at all; a call that failed keeps them
-//!   until the agent has answered, as it may retry with the same content. It sits near the end of the prompt, so
-//!   masking it costs the cached prefix only the placeholder, while keeping
-//!   it would bring the next frontier move or drop (which rewrite everything
-//!   after them) sooner. On the shared traces at 16k this took uncached
-//!   tokens from 101k to 79k (django) and 112k to 78k (requests), with probe
-//!   retention up, not down.
+//!   file listing, a call that wrote a whole file). Such a message sits
+//!   near the end of the prompt, so masking it costs the cached prefix only
+//!   the placeholder, while keeping it would bring the next frontier move
+//!   or drop (which rewrite everything after them) sooner. A call's
+//!   arguments cost nothing at all: they are new in the request that brings
+//!   their results. A call that failed keeps them until the agent has
+//!   answered, as it may retry with the same content. On the shared traces
+//!   at 16k this took uncached tokens from 101k to 56k (django) and 112k to
+//!   76k (requests), with probe retention up, not down.
 //! - When the recent turns alone still hold the request at the trigger after
 //!   drops, the frontier moves into them, turn by turn, newest last. An
 //!   extractive placeholder that stays put keeps more and breaks the cache
