@@ -32,7 +32,7 @@
 //!   their results. A call that failed keeps them until the agent has
 //!   answered, as it may retry with the same content. On the shared traces
 //!   at 16k this took uncached tokens from 101k to 56k (django) and 112k to
-//!   76k (requests), with probe retention up, not down.
+//!   76k (requests).
 //! - When the recent turns alone still hold the request at the trigger after
 //!   drops, the frontier moves into them, turn by turn, newest last. An
 //!   extractive placeholder that stays put keeps more and breaks the cache
