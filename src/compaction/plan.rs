@@ -31,8 +31,9 @@
 //!   arguments cost nothing at all: they are new in the request that brings
 //!   their results. A call that failed keeps them until the agent has
 //!   answered, as it may retry with the same content. On the shared traces
-//!   at 16k this took uncached tokens from 101k to 56k (django) and 112k to
-//!   76k (requests).
+//!   at 16k, masking ahead takes uncached tokens from 84k to 56k (django)
+//!   and 85k to 76k (requests); mean stability from 0.845 to 0.863, mean
+//!   probe retention from 0.950 to 0.945.
 //! - When the recent turns alone still hold the request at the trigger after
 //!   drops, the frontier moves into them, turn by turn, newest last. An
 //!   extractive placeholder that stays put keeps more and breaks the cache
