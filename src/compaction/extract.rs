@@ -124,6 +124,7 @@ fn score(line: &str) -> (u32, Option<&str>) {
         s += 3;
     }
     if lower.starts_with("file \"")
+        || pytest_frame(l)
         || lower.contains(" passed")
         || lower.contains(" failed")
         || lower.contains("warning")
@@ -134,6 +135,15 @@ fn score(line: &str) -> (u32, Option<&str>) {
         s += 1;
     }
     (s, path)
+}
+
+/// A frame of pytest's short traceback: `pkg/render.py:142: in render`.
+fn pytest_frame(l: &str) -> bool {
+    l.split_once(": in ").is_some_and(|(at, _)| {
+        at.rsplit_once(':').is_some_and(|(file, line)| {
+            file.ends_with(".py") && !line.is_empty() && line.bytes().all(|b| b.is_ascii_digit())
+        })
+    })
 }
 
 /// The first path-like word of a line (two slashes, or one slash and a file
@@ -344,6 +354,31 @@ AttributeError: Unable to convert the pixel data as the following required eleme
         }
         let kept_chars = p.split_once('\n').map_or(0, |(_, k)| k.chars().count());
         assert!(kept_chars <= 300, "{kept_chars}: {p}");
+    }
+
+    #[test]
+    fn a_pytest_failure_keeps_its_frame() {
+        let mut text = String::from("collected 120 items\n\n");
+        for f in [
+            "cli", "parser", "inline", "blocks", "toc", "config", "cache",
+        ] {
+            text.push_str(&format!("tests/test_{f}.py ............\n"));
+        }
+        text.push_str(
+            "tests/test_render.py:88: \n\
+inkwell/render.py:142: in render_heading\n\
+    return '<h%d>' % level + text + '</h%d>' % level\n\
+E   TypeError: can only concatenate str (not \"NoneType\") to str\n\
+FAILED tests/test_render.py::test_heading - TypeError\n",
+        );
+        let p = placeholder(&text, 200);
+        assert!(
+            p.contains("inkwell/render.py:142: in render_heading"),
+            "{p}"
+        );
+        assert!(p.contains("E   TypeError"), "{p}");
+        assert!(!pytest_frame("tests/test_cache.py ........"));
+        assert!(!pytest_frame("see render.py:x: in a comment"));
     }
 
     #[test]
