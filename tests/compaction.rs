@@ -500,11 +500,8 @@ fn large_answered_results_are_masked_ahead_of_the_recent_window() {
     let big = 2 + 2 * 9 + 1; // turn 9's result, answered by turn 10
     m[big] = big_result("call_9", 6000);
     // Turn 10 writes a large file: its arguments count the same way.
-    let file = "def handler(request):\n    return respond(request)\n".repeat(120);
-    let args = json!({"command": "create", "path": "/repo/src/handler.py", "file_text": file});
-    m[big + 1] = msg(
-        json!({"role": "assistant", "content": "Step 10: writing the handler.", "tool_calls": [{"id": "call_10", "type": "function", "function": {"name": "edit", "arguments": args.to_string()}}]}),
-    );
+    let result_10 = content(&m[big + 2]);
+    write_turn(&mut m, 10, &result_10);
     let budget = tokens(&svc, &m) as f64 / 1.15;
     let out = run(&svc, &m, budget);
     let result = out.messages.expect("compacted");

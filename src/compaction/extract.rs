@@ -194,10 +194,8 @@ pub fn key_lines(text: &str, budget: usize) -> String {
         // A line too long for what is left still goes in, cut, when the
         // path it names fits (a traceback's middle frames).
         let room = budget.saturating_sub(used + 2);
-        if line.chars().count() + used + 1 > budget
-            && let Some(end) = path_end.filter(|&end| end <= room)
-        {
-            max_line = max_line.min(room.max(end));
+        if line.chars().count() + used + 1 > budget && path_end.is_some_and(|end| end <= room) {
+            max_line = max_line.min(room);
         }
         let line = if line.chars().count() > max_line {
             let cut: String = line.chars().take(max_line).collect();
