@@ -291,8 +291,8 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
             }
         }
     }
-    for (i, a) in ahead.iter_mut().enumerate() {
-        *a &= i >= frontier && !dropped[i];
+    for (i, masked_ahead) in ahead.iter_mut().enumerate() {
+        *masked_ahead &= i >= frontier && !dropped[i];
     }
     Plan {
         frontier,
