@@ -18,11 +18,11 @@
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 
 use crate::chat::{ChatRequest, Message, ParseError};
-use crate::compaction::conversation::{Analysis, Role};
+use crate::compaction::conversation::Analysis;
 use crate::compaction::text::message_text;
+use crate::compaction::text::with_string_field;
 use crate::compaction::{Counter, Replacement};
 use crate::config::Config;
 use crate::offline::{self, CompactOptions, OfflineError};
@@ -434,22 +434,20 @@ fn drop_oldest(
         .collect()
 }
 
-/// Baseline: above the trigger, every tool result but the last ten becomes
-/// a fixed placeholder.
+/// Baseline: above the trigger, every tool result (or observation) but the
+/// last ten becomes a fixed placeholder.
 fn last_10_results(messages: &[Message], tokens: u64, trigger: f64) -> Vec<Message> {
     if (tokens as f64) < trigger {
         return messages.to_vec();
     }
     let a = Analysis::of(messages);
-    let results: Vec<usize> = (0..messages.len())
-        .filter(|&i| a.roles[i] == Role::Tool)
-        .collect();
+    let results: Vec<usize> = (0..messages.len()).filter(|&i| a.output(i)).collect();
     let keep_from = results.len().saturating_sub(10);
     let mut out = messages.to_vec();
     for &i in &results[..keep_from] {
-        let id = messages[i].tool_call_id().unwrap_or_default();
-        let m = json!({"role": "tool", "tool_call_id": id, "content": "[tool output elided]"});
-        out[i] = Message::from_bytes(Bytes::from(m.to_string()));
+        if let Some(b) = with_string_field(messages[i].raw(), "content", "[tool output elided]") {
+            out[i] = Message::from_bytes(b);
+        }
     }
     out
 }

@@ -193,13 +193,55 @@ fn build(turns: &[TurnSpec], end_with_user: bool) -> Vec<Message> {
     out
 }
 
+/// The conversation as an agent that acts in text would have it: each call
+/// a fenced block ending the assistant's text, its results one `user`
+/// message after it.
+fn textual(messages: &[Message]) -> Vec<Message> {
+    let mut out: Vec<Message> = Vec::new();
+    let mut after_call = false;
+    for m in messages {
+        let v = json_of(m);
+        match v["role"].as_str() {
+            Some("assistant") if v["tool_calls"].is_array() => {
+                let mut text = v["content"].as_str().unwrap_or_default().to_string();
+                for c in v["tool_calls"].as_array().unwrap() {
+                    let args = c["function"]["arguments"].as_str().unwrap();
+                    text.push_str(&format!("\n```run\n{args}\n```"));
+                }
+                out.push(msg(json!({"role": "assistant", "content": text})));
+                after_call = true;
+            }
+            Some("tool") => {
+                let text = match &v["content"] {
+                    Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                if after_call && out.last().is_some_and(|l| json_of(l)["role"] == "user") {
+                    let mut last = json_of(out.last().unwrap());
+                    let joined = format!("{}\n{text}", last["content"].as_str().unwrap());
+                    last["content"] = Value::String(joined);
+                    *out.last_mut().unwrap() = msg(last);
+                } else {
+                    out.push(msg(json!({"role": "user", "content": text})));
+                }
+            }
+            _ => {
+                out.push(m.clone());
+                after_call = false;
+            }
+        }
+    }
+    out
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
 
     #[test]
-    fn invariants_hold(turns in prop::collection::vec(turn_strategy(), 1..14), end_with_user: bool, budget in 300.0f64..12000.0) {
+    fn invariants_hold(turns in prop::collection::vec(turn_strategy(), 1..14), end_with_user: bool, text_mode: bool, budget in 300.0f64..12000.0) {
         let svc = service();
         let input = build(&turns, end_with_user);
+        let input = if text_mode { textual(&input) } else { input };
         let before = tokens(&svc, &input);
         let out = run(&svc, &input, budget);
         let result = out.messages.clone().unwrap_or_else(|| input.clone());
@@ -221,7 +263,7 @@ proptest! {
         for i in 0..input.len() {
             let system = matches!(a.roles[i], compaction::conversation::Role::System);
             let last_user = a.last_user == Some(i);
-            let unconsumed = a.roles[i] == compaction::conversation::Role::Tool && !a.consumed[i];
+            let unconsumed = a.output(i) && !a.consumed[i];
             if system || last_user || (unconsumed && !emergency) {
                 prop_assert!(result.iter().any(|m| m.raw() == input[i].raw()), "protected message {} changed ({:?})", i, out.stages);
             }
@@ -609,6 +651,102 @@ fn a_large_write_is_shortened_as_soon_as_its_result_is_in() {
         failed[last - 1].raw() == m[last - 1].raw(),
         "a failed call was shortened"
     );
+}
+
+/// A session of an agent that acts in text (mini-swe-agent's format): each
+/// turn ends with a fenced command, its output comes back as a `user`
+/// message.
+fn text_agent_turns(n: usize, output_chars: usize) -> Vec<Message> {
+    let mut out = vec![
+        msg(json!({"role": "system", "content": "You are an agent. Reply with one bash block."})),
+        msg(json!({"role": "user", "content": "Fix the failing test test_parse_header."})),
+    ];
+    for t in 0..n {
+        out.push(msg(json!({"role": "assistant", "content": format!("THOUGHT: step {t}, reading a file.\n\n```bash\ncat -n src/module_{t}.py\n```")})));
+        let mut body = String::from("<returncode>1</returncode>\n<output>\n");
+        for l in 0..output_chars / 40 {
+            body.push_str(&format!("{l:>4}  x_{t}_{l} = compute({l})\n"));
+        }
+        body.push_str(&format!(
+            "Traceback: File \"/repo/src/module_{t}.py\", line 7\nValueError: bad header {t}\n</output>"
+        ));
+        out.push(msg(json!({"role": "user", "content": body})));
+    }
+    out
+}
+
+#[test]
+fn a_text_mode_agent_has_its_old_outputs_masked_not_dropped() {
+    // An agent without function calling gets its command outputs back as
+    // user messages. Old ones are masked like tool results (rather than
+    // whole turns being dropped); a person's message is not.
+    let svc = service();
+    let mut m = text_agent_turns(12, 4000);
+    let note = format!(
+        "Also keep the old API working. {}",
+        "The callers in billing rely on parse_header returning None. ".repeat(40)
+    );
+    m[8] = msg(
+        json!({"role": "assistant", "content": "The cause is in module_3. Shall I change it?"}),
+    );
+    m[9] = msg(json!({"role": "user", "content": note}));
+    let before = tokens(&svc, &m);
+    let out = run(&svc, &m, before as f64 / 1.2);
+    assert!(!out.actions().contains("prune"), "{}", out.actions());
+    let result = out.messages.expect("compacted");
+    assert_eq!(result.len(), m.len());
+    let first = content(&result[3]);
+    assert!(
+        first.starts_with("[condense: earlier tool output elided:"),
+        "{first}"
+    );
+    assert!(first.contains("/repo/src/module_0.py") && first.contains("ValueError: bad header 0"));
+    assert!(
+        result[9].raw() == m[9].raw(),
+        "the person's message changed"
+    );
+    for i in (2..m.len()).step_by(2) {
+        assert!(
+            result[i].raw() == m[i].raw(),
+            "assistant message {i} changed"
+        );
+    }
+    let last = m.len() - 1;
+    assert!(
+        result[last].raw() == m[last].raw(),
+        "the newest output changed"
+    );
+}
+
+#[test]
+fn a_text_mode_write_is_shortened_like_call_arguments() {
+    // A file written through a heredoc is that agent's tool-call arguments:
+    // once old, the action is cut and the words before it stay.
+    let svc = service();
+    let mut m = text_agent_turns(12, 1500);
+    let file = "def handler(request):\n    return respond(request)\n".repeat(120);
+    let prose = "THOUGHT: writing the handler.\n\n";
+    m[2] = msg(
+        json!({"role": "assistant", "content": format!("{prose}```bash\ncat <<'EOF' > /repo/src/handler.py\n{file}EOF\n```")}),
+    );
+    m[3] =
+        msg(json!({"role": "user", "content": "<returncode>0</returncode>\n<output>\n</output>"}));
+    let before = tokens(&svc, &m);
+    let result = run(&svc, &m, before as f64 / 1.2)
+        .messages
+        .expect("compacted");
+    let written = content(&result[2]);
+    assert!(written.len() < 1000, "{}", written.len());
+    assert!(written.starts_with(&format!(
+        "{prose}```bash\ncat <<'EOF' > /repo/src/handler.py\n"
+    )));
+    assert!(
+        written.contains("[condense:") && written.ends_with("EOF\n```"),
+        "{written}"
+    );
+    // Compacting the result again changes nothing.
+    let again = run(&svc, &result, before as f64 / 1.2);
+    assert!(again.messages.is_none(), "{:?}", again.stages);
 }
 
 #[test]

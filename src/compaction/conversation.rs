@@ -6,6 +6,13 @@
 //! the nearest earlier assistant message that made a call with its id. Real
 //! agents reuse ids across turns (the tau-bench trace does), so pairing by id
 //! alone would tie a result to the wrong turn.
+//!
+//! Agents that act in text rather than through function calling
+//! (mini-swe-agent, SWE-agent's and OpenHands' text modes, smolagents) end
+//! an assistant message with the action (a fenced block, or a tag such as
+//! `</function>`) and return its output as the next `user` message. Such a
+//! message is an *observation* and is treated as tool output: masked once
+//! answered and old, never while it is the last user message.
 
 use serde_json::Value;
 
@@ -54,11 +61,13 @@ pub struct Analysis {
     pub roles: Vec<Role>,
     /// Index of the first message after the leading system/developer ones.
     pub base: usize,
-    /// The task: the last user message before the first assistant message.
+    /// User messages before the first assistant message: the task and any
+    /// instructions or context the client put before it.
     pub pinned: Vec<bool>,
     /// The last user message.
     pub last_user: Option<usize>,
-    /// For a tool result, the assistant message that made its call.
+    /// For a tool result, the assistant message that made its call; for an
+    /// observation, the assistant message before it.
     pub owner: Vec<Option<usize>>,
     /// Messages that must be dropped together (a call and its results),
     /// ordered by their first message.
@@ -68,8 +77,12 @@ pub struct Analysis {
     /// Which messages carry an epistemic marker (their own text, or for a
     /// tool result, the assistant message that answered it).
     pub marker: Vec<bool>,
-    /// Tool results answered by a later assistant message.
+    /// Tool results (and observations) answered by a later assistant
+    /// message.
     pub consumed: Vec<bool>,
+    /// User messages that return the output of the action the assistant
+    /// message before them ended with (see the module notes).
+    pub observation: Vec<bool>,
 }
 
 impl Analysis {
@@ -103,8 +116,20 @@ impl Analysis {
                     .unwrap_or_default()
             })
             .collect();
+        let observation: Vec<bool> = (0..n)
+            .map(|i| {
+                i > first_assistant
+                    && roles[i] == Role::User
+                    && roles[i - 1] == Role::Assistant
+                    && action_start(&messages[i - 1]).is_some()
+            })
+            .collect();
         let mut owner = vec![None; n];
         for i in 0..n {
+            if observation[i] {
+                owner[i] = Some(i - 1);
+                continue;
+            }
             if roles[i] != Role::Tool {
                 continue;
             }
@@ -140,7 +165,7 @@ impl Analysis {
         let mut marker = own_marker.clone();
         let mut consumed = vec![false; n];
         for i in 0..n {
-            if roles[i] != Role::Tool {
+            if roles[i] != Role::Tool && !observation[i] {
                 continue;
             }
             // The first assistant message after a result answers it.
@@ -159,16 +184,74 @@ impl Analysis {
             assistants,
             marker,
             consumed,
+            observation,
         }
     }
 
+    /// Whether message `i` is the output of an action: a tool result or an
+    /// observation.
+    pub fn output(&self, i: usize) -> bool {
+        self.roles[i] == Role::Tool || self.observation[i]
+    }
+
     /// Whether message `i` must come out byte-identical: system/developer
-    /// messages, the last user message, and unconsumed tool results.
+    /// messages, the last user message, and unconsumed tool results (and
+    /// observations).
     pub fn protected(&self, i: usize) -> bool {
         matches!(self.roles[i], Role::System | Role::Developer)
             || self.last_user == Some(i)
-            || (self.roles[i] == Role::Tool && !self.consumed[i])
+            || (self.output(i) && !self.consumed[i])
     }
+}
+
+/// Where the action an assistant message's text ends with starts, if it
+/// ends with one: a closed fenced block (```` ``` ````) or a tag
+/// (`</function>`, `</execute_bash>`, `<end_code>`). An answer for a person
+/// rarely ends exactly there; an agent's turn does, as its output comes
+/// next. Only a message without tool calls, with text content, has one.
+pub fn action_start(m: &Message) -> Option<usize> {
+    if m.tool_calls().is_some_and(|c| !c.is_empty()) {
+        return None;
+    }
+    match m.content()? {
+        Value::String(text) => text_action_start(text.trim_end()),
+        _ => None,
+    }
+}
+
+fn text_action_start(t: &str) -> Option<usize> {
+    if let Some(body) = t.strip_suffix("```") {
+        // The opening fence; a lone closing one is an action with no body.
+        return Some(body.rfind("```").unwrap_or(body.len()));
+    }
+    let body = t.strip_suffix('>')?;
+    let open = body.rfind('<')?;
+    let (closing, name) = match body[open + 1..].strip_prefix('/') {
+        Some(name) => (true, name),
+        None => (false, &body[open + 1..]),
+    };
+    let mut chars = name.chars();
+    let is_name = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | ':' | '.'));
+    if !is_name {
+        return None;
+    }
+    let before = &t[..open];
+    let start = if closing {
+        // The matching opening tag: `<name>`, `<name=...>` or `<name attr>`.
+        let tag = format!("<{name}");
+        let opens: Vec<usize> = before.match_indices(tag.as_str()).map(|(i, _)| i).collect();
+        opens.into_iter().rev().find(|&i| {
+            let next = before[i + tag.len()..].chars().next();
+            next.is_some_and(|c| matches!(c, '>' | '=' | ' ' | '\n'))
+        })
+    } else {
+        // A marker after the action (`<end_code>`): the action before it.
+        text_action_start(before.trim_end())
+    };
+    Some(start.unwrap_or(open))
 }
 
 fn has_marker(m: &Message) -> bool {
@@ -235,6 +318,55 @@ mod tests {
         assert!(a.protected(0) && a.protected(1) && a.protected(5) && !a.protected(3));
         assert_eq!(a.base, 1);
         assert!(a.pinned[1]);
+    }
+
+    #[test]
+    fn an_action_ends_an_agent_turn_not_an_answer() {
+        let start = |text: &str| {
+            let m = msgs(&[&serde_json::json!({"role": "assistant", "content": text}).to_string()]);
+            action_start(&m[0])
+        };
+        assert_eq!(start("THOUGHT: look.\n\n```bash\nls\n```\n"), Some(16));
+        assert_eq!(
+            start(
+                "Listing it.\n<function=execute_bash>\n<parameter=command>ls</parameter>\n</function>"
+            ),
+            Some(12)
+        );
+        assert_eq!(start("Code:\n```py\nprint(1)\n```<end_code>"), Some(6));
+        assert_eq!(start("<execute_bash>ls</execute_bash>"), Some(0));
+        assert_eq!(
+            start("Here is the fix:\n```py\nx = 1\n```\nIt sets x."),
+            None
+        );
+        assert_eq!(start("The answer is 3 > 2"), None);
+        assert_eq!(start("a < b and c <= d>"), None);
+        let call = msgs(&[
+            r#"{"role":"assistant","content":"```bash\nls\n```","tool_calls":[{"id":"x","type":"function","function":{"name":"f","arguments":"{}"}}]}"#,
+        ]);
+        assert_eq!(action_start(&call[0]), None);
+    }
+
+    #[test]
+    fn an_output_after_an_action_pairs_with_it() {
+        let m = msgs(&[
+            r#"{"role":"user","content":"task"}"#,
+            r#"{"role":"assistant","content":"```bash\nls\n```"}"#,
+            r#"{"role":"user","content":"a.py"}"#,
+            r#"{"role":"assistant","content":"Done. Anything else?"}"#,
+            r#"{"role":"user","content":"thanks"}"#,
+            r#"{"role":"assistant","content":"```bash\npytest\n```"}"#,
+            r#"{"role":"user","content":"1 passed"}"#,
+        ]);
+        let a = Analysis::of(&m);
+        assert_eq!(
+            a.observation,
+            vec![false, false, true, false, false, false, true]
+        );
+        assert_eq!(a.owner[2], Some(1));
+        assert!(a.consumed[2] && !a.consumed[6]);
+        assert!(a.units.contains(&vec![1, 2]) && a.units.contains(&vec![4]));
+        assert!(!a.protected(2) && a.protected(6));
     }
 
     #[test]

@@ -1,17 +1,19 @@
-//! `mask`: old tool output replaced by an extractive placeholder, and long
-//! tool-call arguments of the same old turns shortened.
+//! `mask`: old tool output (tool results, and observations: see
+//! `conversation.rs`) replaced by an extractive placeholder, and long
+//! tool-call arguments of the same old turns shortened, or, for an agent
+//! that acts in text, the long action its message ends with.
 //!
 //! Applies below the frontier that `plan.rs` replays (one boundary for both,
 //! so only one boundary ever moves). Only consumed results are masked (the
-//! frontier never passes the last assistant message), assistant text is
-//! never touched, and a message already rewritten by condense is left as it
-//! is. Both transforms depend on the message alone, so a masked message is
-//! byte-identical on every later turn.
+//! frontier never passes the last assistant message), assistant text other
+//! than an action is never touched, and a message already rewritten by
+//! condense is left as it is. Both transforms depend on the message alone,
+//! so a masked message is byte-identical on every later turn.
 
 use bytes::Bytes;
 use serde_json::Value;
 
-use super::conversation::{Analysis, Role};
+use super::conversation::{Analysis, Role, action_start};
 use super::extract::{key_lines, placeholder};
 use super::text::{
     MARK, ceil_boundary, content_text, floor_boundary, head_tail, with_json_field,
@@ -24,6 +26,9 @@ const ARGS_MAX_CHARS: usize = 600;
 /// A string inside arguments longer than this is cut to its head and tail.
 const ARG_VALUE_MAX_CHARS: usize = 300;
 const ARG_VALUE_KEEP_CHARS: usize = 200;
+/// What an action longer than [`ARGS_MAX_CHARS`] in an assistant message's
+/// text is cut to.
+const ACTION_KEEP_CHARS: usize = 400;
 
 /// About what a masked result costs with `placeholder_chars` of key lines
 /// (its label, the lines, and the message's own frame), for planning before
@@ -41,7 +46,7 @@ pub fn masked(
 ) -> Option<Bytes> {
     let m = &messages[i];
     match a.roles[i] {
-        Role::Tool => {
+        _ if a.output(i) => {
             let text = content_text(m.content())?;
             // Short results cost little and often hold exactly the line
             // that matters; masking them would save little and lose it.
@@ -52,9 +57,52 @@ pub fn masked(
         }
         Role::Assistant => {
             shorten_args(m, ARGS_MAX_CHARS, ARG_VALUE_MAX_CHARS, ARG_VALUE_KEEP_CHARS)
+                .or_else(|| shorten_action(m, ARGS_MAX_CHARS, ACTION_KEEP_CHARS))
         }
         _ => None,
     }
+}
+
+/// The assistant message with the action its text ends with (see
+/// [`action_start`]) cut to about `keep` characters, if that action is longer
+/// than `max_chars`: a text-mode agent's equivalent of its tool-call
+/// arguments (a file written through a heredoc, an edit command with the new
+/// code). The words before the action stay byte-identical.
+pub fn shorten_action(m: &Message, max_chars: usize, keep: usize) -> Option<Bytes> {
+    let start = action_start(m)?;
+    let Some(Value::String(text)) = m.content() else {
+        return None;
+    };
+    let action = &text[start..];
+    if action.len() <= max_chars || action.contains(MARK) {
+        return None;
+    }
+    let short = extractive_cut(action, keep);
+    if short.len() >= action.len() {
+        return None;
+    }
+    with_string_field(m.raw(), "content", &format!("{}{short}", &text[..start]))
+}
+
+/// The length of the longest string `fit` may cut in an assistant message:
+/// a tool call's arguments, or the action its text ends with.
+pub fn action_chars(m: &Message) -> usize {
+    let text = match (action_start(m), m.content()) {
+        (Some(start), Some(Value::String(t))) => t.len() - start,
+        _ => 0,
+    };
+    args_chars(m).max(text)
+}
+
+/// The length of the longest tool-call arguments string of a message.
+pub fn args_chars(m: &Message) -> usize {
+    m.tool_calls()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.pointer("/function/arguments").and_then(Value::as_str))
+        .map(str::len)
+        .max()
+        .unwrap_or(0)
 }
 
 /// The assistant message with every tool-call arguments string longer than

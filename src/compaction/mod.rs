@@ -314,9 +314,8 @@ pub fn compact_with(
     // The masked form of every message that has one.
     let masked_bytes: Vec<Option<Bytes>> = (0..n)
         .map(|i| {
-            let eligible = i >= a.base
-                && !a.protected(i)
-                && matches!(a.roles[i], Role::Tool | Role::Assistant);
+            let eligible =
+                i >= a.base && !a.protected(i) && (a.output(i) || a.roles[i] == Role::Assistant);
             if eligible {
                 // The masked form depends on the message and the placeholder
                 // size alone (the role is in the bytes).
@@ -484,7 +483,7 @@ fn drop_policy(replacement: &Replacement, limits: &Limits) -> plan::DropPolicy {
 /// Candidates for shrinking a tool result: consumed, unprotected, not yet
 /// rewritten by condense.
 fn shrinkable_result(w: &Work, a: &Analysis, i: usize) -> Option<String> {
-    if w.dropped[i] || a.roles[i] != Role::Tool || a.protected(i) {
+    if w.dropped[i] || !a.output(i) || a.protected(i) {
         return None;
     }
     let text = content_text(w.current(i).content())?;
@@ -535,16 +534,18 @@ fn fit_stage(w: &mut Work, a: &Analysis, limits: &Limits, s: &Settings, counter:
             continue;
         }
         let sv = match a.roles[i] {
-            Role::Tool => match shrinkable_result(w, a, i) {
+            _ if a.output(i) => match shrinkable_result(w, a, i) {
                 Some(text) => cut_content(w, i, &text, limit, counter),
                 None => 0,
             },
             Role::Assistant => {
                 let m = w.current(i);
-                let chars = args_chars(&m);
+                let chars = mask::action_chars(&m);
                 let keep = ((chars as f64) * limit / w.cost[i] as f64) as usize;
                 let keep = keep.max(emergency::MIN_CHARS);
-                match mask::shorten_args(&m, keep, keep, keep) {
+                match mask::shorten_args(&m, keep, keep, keep)
+                    .or_else(|| mask::shorten_action(&m, keep, keep))
+                {
                     Some(b) => w.replace(i, b, counter),
                     None => 0,
                 }
@@ -557,16 +558,6 @@ fn fit_stage(w: &mut Work, a: &Analysis, limits: &Limits, s: &Settings, counter:
         }
     }
     w.record("fit", count, saved);
-}
-
-fn args_chars(m: &Message) -> usize {
-    m.tool_calls()
-        .into_iter()
-        .flatten()
-        .filter_map(|c| c.pointer("/function/arguments").and_then(|a| a.as_str()))
-        .map(str::len)
-        .max()
-        .unwrap_or(0)
 }
 
 fn emergency_stage(w: &mut Work, a: &Analysis, target: f64, counter: &dyn Counter) {
@@ -605,7 +596,7 @@ fn emergency_stage(w: &mut Work, a: &Analysis, target: f64, counter: &dyn Counte
                 }
             }
             let m = w.current(i);
-            let chars = args_chars(&m);
+            let chars = mask::args_chars(&m);
             let keep = ((chars as f64 * share) as usize).max(emergency::MIN_CHARS);
             if keep < chars
                 && let Some(bytes) = mask::shorten_args(&m, keep, keep, keep)

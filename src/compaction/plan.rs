@@ -322,7 +322,7 @@ fn mask_answered(
     let mut changed = false;
     for i in *from..e {
         let done = match a.roles[i] {
-            Role::Tool => i < answered_before,
+            _ if a.output(i) => i < answered_before,
             // A call has done its work once its results are in, unless one
             // reports a failure (the agent may retry it).
             Role::Assistant => i < answered_before || !c.failed[i],
@@ -360,10 +360,10 @@ fn tail_sums(a: &Analysis, c: &Costs, excess: impl Fn(usize) -> u64) -> Vec<u64>
     for e in 0..=n {
         out[e] = extra;
         if e < n {
-            match a.roles[e] {
-                Role::Assistant => extra = 0,
-                Role::Tool => extra += excess(e),
-                _ => {}
+            if a.roles[e] == Role::Assistant {
+                extra = 0;
+            } else if a.output(e) {
+                extra += excess(e);
             }
         }
     }
