@@ -21,8 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::chat::{ChatRequest, Message, ParseError};
 use crate::compaction::conversation::Analysis;
-use crate::compaction::text::message_text;
-use crate::compaction::text::with_string_field;
+use crate::compaction::text::{message_text, with_string_field};
 use crate::compaction::{Counter, Replacement};
 use crate::config::Config;
 use crate::offline::{self, CompactOptions, OfflineError};
