@@ -165,12 +165,15 @@ pub fn extractive_cut(s: &str, keep: usize) -> String {
     }
     let middle = &s[head..tail];
     let kept = key_lines(middle, keep / 2);
-    format!(
-        "{}\n{MARK} {} chars elided; key lines kept:]\n{kept}\n{MARK} end]\n{}",
-        &s[..head],
-        middle.chars().count(),
-        &s[tail..]
-    )
+    let chars = middle.chars().count();
+    let (head, tail) = (&s[..head], &s[tail..]);
+    if kept.is_empty() {
+        format!("{head}\n{MARK} {chars} chars elided]\n{tail}")
+    } else {
+        format!(
+            "{head}\n{MARK} {chars} chars elided; key lines kept:]\n{kept}\n{MARK} end]\n{tail}"
+        )
+    }
 }
 
 #[cfg(test)]
@@ -208,5 +211,24 @@ mod tests {
         assert_eq!(v["content"], "Creating it.");
         // Idempotent.
         assert!(shorten_args(&msg(std::str::from_utf8(&out).unwrap()), 600, 300, 200).is_none());
+    }
+
+    #[test]
+    fn a_cut_lists_key_lines_only_when_it_kept_some() {
+        let code = format!(
+            "import os\n{}def handler(request):\n{}    return None\n",
+            "x = 1\n".repeat(100),
+            "    y = 2\n".repeat(100)
+        );
+        let cut = extractive_cut(&code, 300);
+        assert!(cut.starts_with("import os\n") && cut.ends_with("return None\n"));
+        assert!(
+            cut.contains("chars elided; key lines kept:]\ndef handler(request):\n[condense: end]"),
+            "{cut}"
+        );
+        let filler = "x = 1\n".repeat(300);
+        let cut = extractive_cut(&filler, 300);
+        assert!(cut.contains("\n[condense: 1650 chars elided]\n"), "{cut}");
+        assert!(!cut.contains("key lines") && !cut.contains("end]"), "{cut}");
     }
 }
