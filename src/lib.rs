@@ -5,6 +5,7 @@
 //! the lossless chat model and the proxy are all usable in-process, which is
 //! how the integration tests drive them.
 
+pub mod cache;
 pub mod chat;
 pub mod compaction;
 pub mod config;

@@ -6,13 +6,13 @@
 //! The store is a cache, never a dependency: a Redis that errs, is slow or
 //! is gone answers as a miss (and is counted), and condense carries on.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use redis::AsyncCommands;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
+use crate::cache::Bounded;
 use crate::config::StateConfig;
 use crate::metrics::Metrics;
 
@@ -32,7 +32,7 @@ pub struct StateStore {
 }
 
 enum Backend {
-    Memory(Mutex<Memory>),
+    Memory(Memory),
     Redis {
         conn: ConnectionManager,
         timeout: Duration,
@@ -45,7 +45,7 @@ impl StateStore {
     pub fn new(config: &StateConfig, metrics: Option<Arc<Metrics>>) -> Result<Self, StateError> {
         let ttl = Duration::from_secs(config.ttl_seconds);
         let backend = match &config.redis_url {
-            None => Backend::Memory(Mutex::new(Memory::new(config.max_bytes))),
+            None => Backend::Memory(Memory::new(config.max_bytes)),
             Some(url) => {
                 let timeout = Duration::from_secs_f64(config.redis_timeout_seconds);
                 let client = redis::Client::open(url.expose())?;
@@ -70,7 +70,7 @@ impl StateStore {
     /// An in-process store (offline tools, tests).
     pub fn memory(max_bytes: usize, ttl: Duration) -> StateStore {
         StateStore {
-            backend: Backend::Memory(Mutex::new(Memory::new(max_bytes))),
+            backend: Backend::Memory(Memory::new(max_bytes)),
             ttl,
             metrics: None,
         }
@@ -86,7 +86,7 @@ impl StateStore {
     /// The value stored under `key`, if any (a store error is a miss).
     pub async fn get(&self, key: &str) -> Option<String> {
         match &self.backend {
-            Backend::Memory(m) => m.lock().ok()?.get(key, self.ttl),
+            Backend::Memory(m) => m.get(key, self.ttl),
             Backend::Redis { conn, timeout } => {
                 let mut conn = conn.clone();
                 let full = format!("{PREFIX}{key}");
@@ -100,11 +100,7 @@ impl StateStore {
     /// Stores `value` under `key` for the configured time to live.
     pub async fn put(&self, key: &str, value: &str) {
         match &self.backend {
-            Backend::Memory(m) => {
-                if let Ok(mut m) = m.lock() {
-                    m.put(key, value);
-                }
-            }
+            Backend::Memory(m) => m.put(key, value),
             Backend::Redis { conn, timeout } => {
                 let mut conn = conn.clone();
                 let full = format!("{PREFIX}{key}");
@@ -169,50 +165,40 @@ impl StateStore {
     }
 }
 
-/// The in-process backend: insertion order for eviction, bounded bytes.
+/// The in-process backend: a [`Bounded`] cache limited in bytes, each entry
+/// stamped with the time it was stored.
 struct Memory {
-    map: HashMap<String, (String, Instant)>,
-    order: VecDeque<String>,
-    bytes: usize,
-    max_bytes: usize,
+    entries: Bounded<String, (Arc<str>, Instant)>,
 }
 
 impl Memory {
+    /// The average entry (a checkpoint of a few kilobytes) the cache is
+    /// sized for.
+    const TYPICAL_ENTRY: usize = 4096;
+
     fn new(max_bytes: usize) -> Memory {
         Memory {
-            map: HashMap::new(),
-            order: VecDeque::new(),
-            bytes: 0,
-            max_bytes,
+            entries: Bounded::new(
+                max_bytes / Self::TYPICAL_ENTRY,
+                max_bytes as u64,
+                |k: &String, v: &(Arc<str>, Instant)| (k.len() + v.0.len()) as u64,
+            ),
         }
     }
 
     fn get(&self, key: &str, ttl: Duration) -> Option<String> {
-        let (value, at) = self.map.get(key)?;
-        (at.elapsed() < ttl).then(|| value.clone())
+        let (value, at) = self.entries.get(key)?;
+        if at.elapsed() < ttl {
+            Some(value.to_string())
+        } else {
+            self.entries.remove(key);
+            None
+        }
     }
 
-    fn put(&mut self, key: &str, value: &str) {
-        let size = key.len() + value.len();
-        if size > self.max_bytes {
-            return;
-        }
-        if let Some((old, _)) = self.map.remove(key) {
-            self.bytes -= key.len() + old.len();
-            self.order.retain(|k| k != key);
-        }
-        while self.bytes + size > self.max_bytes {
-            let Some(oldest) = self.order.pop_front() else {
-                break;
-            };
-            if let Some((old, _)) = self.map.remove(&oldest) {
-                self.bytes -= oldest.len() + old.len();
-            }
-        }
-        self.map
-            .insert(key.to_string(), (value.to_string(), Instant::now()));
-        self.order.push_back(key.to_string());
-        self.bytes += size;
+    fn put(&self, key: &str, value: &str) {
+        self.entries
+            .insert(key.to_string(), (Arc::from(value), Instant::now()));
     }
 }
 
@@ -223,14 +209,17 @@ mod tests {
     #[tokio::test]
     async fn memory_store_keeps_within_its_bytes_and_age() {
         let s = StateStore::memory(100, Duration::from_secs(60));
-        s.put("a", &"x".repeat(40)).await;
-        s.put("b", &"y".repeat(40)).await;
-        assert!(s.get("a").await.is_some());
-        s.put("c", &"z".repeat(40)).await;
-        assert_eq!(s.get("a").await, None, "the oldest entry made room");
-        assert_eq!(s.get("c").await.map(|v| v.len()), Some(40));
+        for k in 0..50 {
+            s.put(&format!("k{k:02}"), &"x".repeat(40)).await;
+        }
+        let mut kept = 0;
+        for k in 0..50 {
+            kept += usize::from(s.get(&format!("k{k:02}")).await.is_some());
+        }
+        assert!((1..=2).contains(&kept), "{kept} entries of 43 bytes in 100");
         s.put("c", "short").await;
-        assert_eq!(s.get("c").await.as_deref(), Some("short"));
+        s.put("c", "shorter").await;
+        assert_eq!(s.get("c").await.as_deref(), Some("shorter"));
         s.put("huge", &"h".repeat(200)).await;
         assert_eq!(s.get("huge").await, None);
 

@@ -201,17 +201,6 @@ async fn json_chat_usage_is_recorded_per_model() {
             .await,
         Some(prompt as f64)
     );
-    let book = h
-        .server
-        .as_ref()
-        .unwrap()
-        .state()
-        .proxy
-        .usage
-        .get(&h.mock.base_url(), "gpt-4o")
-        .unwrap();
-    assert_eq!(book.last.prompt_tokens, prompt);
-    assert_eq!(book.responses, 1);
 }
 
 #[tokio::test]

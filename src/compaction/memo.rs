@@ -2,39 +2,32 @@
 //!
 //! Masking is a pure function of a message's bytes, and an agent re-sends the
 //! same old messages every turn, so the masked form of each is computed once
-//! and kept under a hash of the source bytes and the transform. Memory is
-//! bounded in bytes by two generations, like the token count cache: when the
-//! young generation passes half the limit, the old one is dropped; a hit in
-//! the old generation is copied to the young one.
-
-use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
-use std::sync::Mutex;
+//! and kept under a hash of the source bytes and the transform, in a
+//! [`Bounded`] cache limited in bytes.
 
 use bytes::Bytes;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::tokens::cache::IdentityHasher;
+use crate::cache::{Bounded, PreHashed};
 
-type Map = HashMap<u64, Option<Bytes>, BuildHasherDefault<IdentityHasher>>;
-
-#[derive(Default)]
-struct Generations {
-    young: Map,
-    old: Map,
-    young_bytes: usize,
-}
+/// What an entry costs beyond its bytes (key, bookkeeping).
+const ENTRY_OVERHEAD: u64 = 48;
+/// The average entry the cache is sized for.
+const TYPICAL_ENTRY: u64 = 1024;
 
 pub struct Memo {
-    inner: Mutex<Generations>,
-    max_bytes: usize,
+    forms: Bounded<u64, Option<Bytes>, PreHashed>,
 }
 
 impl Memo {
     pub fn new(max_bytes: usize) -> Memo {
+        let capacity = max_bytes as u64;
         Memo {
-            inner: Mutex::new(Generations::default()),
-            max_bytes,
+            forms: Bounded::hashed(
+                (capacity / TYPICAL_ENTRY) as usize,
+                capacity,
+                |_, v: &Option<Bytes>| v.as_ref().map_or(0, |b| b.len() as u64) + ENTRY_OVERHEAD,
+            ),
         }
     }
 
@@ -45,31 +38,7 @@ impl Memo {
         source: &[u8],
         build: impl FnOnce() -> Option<Bytes>,
     ) -> Option<Bytes> {
-        let key = xxh3_64(source) ^ kind;
-        if let Ok(mut g) = self.inner.lock() {
-            if let Some(v) = g.young.get(&key) {
-                return v.clone();
-            }
-            if let Some(v) = g.old.remove(&key) {
-                self.insert(&mut g, key, v.clone());
-                return v;
-            }
-        }
-        let value = build();
-        if let Ok(mut g) = self.inner.lock() {
-            self.insert(&mut g, key, value.clone());
-        }
-        value
-    }
-
-    fn insert(&self, g: &mut Generations, key: u64, value: Option<Bytes>) {
-        let size = value.as_ref().map_or(0, Bytes::len) + 32;
-        if g.young_bytes + size > self.max_bytes / 2 {
-            g.old = std::mem::take(&mut g.young);
-            g.young_bytes = 0;
-        }
-        g.young_bytes += size;
-        g.young.insert(key, value);
+        self.forms.get_or_insert_with(xxh3_64(source) ^ kind, build)
     }
 }
 
@@ -94,13 +63,6 @@ mod tests {
         for i in 0..10_000u32 {
             m.get_or_build(3, &i.to_le_bytes(), || Some(Bytes::from(vec![0u8; 100])));
         }
-        let g = m.inner.lock().unwrap();
-        let held: usize = g
-            .young
-            .values()
-            .chain(g.old.values())
-            .map(|v| v.as_ref().map_or(0, Bytes::len) + 32)
-            .sum();
-        assert!(held <= 10_000, "{held}");
+        assert!(m.forms.weight() <= 10_000, "{}", m.forms.weight());
     }
 }

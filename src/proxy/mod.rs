@@ -23,6 +23,7 @@ use bytes::Bytes;
 use futures_util::{FutureExt, StreamExt};
 use http::{HeaderMap, HeaderName, HeaderValue, Request, header};
 
+use crate::cache::{Bounded, PreHashed, one};
 use crate::chat::ChatRequest;
 use crate::compaction::Replacement;
 use crate::config::CompactionConfig;
@@ -34,12 +35,12 @@ use crate::pipeline;
 use crate::state::{StateError, StateStore};
 use crate::summary::Summarizer;
 use crate::summary::client::CallError;
-use crate::tokens::{ModelInfo, TokenService};
+use crate::tokens::{ModelInfo, TokenService, pair_key};
 use auth::Credentials;
 use listing::ListingFetcher;
 use relay::{InflightGuard, Tap, UsageCallback};
 use upstream::{Upstream, UpstreamError};
-use usage::{JsonTap, SseTap, UsageBook};
+use usage::{JsonTap, SseTap};
 
 /// Chat bodies with at least this many bytes of messages not seen before are
 /// measured on the blocking pool.
@@ -66,7 +67,6 @@ pub struct Proxy {
     pub upstream: Upstream,
     pub credentials: Credentials,
     pub metrics: Arc<Metrics>,
-    pub usage: Arc<UsageBook>,
     pub tokens: Arc<TokenService>,
     listing: ListingFetcher,
     /// Slots for measuring large bodies on the blocking pool, one per core.
@@ -76,7 +76,7 @@ pub struct Proxy {
     summarizer: Option<Summarizer>,
     pub state: Arc<StateStore>,
     /// When each model's shared learned window was last looked up.
-    window_checks: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
+    window_checks: Bounded<u64, Instant, PreHashed>,
     max_body_bytes: u64,
     stream_usage: bool,
     learn_windows: bool,
@@ -154,11 +154,10 @@ impl Proxy {
             upstream,
             summarizer,
             state,
-            window_checks: Default::default(),
+            window_checks: Bounded::hashed(4096, 4096, one),
             credentials: Credentials::new(&config.auth, config.upstream.api_key.as_ref()),
             tokens: Arc::new(TokenService::new(config.clone(), &metrics)),
             metrics,
-            usage: Arc::new(UsageBook::default()),
             listing: ListingFetcher::default(),
             prepare_slots: Arc::new(tokio::sync::Semaphore::new(
                 std::thread::available_parallelism().map_or(2, |n| n.get()),
@@ -373,23 +372,19 @@ impl Proxy {
         if self.state.kind() != "redis" || model.is_empty() {
             return;
         }
-        let due = self.window_checks.lock().is_ok_and(|mut checks| {
-            let now = Instant::now();
-            if checks.len() > 4096 {
-                checks.clear();
-            }
-            match checks.get(model) {
-                Some(at) if now.duration_since(*at) < SHARED_WINDOW_CHECK => false,
-                _ => {
-                    checks.insert(model.to_string(), now);
-                    true
-                }
-            }
-        });
+        let upstream = self.upstream.base_url();
+        let key = pair_key(upstream, model);
+        let now = Instant::now();
+        let due = self
+            .window_checks
+            .get(&key)
+            .is_none_or(|at| now.duration_since(at) >= SHARED_WINDOW_CHECK);
+        if due {
+            self.window_checks.insert(key, now);
+        }
         if !due {
             return;
         }
-        let upstream = self.upstream.base_url();
         if let Some(window) = self
             .state
             .get(&window_key(upstream, model))
@@ -646,7 +641,6 @@ impl Proxy {
     /// calibrate against `raw_estimate`, condense's count of the body sent.
     fn usage_callback(&self, model: String, raw_estimate: Option<u64>) -> UsageCallback {
         let metrics = self.metrics.clone();
-        let book = self.usage.clone();
         let tokens = self.tokens.clone();
         let upstream = self.upstream.base_url().to_string();
         Box::new(move |usage| {
@@ -670,7 +664,6 @@ impl Proxy {
                 .upstream_completion_tokens_total
                 .with_label_values(&[&label])
                 .inc_by(usage.completion_tokens);
-            book.record(&upstream, &model, usage);
         })
     }
 

@@ -7,9 +7,6 @@
 //! so for it the tap drops the usage-only chunk (`"choices":[]`) and the
 //! `"usage":null` field the upstream then adds to every other chunk.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-
 use bytes::{Bytes, BytesMut};
 use serde::Deserialize;
 
@@ -35,47 +32,6 @@ impl Usage {
     /// Reads `usage` from a complete non-streamed JSON response body.
     pub fn from_json_body(body: &Bytes) -> Option<Usage> {
         Usage::from_object(&RawObject::parse(body).ok()?)
-    }
-}
-
-/// What condense has learned from usage, per (upstream, model).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct UsageRecord {
-    pub responses: u64,
-    pub last: Usage,
-    pub prompt_tokens_total: u64,
-}
-
-/// Usage kept per (upstream base URL, requested model), for calibration.
-#[derive(Default)]
-pub struct UsageBook {
-    records: Mutex<HashMap<(String, String), UsageRecord>>,
-}
-
-impl UsageBook {
-    /// Distinct (upstream, model) pairs kept; beyond it new pairs are not
-    /// recorded, so client-invented model names cannot grow memory forever.
-    const MAX_ENTRIES: usize = 4096;
-
-    pub fn record(&self, upstream: &str, model: &str, usage: Usage) {
-        let Ok(mut records) = self.records.lock() else {
-            return;
-        };
-        let key = (upstream.to_string(), model.to_string());
-        if !records.contains_key(&key) && records.len() >= Self::MAX_ENTRIES {
-            return;
-        }
-        let r = records.entry(key).or_default();
-        r.responses += 1;
-        r.last = usage;
-        r.prompt_tokens_total += usage.prompt_tokens;
-    }
-
-    pub fn get(&self, upstream: &str, model: &str) -> Option<UsageRecord> {
-        let records = self.records.lock().ok()?;
-        records
-            .get(&(upstream.to_string(), model.to_string()))
-            .copied()
     }
 }
 
@@ -360,19 +316,5 @@ mod tests {
         let mut t = JsonTap::new(Some(body.len() as u64));
         t.push(body);
         assert_eq!(t.usage().unwrap().prompt_tokens, 9);
-    }
-
-    #[test]
-    fn book_keeps_per_upstream_and_model() {
-        let b = UsageBook::default();
-        let u = Usage {
-            prompt_tokens: 10,
-            completion_tokens: 1,
-            total_tokens: 11,
-        };
-        b.record("http://a", "m", u);
-        b.record("http://a", "m", u);
-        assert_eq!(b.get("http://a", "m").unwrap().prompt_tokens_total, 20);
-        assert!(b.get("http://b", "m").is_none());
     }
 }

@@ -9,8 +9,11 @@
 //! resistance). Observations are clamped to a sane range, requests too small
 //! to say much are ignored, and an unknown pair starts at 1.0.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use crate::cache::{Bounded, PreHashed, one};
+use crate::tokens::pair_key;
 
 /// Ratios outside this range are taken as the nearest bound.
 pub const MIN_RATIO: f64 = 0.5;
@@ -20,23 +23,37 @@ pub const MAX_RATIO: f64 = 2.5;
 pub const MIN_ESTIMATE: u64 = 64;
 /// Observations kept per (upstream, model).
 const WINDOW: usize = 9;
-/// Pairs kept; client-invented model names cannot grow memory forever.
+/// Pairs kept; client-invented model names cannot grow memory forever (the
+/// pairs in use survive a flood of names used once).
 const MAX_PAIRS: usize = 4096;
 
-#[derive(Default)]
+type Observations = Arc<Mutex<VecDeque<f64>>>;
+
 pub struct Calibration {
-    pairs: Mutex<HashMap<(String, String), VecDeque<f64>>>,
+    pairs: Bounded<u64, Observations, PreHashed>,
+}
+
+impl Default for Calibration {
+    fn default() -> Self {
+        Calibration {
+            pairs: Bounded::hashed(MAX_PAIRS, MAX_PAIRS as u64, one),
+        }
+    }
 }
 
 impl Calibration {
     /// The ratio to multiply a raw estimate by (1.0 until observed).
     pub fn ratio(&self, upstream: &str, model: &str) -> f64 {
-        let Ok(pairs) = self.pairs.lock() else {
-            return 1.0;
-        };
-        pairs
-            .get(&(upstream.to_string(), model.to_string()))
-            .map_or(1.0, median)
+        self.pairs
+            .get(&pair_key(upstream, model))
+            .and_then(|w| w.lock().ok().map(|w| median(&w)))
+            .unwrap_or(1.0)
+    }
+
+    /// The observations of a pair, created empty when there are none.
+    fn window(&self, upstream: &str, model: &str) -> Observations {
+        self.pairs
+            .get_or_insert_with(pair_key(upstream, model), Observations::default)
     }
 
     /// Records that the upstream counted `reported` tokens for a body that
@@ -53,35 +70,29 @@ impl Calibration {
             return None;
         }
         let x = (reported as f64 / estimated as f64).clamp(MIN_RATIO, MAX_RATIO);
-        let mut pairs = self.pairs.lock().ok()?;
-        let key = (upstream.to_string(), model.to_string());
-        if !pairs.contains_key(&key) && pairs.len() >= MAX_PAIRS {
-            return None;
-        }
-        let window = pairs.entry(key).or_default();
+        let window = self.window(upstream, model);
+        let mut window = window.lock().ok()?;
         if window.len() == WINDOW {
             window.pop_front();
         }
         window.push_back(x);
-        Some(median(window))
+        Some(median(&window))
     }
 
     /// Multiplies the stored ratio by `factor` (a correction learned outside
     /// usage, e.g. from an overflow error naming the provider's count).
     pub fn correct(&self, upstream: &str, model: &str, factor: f64) -> f64 {
-        let Ok(mut pairs) = self.pairs.lock() else {
+        let window = self.window(upstream, model);
+        let Ok(mut window) = window.lock() else {
             return 1.0;
         };
-        let window = pairs
-            .entry((upstream.to_string(), model.to_string()))
-            .or_default();
         if window.is_empty() {
             window.push_back(1.0);
         }
         for x in window.iter_mut() {
             *x = (*x * factor).clamp(MIN_RATIO, MAX_RATIO);
         }
-        median(window)
+        median(&window)
     }
 }
 

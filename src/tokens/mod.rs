@@ -39,6 +39,16 @@ const MEMO_BYTES: usize = 16 * 1024 * 1024;
 /// Cache keys of tool schemas live apart from message keys.
 const TOOLS_DOMAIN: u64 = 0x5bd1_e995_0000_0001;
 
+/// The key of what condense learns per (upstream, model): a hash, so that
+/// a client-chosen model name of any length costs a fixed few bytes.
+pub fn pair_key(upstream: &str, model: &str) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(upstream.as_bytes());
+    h.update(&[0]);
+    h.update(model.as_bytes());
+    h.digest()
+}
+
 /// A request's raw (uncalibrated) token count, per part.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Count {

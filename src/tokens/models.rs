@@ -19,12 +19,11 @@
 //! specific pattern (most literal characters) wins; on a tie, the later
 //! entry, so an entry appended to the table overrides a shipped one.
 
-use std::collections::HashMap;
-use std::sync::RwLock;
-
 use serde_json::Value;
 
 use super::encoding::Encoding;
+use super::pair_key;
+use crate::cache::{Bounded, PreHashed, one};
 use crate::config::ModelProfile;
 
 /// Where a model's window came from.
@@ -104,35 +103,41 @@ pub fn best_profile<'a>(profiles: &'a [ModelProfile], model: &str) -> Option<&'a
     pick(model).or_else(|| if short != model { pick(short) } else { None })
 }
 
-/// Windows learned from upstreams' `/models` listings, per (upstream, model).
-#[derive(Default)]
+/// Windows learned per (upstream, model): from upstreams' `/models`
+/// listings, or from overflow errors. Bounded in entries; keys are hashes,
+/// so a long model name costs no more than a short one.
 pub struct Listings {
-    windows: RwLock<HashMap<(String, String), u64>>,
+    windows: Bounded<u64, u64, PreHashed>,
+}
+
+impl Default for Listings {
+    fn default() -> Self {
+        Listings {
+            windows: Bounded::hashed(Self::MAX_ENTRIES, Self::MAX_ENTRIES as u64, one),
+        }
+    }
 }
 
 impl Listings {
+    /// Windows kept (a router's listing names a few hundred models).
+    const MAX_ENTRIES: usize = 8192;
+
     /// Records a window for one model (a smaller one replaces a larger).
     pub fn set(&self, upstream: &str, model: &str, window: u64) {
-        if let Ok(mut w) = self.windows.write() {
-            let slot = w
-                .entry((upstream.to_string(), model.to_string()))
-                .or_insert(window);
-            *slot = (*slot).min(window);
-        }
+        let key = pair_key(upstream, model);
+        let window = self.windows.get(&key).map_or(window, |w| w.min(window));
+        self.windows.insert(key, window);
     }
 
     pub fn get(&self, upstream: &str, model: &str) -> Option<u64> {
-        let w = self.windows.read().ok()?;
-        w.get(&(upstream.to_string(), model.to_string())).copied()
+        self.windows.get(&pair_key(upstream, model))
     }
 
     /// Stores the windows of a listing response body; returns how many.
     pub fn learn(&self, upstream: &str, body: &[u8]) -> usize {
         let found = parse_listing(body);
-        if let Ok(mut w) = self.windows.write() {
-            for (id, window) in &found {
-                w.insert((upstream.to_string(), id.clone()), *window);
-            }
+        for (id, window) in &found {
+            self.windows.insert(pair_key(upstream, id), *window);
         }
         found.len()
     }
