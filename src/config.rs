@@ -349,6 +349,18 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Largest request body accepted; larger ones get a 413.
     pub max_body_bytes: u64,
+    /// Bytes of request bodies condense holds in memory at once (bodies it
+    /// reads whole); a request that would pass it gets a 503.
+    pub max_buffered_bytes: u64,
+    /// Time a request body has to arrive whole (408 after it).
+    pub body_timeout_seconds: f64,
+    /// Client connections open at once (fewer if the open-file limit cannot
+    /// hold them). Beyond it the longest-idle connection is closed to make
+    /// room, or, with every connection busy, the new one gets a 503.
+    pub max_connections: usize,
+    /// A client connection with no request in flight (idle keep-alive, or
+    /// still sending its request headers) is closed after this long.
+    pub idle_timeout_seconds: f64,
     /// After SIGTERM/SIGINT, how long in-flight requests and streams may run
     /// before condense exits anyway.
     pub shutdown_grace_seconds: f64,
@@ -359,6 +371,10 @@ impl Default for ServerConfig {
         ServerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             max_body_bytes: 32 * 1024 * 1024,
+            max_buffered_bytes: 128 * 1024 * 1024,
+            body_timeout_seconds: 60.0,
+            max_connections: 10_000,
+            idle_timeout_seconds: 60.0,
             shutdown_grace_seconds: 30.0,
         }
     }
@@ -523,6 +539,14 @@ impl Config {
                 "server.shutdown_grace_seconds",
                 self.server.shutdown_grace_seconds,
             ),
+            (
+                "server.body_timeout_seconds",
+                self.server.body_timeout_seconds,
+            ),
+            (
+                "server.idle_timeout_seconds",
+                self.server.idle_timeout_seconds,
+            ),
             ("summary.timeout_seconds", self.summary.timeout_seconds),
             ("summary.cooldown_seconds", self.summary.cooldown_seconds),
             (
@@ -540,6 +564,15 @@ impl Config {
         }
         if self.server.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be greater than 0"));
+        }
+        if self.server.max_buffered_bytes < self.server.max_body_bytes {
+            return Err(invalid(
+                "server.max_buffered_bytes",
+                "must be at least server.max_body_bytes (a body of the largest size must fit)",
+            ));
+        }
+        if self.server.max_connections == 0 {
+            return Err(invalid("server.max_connections", "must be greater than 0"));
         }
         if self.auth.client_keys.iter().any(|k| k.expose().is_empty()) {
             return Err(invalid("auth.client_keys", "keys must not be empty"));
@@ -649,9 +682,25 @@ impl Config {
         )
     }
 
-    /// The effective configuration as TOML, secrets redacted.
+    /// The effective configuration as TOML, secrets redacted (keys, and a
+    /// password in a URL).
     pub fn to_redacted_toml(&self) -> String {
-        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+        let mut shown = self.clone();
+        shown.upstream.base_url = redact_url(&self.upstream.base_url);
+        shown.summary.base_url = self.summary.base_url.as_deref().map(redact_url);
+        toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+    }
+}
+
+/// A URL fit to print: credentials in it (`user:pass@`) replaced.
+pub fn redact_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) if !u.username().is_empty() || u.password().is_some() => {
+            let _ = u.set_username("redacted");
+            let _ = u.set_password(None);
+            u.to_string()
+        }
+        _ => url.to_string(),
     }
 }
 
@@ -787,8 +836,11 @@ mod tests {
         let mut c = Config::default();
         c.upstream.api_key = Some(Secret::new("sk-very-secret"));
         c.auth.client_keys = vec![Secret::new("client-secret")];
+        c.upstream.base_url = "https://bob:hunter2@gw.example/v1".to_string();
         let text = c.to_redacted_toml();
         assert!(!text.contains("sk-very-secret") && !text.contains("client-secret"));
+        assert!(!text.contains("hunter2") && !text.contains("bob"), "{text}");
+        assert!(text.contains("https://redacted@gw.example/v1"), "{text}");
         assert!(text.contains("[redacted]"));
         assert!(!format!("{c:?}").contains("sk-very-secret"));
     }

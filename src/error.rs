@@ -18,6 +18,14 @@ pub enum ProxyError {
     BodyTooLarge(u64),
     #[error("the request body could not be read: {0}")]
     BadRequestBody(String),
+    #[error("the request body did not arrive within {0} seconds")]
+    BodyTimeout(f64),
+    #[error("the request path {0}")]
+    InvalidPath(&'static str),
+    #[error("method {0} is not forwarded")]
+    MethodNotAllowed(http::Method),
+    #[error("condense is overloaded ({0}); try again shortly")]
+    Overloaded(&'static str),
     #[error("missing or incorrect API key for this proxy")]
     Unauthorized,
     #[error("condense is shutting down")]
@@ -31,6 +39,10 @@ impl ProxyError {
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::BadRequestBody(_) => StatusCode::BAD_REQUEST,
+            ProxyError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ProxyError::InvalidPath(_) => StatusCode::BAD_REQUEST,
+            ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            ProxyError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
             ProxyError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
         }
@@ -42,6 +54,10 @@ impl ProxyError {
             ProxyError::UpstreamTimeout(_) => ("api_error", "upstream_timeout"),
             ProxyError::BodyTooLarge(_) => ("invalid_request_error", "request_too_large"),
             ProxyError::BadRequestBody(_) => ("invalid_request_error", "invalid_body"),
+            ProxyError::BodyTimeout(_) => ("invalid_request_error", "request_timeout"),
+            ProxyError::InvalidPath(_) => ("invalid_request_error", "invalid_path"),
+            ProxyError::MethodNotAllowed(_) => ("invalid_request_error", "method_not_allowed"),
+            ProxyError::Overloaded(_) => ("api_error", "overloaded"),
             ProxyError::Unauthorized => ("invalid_request_error", "invalid_api_key"),
             ProxyError::ShuttingDown => ("api_error", "shutting_down"),
         }
@@ -67,9 +83,20 @@ impl IntoResponse for ProxyError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
-        if matches!(self, ProxyError::Unauthorized) {
-            resp.headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        match self {
+            ProxyError::Unauthorized => {
+                resp.headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            ProxyError::Overloaded(_) => {
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            ProxyError::BodyTimeout(_) => {
+                resp.headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            _ => {}
         }
         resp
     }

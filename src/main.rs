@@ -355,7 +355,7 @@ fn serve(config: Config) -> ExitCode {
         };
         tracing::info!(
             listen = %server.local_addr(),
-            upstream = %config.upstream.base_url,
+            upstream = %condense::config::redact_url(&config.upstream.base_url),
             "condense listening"
         );
         match server.run_until_signal().await {

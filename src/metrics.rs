@@ -39,6 +39,8 @@ pub struct Metrics {
     pub proxy_errors_total: IntCounterVec,
     pub stream_interruptions_total: IntCounterVec,
     pub inflight_requests: IntGauge,
+    pub open_connections: IntGauge,
+    pub connections_closed_total: IntCounterVec,
     pub token_cache_hits_total: IntCounter,
     pub token_cache_misses_total: IntCounter,
     pub calibration_ratio: GaugeVec,
@@ -123,6 +125,18 @@ impl Metrics {
             "condense_inflight_requests",
             "Proxied requests currently in flight, streams included.",
         )?;
+        let open_connections =
+            IntGauge::new("condense_open_connections", "Client connections open now.")?;
+        let connections_closed_total = IntCounterVec::new(
+            Opts::new(
+                "condense_connections_closed_total",
+                "Client connections condense closed itself, by reason: idle_timeout (no request in flight for server.idle_timeout_seconds), evicted (idle, to make room at server.max_connections), refused (over the cap with every connection busy; answered 503).",
+            ),
+            &["reason"],
+        )?;
+        for reason in ["idle_timeout", "evicted", "refused"] {
+            connections_closed_total.with_label_values(&[reason]);
+        }
         let token_cache_hits_total = IntCounter::new(
             "condense_token_cache_hits_total",
             "Message token counts served from the per-message cache.",
@@ -234,7 +248,7 @@ impl Metrics {
         let upstream_invalid_responses_total = IntCounterVec::new(
             Opts::new(
                 "condense_upstream_invalid_responses_total",
-                "Successful chat responses that ended malformed and were passed on as they were, by kind (invalid_json, sse_without_done).",
+                "Successful chat responses that ended malformed and were passed on as they were, by kind (invalid_json, sse_without_done, sse_event_too_long).",
             ),
             &["kind"],
         )?;
@@ -272,6 +286,8 @@ impl Metrics {
         register(Box::new(proxy_errors_total.clone()))?;
         register(Box::new(stream_interruptions_total.clone()))?;
         register(Box::new(inflight_requests.clone()))?;
+        register(Box::new(open_connections.clone()))?;
+        register(Box::new(connections_closed_total.clone()))?;
         Ok(Metrics {
             registry,
             requests_total,
@@ -282,6 +298,8 @@ impl Metrics {
             proxy_errors_total,
             stream_interruptions_total,
             inflight_requests,
+            open_connections,
+            connections_closed_total,
             token_cache_hits_total,
             token_cache_misses_total,
             calibration_ratio,

@@ -3,13 +3,22 @@
 //! Without `auth.client_keys`, condense is transparent: the client's own
 //! `Authorization` reaches the upstream, and `upstream.api_key` fills in only
 //! when the client sends none. With `auth.client_keys`, condense is the
-//! gatekeeper: a client must present one of those keys, and the upstream gets
-//! `upstream.api_key` instead, so client keys never leave condense.
+//! gatekeeper: a client must present one of those keys (as a bearer token,
+//! or in `x-api-key` or `api-key`, as Anthropic and Azure clients send them),
+//! and every credential header it sent is replaced by `upstream.api_key`, so
+//! client keys never leave condense.
 
-use http::header::{self, HeaderMap, HeaderValue};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 use crate::config::{AuthConfig, Secret};
 use crate::error::ProxyError;
+
+/// The headers that carry a client's API key.
+pub static CREDENTIAL_HEADERS: [HeaderName; 3] = [
+    header::AUTHORIZATION,
+    HeaderName::from_static("x-api-key"),
+    HeaderName::from_static("api-key"),
+];
 
 #[derive(Clone)]
 pub struct Credentials {
@@ -35,20 +44,37 @@ impl Credentials {
         if !self.gated() {
             return Ok(());
         }
-        let presented = headers
+        let bearer = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(bearer_token);
-        match presented {
-            Some(token) if self.client_keys.iter().any(|k| ct_eq(k.expose(), token)) => Ok(()),
-            _ => Err(ProxyError::Unauthorized),
+        let presented = CREDENTIAL_HEADERS[1..]
+            .iter()
+            .filter_map(|name| headers.get(name)?.to_str().ok())
+            .map(str::trim)
+            .chain(bearer);
+        let mut ok = false;
+        for token in presented {
+            // Every header is compared with every key, so timing tells
+            // nothing about which one matched.
+            for k in &self.client_keys {
+                ok |= ct_eq(k.expose(), token);
+            }
+        }
+        if ok {
+            Ok(())
+        } else {
+            Err(ProxyError::Unauthorized)
         }
     }
 
-    /// Sets the `Authorization` header the upstream receives.
+    /// Sets the credentials the upstream receives: in gated mode, every
+    /// credential header the client sent is replaced by the upstream key.
     pub fn apply(&self, headers: &mut HeaderMap) {
         if self.gated() {
-            headers.remove(header::AUTHORIZATION);
+            for name in &CREDENTIAL_HEADERS {
+                headers.remove(name);
+            }
         }
         if !headers.contains_key(header::AUTHORIZATION)
             && let Some(key) = &self.upstream_key
@@ -132,5 +158,25 @@ mod tests {
         let mut h = with_auth("Bearer ck-1");
         c.apply(&mut h);
         assert!(!h.contains_key(header::AUTHORIZATION));
+    }
+
+    #[test]
+    fn gated_mode_takes_the_key_in_any_credential_header_and_forwards_none() {
+        let c = creds(&["ck-1"], Some("sk-up"));
+        for name in ["x-api-key", "api-key"] {
+            let mut h = HeaderMap::new();
+            h.insert(name, HeaderValue::from_static("ck-1"));
+            c.check(&h).unwrap();
+            h.insert(name, HeaderValue::from_static("ck-2"));
+            assert!(c.check(&h).is_err(), "{name}");
+            // Whatever the client sent, no credential of its own goes on.
+            h.insert(
+                header::AUTHORIZATION,
+                HeaderValue::from_static("Bearer ck-1"),
+            );
+            c.apply(&mut h);
+            assert!(!h.contains_key("x-api-key") && !h.contains_key("api-key"));
+            assert_eq!(h[header::AUTHORIZATION], "Bearer sk-up");
+        }
     }
 }

@@ -98,9 +98,5 @@ async fn fetch(upstream: &Upstream, request_headers: &HeaderMap) -> Option<bytes
         tracing::debug!(status = %resp.status(), "no /models listing from the upstream");
         return None;
     }
-    if resp.content_length().is_some_and(|n| n > MAX_BYTES as u64) {
-        return None;
-    }
-    let body = resp.bytes().await.ok()?;
-    (body.len() <= MAX_BYTES).then_some(body)
+    super::body::read_upstream_whole(resp, MAX_BYTES).await
 }

@@ -6,6 +6,7 @@
 //! it, and taps usage from the response on the way back.
 
 pub mod auth;
+pub mod body;
 pub mod headers;
 pub mod listing;
 pub mod relay;
@@ -14,7 +15,6 @@ pub mod usage;
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -37,6 +37,7 @@ use crate::summary::Summarizer;
 use crate::summary::client::CallError;
 use crate::tokens::{ModelInfo, TokenService, pair_key};
 use auth::Credentials;
+use body::{BodyBudget, StreamFault};
 use listing::ListingFetcher;
 use relay::{InflightGuard, Tap, UsageCallback};
 use upstream::{Upstream, UpstreamError};
@@ -51,7 +52,7 @@ const OVERFLOW_STATUSES: &[u16] = &[400, 413, 429];
 /// How often a replica looks for a window another one learned.
 const SHARED_WINDOW_CHECK: Duration = Duration::from_secs(60);
 /// Error bodies larger than this are not read for overflow detection.
-const MAX_ERROR_BODY: u64 = 1 << 20;
+const MAX_ERROR_BODY: usize = 1 << 20;
 
 /// The state-store key of a window learned from an overflow.
 fn window_key(upstream: &str, model: &str) -> String {
@@ -78,6 +79,9 @@ pub struct Proxy {
     /// When each model's shared learned window was last looked up.
     window_checks: Bounded<u64, Instant, PreHashed>,
     max_body_bytes: u64,
+    body_timeout: Duration,
+    /// Room for request bodies read whole.
+    pub bodies: BodyBudget,
     stream_usage: bool,
     learn_windows: bool,
 }
@@ -164,6 +168,8 @@ impl Proxy {
             )),
             compaction: config.compaction.clone(),
             max_body_bytes: config.server.max_body_bytes,
+            body_timeout: Duration::from_secs_f64(config.server.body_timeout_seconds),
+            bodies: BodyBudget::new(config.server.max_buffered_bytes),
             stream_usage: config.upstream.stream_usage,
             learn_windows: config.upstream.learn_windows,
         })
@@ -184,17 +190,27 @@ impl Proxy {
         start: Instant,
     ) -> Result<Response, ProxyError> {
         let (parts, body) = req.into_parts();
+        // CONNECT would make the upstream a tunnel; TRACE echoes the request
+        // back, credentials condense added included.
+        if matches!(parts.method, http::Method::CONNECT | http::Method::TRACE) {
+            return Err(ProxyError::MethodNotAllowed(parts.method));
+        }
         let url = self.upstream.url_for(parts.uri.path(), parts.uri.query())?;
-        if content_length(&parts.headers).is_some_and(|n| n > self.max_body_bytes) {
+        if body::content_length(&parts.headers).is_some_and(|n| n > self.max_body_bytes) {
             return Err(ProxyError::BodyTooLarge(self.max_body_bytes));
         }
         let mut headers = headers::to_upstream(&parts.headers, true);
         self.credentials.apply(&mut headers);
-        let over_limit = Arc::new(AtomicBool::new(false));
+        let fault = StreamFault::default();
         let body = if axum::body::HttpBody::size_hint(&body).exact() == Some(0) {
             None
         } else {
-            Some(limited_body(body, self.max_body_bytes, over_limit.clone()))
+            Some(body::streamed_request(
+                body,
+                self.max_body_bytes,
+                self.body_timeout,
+                fault.clone(),
+            ))
         };
         let guard = InflightGuard::new(self.metrics.clone());
         let sent = Instant::now();
@@ -202,13 +218,7 @@ impl Proxy {
             .upstream
             .send(parts.method, url, headers, body)
             .await
-            .map_err(|e| {
-                if over_limit.load(Ordering::Relaxed) {
-                    ProxyError::BodyTooLarge(self.max_body_bytes)
-                } else {
-                    e
-                }
-            })?;
+            .map_err(|e| fault.or(self.max_body_bytes, self.body_timeout, e))?;
         Ok(self.respond(
             ROUTE_PASSTHROUGH,
             resp,
@@ -238,7 +248,16 @@ impl Proxy {
     ) -> Result<Response, ProxyError> {
         let (parts, body) = req.into_parts();
         let url = self.upstream.url_for(parts.uri.path(), parts.uri.query())?;
-        let bytes = read_body(body, self.max_body_bytes).await?;
+        // `_held` keeps the body's room in the budget until the response
+        // is on its way.
+        let (bytes, _held) = body::read_request(
+            body,
+            body::content_length(&parts.headers),
+            self.max_body_bytes,
+            self.body_timeout,
+            &self.bodies,
+        )
+        .await?;
         let opt_out = parts
             .headers
             .get(headers::X_CONDENSE)
@@ -407,15 +426,36 @@ impl Proxy {
         original: &Bytes,
         (method, url, headers): (http::Method, url::Url, HeaderMap),
     ) -> Result<(reqwest::Response, Prepared), ProxyError> {
-        if resp.content_length().is_some_and(|n| n > MAX_ERROR_BODY) {
+        if resp
+            .content_length()
+            .is_some_and(|n| n > MAX_ERROR_BODY as u64)
+        {
             return Ok((resp, prepared));
         }
         let status = resp.status();
         let version = resp.version();
         let resp_headers = resp.headers().clone();
-        let body = resp.bytes().await.map_err(|e| {
-            ProxyError::UpstreamUnreachable(format!("reading the error body: {}", e.without_url()))
-        })?;
+        let read = body::read_upstream(resp, MAX_ERROR_BODY)
+            .await
+            .map_err(|e| {
+                ProxyError::UpstreamUnreachable(format!(
+                    "reading the error body: {}",
+                    e.without_url()
+                ))
+            })?;
+        let body = match read {
+            body::Bounded::Whole(b) => b,
+            // Too long to be an overflow error: passed on as it is, the
+            // bytes read first and then the rest as it comes.
+            body::Bounded::Over { head, rest } => {
+                let whole = futures_util::stream::once(async move { Ok(head) }).chain(rest);
+                let mut r = http::Response::new(reqwest::Body::wrap_stream(whole));
+                *r.status_mut() = status;
+                *r.version_mut() = version;
+                *r.headers_mut() = resp_headers;
+                return Ok((reqwest::Response::from(r), prepared));
+            }
+        };
         let unchanged = || {
             let mut r = http::Response::new(body.clone());
             *r.status_mut() = status;
@@ -713,51 +753,4 @@ impl Proxy {
         tracing::warn!(route, error = %e, "request failed in condense");
         e.into_response()
     }
-}
-
-fn content_length(headers: &HeaderMap) -> Option<u64> {
-    headers
-        .get(header::CONTENT_LENGTH)?
-        .to_str()
-        .ok()?
-        .parse()
-        .ok()
-}
-
-/// Reads a whole request body, refusing more than `limit` bytes.
-async fn read_body(body: Body, limit: u64) -> Result<Bytes, ProxyError> {
-    let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
-    match axum::body::to_bytes(body, limit_usize).await {
-        Ok(b) => Ok(b),
-        Err(e) => {
-            let too_large = std::error::Error::source(&e)
-                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
-            if too_large {
-                Err(ProxyError::BodyTooLarge(limit))
-            } else {
-                Err(ProxyError::BadRequestBody(e.to_string()))
-            }
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-#[error("request body exceeds the limit")]
-struct OverLimit;
-
-/// Streams a request body upstream, failing it once it passes `limit` bytes
-/// (and flagging that, so the client gets a 413 rather than a 502).
-fn limited_body(body: Body, limit: u64, flag: Arc<AtomicBool>) -> reqwest::Body {
-    let mut seen: u64 = 0;
-    let stream = body.into_data_stream().map(move |chunk| {
-        let chunk =
-            chunk.map_err(|e| -> Box<dyn std::error::Error + Send + Sync> { Box::new(e) })?;
-        seen += chunk.len() as u64;
-        if seen > limit {
-            flag.store(true, Ordering::Relaxed);
-            return Err(Box::new(OverLimit) as Box<dyn std::error::Error + Send + Sync>);
-        }
-        Ok(chunk)
-    });
-    reqwest::Body::wrap_stream(stream)
 }

@@ -56,6 +56,7 @@ impl Tap {
     fn anomaly(&self, ended: bool) -> Option<&'static str> {
         match self {
             Tap::Json(t) if t.invalid() => Some("invalid_json"),
+            Tap::Sse(t) if t.ended() => Some("sse_event_too_long"),
             Tap::Sse(t) if ended && !t.saw_done() => Some("sse_without_done"),
             _ => None,
         }

@@ -2,8 +2,10 @@
 //!
 //! The upstream host is fixed by configuration. A request's path and query
 //! are appended to `upstream.base_url`; nothing the client sends (an
-//! absolute-form URI, a `Host` header, `..` segments) can point condense at
-//! another host.
+//! absolute-form URI, a `Host` header, `..` segments, plain or
+//! percent-encoded) can point condense at another host or at a path outside
+//! `base_url`'s: with a base of `https://gw/tenant-a/v1`, no client reaches
+//! `/tenant-b/...` with the upstream key condense adds.
 
 use std::time::Duration;
 
@@ -25,6 +27,8 @@ pub struct Upstream {
     client: reqwest::Client,
     /// `base_url` without a trailing slash.
     base: String,
+    /// The path of `base_url` without a trailing slash (`/v1`, or empty).
+    base_path: String,
     host: Option<String>,
     port: Option<u16>,
     first_byte_timeout: Duration,
@@ -46,6 +50,7 @@ impl Upstream {
         Ok(Upstream {
             client,
             base: config.base_url.trim_end_matches('/').to_string(),
+            base_path: parsed.path().trim_end_matches('/').to_string(),
             host: parsed.host_str().map(str::to_string),
             port: parsed.port_or_known_default(),
             first_byte_timeout: Duration::from_secs_f64(config.first_byte_timeout_seconds),
@@ -66,6 +71,13 @@ impl Upstream {
             Some(r) if r.is_empty() || r.starts_with('/') => r,
             _ => path,
         };
+        // A dot segment or a backslash, as sent or once decoded, is refused:
+        // `Url` resolves the plain ones, but an upstream may decode `%2e%2e`
+        // or `..%2f` itself and walk out of the base path.
+        let decoded = percent_decode(rest);
+        if decoded.contains('\\') || decoded.split('/').any(|seg| seg == "." || seg == "..") {
+            return Err(ProxyError::InvalidPath("may not contain dot segments"));
+        }
         let mut s = String::with_capacity(self.base.len() + rest.len() + 32);
         s.push_str(&self.base);
         s.push_str(rest);
@@ -73,15 +85,18 @@ impl Upstream {
             s.push('?');
             s.push_str(q);
         }
-        let url = Url::parse(&s)
-            .map_err(|e| ProxyError::BadRequestBody(format!("invalid request path: {e}")))?;
-        // Defence in depth: whatever the path held, the host stays ours.
-        if url.host_str().map(str::to_string) != self.host
+        let url = Url::parse(&s).map_err(|_| ProxyError::InvalidPath("is not a valid URL path"))?;
+        // Defence in depth: whatever the path held, the host stays ours and
+        // the path stays under the base path.
+        let under_base = url
+            .path()
+            .strip_prefix(self.base_path.as_str())
+            .is_some_and(|r| r.is_empty() || r.starts_with('/'));
+        if url.host_str() != self.host.as_deref()
             || url.port_or_known_default() != self.port
+            || !under_base
         {
-            return Err(ProxyError::BadRequestBody(
-                "invalid request path".to_string(),
-            ));
+            return Err(ProxyError::InvalidPath("leaves the upstream's base path"));
         }
         Ok(url)
     }
@@ -107,13 +122,41 @@ impl Upstream {
             Ok(Err(e)) if e.is_timeout() => Err(ProxyError::UpstreamTimeout(
                 self.connect_timeout.as_secs_f64(),
             )),
-            Ok(Err(e)) => Err(ProxyError::UpstreamUnreachable(describe(&e))),
+            // Without the URL: it may carry credentials, and the message
+            // reaches the client.
+            Ok(Err(e)) => Err(ProxyError::UpstreamUnreachable(describe(&e.without_url()))),
         }
     }
 }
 
+/// `s` with its `%XX` escapes decoded (invalid ones kept as they are;
+/// bytes that are not UTF-8 replaced).
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (
+            b[i],
+            b.get(i + 1).copied().and_then(hex),
+            b.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// A one-line description of a client error with its causes (reqwest's own
-/// Display stops at "error sending request"). URLs carry no credentials here.
+/// Display stops at "error sending request").
 fn describe(e: &reqwest::Error) -> String {
     let mut s = e.to_string();
     let mut source = std::error::Error::source(e);
@@ -154,6 +197,31 @@ mod tests {
             "http://127.0.0.1:9000/v1/models?a=1&b=2"
         );
         assert_eq!(url("/v1beta/x", None), "http://127.0.0.1:9000/v1/v1beta/x");
+    }
+
+    #[test]
+    fn the_path_cannot_leave_the_base_path() {
+        let u = upstream("http://127.0.0.1:9000/tenant-a/v1");
+        for p in [
+            "/v1/../../tenant-b/v1/models",
+            "/v1/%2e%2e/%2E%2E/tenant-b/v1/models",
+            "/v1/..%2f..%2ftenant-b/v1/models",
+            "/v1/..%5c..%5ctenant-b",
+            "/v1\\..\\..\\tenant-b",
+            "/./models",
+            "/v1/models/..",
+        ] {
+            let e = u.url_for(p, None).unwrap_err();
+            assert!(matches!(e, ProxyError::InvalidPath(_)), "{p}: {e}");
+        }
+        assert_eq!(
+            u.url_for("/v1/models/gpt-4o%2Fmini", None).unwrap().path(),
+            "/tenant-a/v1/models/gpt-4o%2Fmini"
+        );
+        assert_eq!(
+            u.url_for("/v1/files/..file", None).unwrap().path(),
+            "/tenant-a/v1/files/..file"
+        );
     }
 
     #[test]

@@ -37,21 +37,36 @@ impl Usage {
 
 /// Splits a Server-Sent-Events byte stream into events, reads usage from them
 /// and, when `strip` is set, removes what the client did not ask for.
+///
+/// Linear in the stream's length (each byte is scanned for an event end
+/// once) and bounded in memory: an event longer than [`MAX_EVENT_BYTES`]
+/// ends the tap. What it holds is passed on, the rest of the stream is
+/// relayed untouched, and its usage goes unread.
 pub struct SseTap {
     strip: bool,
     pending: BytesMut,
+    /// Bytes of `pending` already scanned for an event end.
+    scanned: usize,
     usage: Option<Usage>,
     /// Whether the `data: [DONE]` event went by.
     done: bool,
+    /// Set once an over-long event ended the tap.
+    ended: bool,
 }
+
+/// The longest SSE event the tap holds (a chat chunk is a few hundred
+/// bytes; a whole answer in one event a few hundred kilobytes).
+pub const MAX_EVENT_BYTES: usize = 4 << 20;
 
 impl SseTap {
     pub fn new(strip: bool) -> SseTap {
         SseTap {
             strip,
             pending: BytesMut::new(),
+            scanned: 0,
             usage: None,
             done: false,
+            ended: false,
         }
     }
 
@@ -60,10 +75,15 @@ impl SseTap {
         self.done
     }
 
+    /// Whether an over-long event ended the tap.
+    pub fn ended(&self) -> bool {
+        self.ended
+    }
+
     /// Whether the client has been sent whole events only, so an event
     /// condense adds starts cleanly.
     pub fn at_event_boundary(&self) -> bool {
-        self.strip || self.pending.is_empty()
+        !self.ended && (self.strip || self.pending.is_empty())
     }
 
     /// Takes a chunk from the upstream; returns the bytes to send the client
@@ -71,17 +91,36 @@ impl SseTap {
     /// of an unfinished event is kept for scanning); with stripping, complete
     /// events are sent and an unfinished one waits for its end.
     pub fn push(&mut self, chunk: Bytes) -> Bytes {
+        if self.ended {
+            return chunk;
+        }
         self.pending.extend_from_slice(&chunk);
         let mut out = if self.strip {
             BytesMut::with_capacity(chunk.len())
         } else {
             BytesMut::new()
         };
-        while let Some(end) = find_event_end(&self.pending) {
+        while let Some(end) = find_event_end(&self.pending, self.scanned) {
             let event = self.pending.split_to(end);
+            self.scanned = 0;
             let kept = self.process(&event);
             if let Some(bytes) = kept.filter(|_| self.strip) {
                 out.extend_from_slice(&bytes);
+            }
+        }
+        // The end of an event can straddle chunks: rescan the last two
+        // bytes with the next chunk, never what came before them.
+        self.scanned = self.pending.len().saturating_sub(2);
+        if self.pending.len() > MAX_EVENT_BYTES {
+            tracing::warn!(
+                bytes = self.pending.len(),
+                "an SSE event is longer than the tap reads; relaying the rest of the stream unread"
+            );
+            self.ended = true;
+            let held = self.pending.split();
+            self.pending = BytesMut::new();
+            if self.strip {
+                out.extend_from_slice(&held);
             }
         }
         if self.strip { out.freeze() } else { chunk }
@@ -165,9 +204,10 @@ fn rebuild_event(text: &str, json: &[u8]) -> Bytes {
     Bytes::from(out)
 }
 
-/// The index just past the blank line that ends the first event, if any.
-fn find_event_end(buf: &[u8]) -> Option<usize> {
-    let mut from = 0;
+/// The index just past the blank line that ends the first event, if any,
+/// looking from `from` on.
+fn find_event_end(buf: &[u8], from: usize) -> Option<usize> {
+    let mut from = from;
     while let Some(i) = memchr::memchr(b'\n', &buf[from..]).map(|i| i + from) {
         match (buf.get(i + 1), buf.get(i + 2)) {
             (Some(b'\n'), _) => return Some(i + 2),
@@ -300,6 +340,37 @@ mod tests {
         let mut tap = SseTap::new(true);
         assert_eq!(run(&mut tap, &[ev]), ev);
         assert_eq!(tap.usage().unwrap().prompt_tokens, 5);
+    }
+
+    #[test]
+    fn a_long_stream_is_scanned_once_and_an_over_long_event_ends_the_tap() {
+        // One byte at a time: each push scans only the new byte.
+        let mut tap = SseTap::new(true);
+        let all = format!("{CHUNK}{USAGE}{DONE}");
+        let parts: Vec<String> = all.chars().map(String::from).collect();
+        let refs: Vec<&str> = parts.iter().map(String::as_str).collect();
+        let out = run(&mut tap, &refs);
+        assert!(
+            out.ends_with(DONE) && !out.contains("prompt_tokens"),
+            "{out}"
+        );
+        assert_eq!(tap.usage().unwrap().prompt_tokens, 11);
+
+        // An event without end: held only up to the limit, then passed on.
+        let mut tap = SseTap::new(true);
+        let mut sent = 0;
+        let line = Bytes::from(vec![b'x'; 1 << 20]);
+        tap.push(Bytes::from_static(b"data: "));
+        for _ in 0..8 {
+            sent += tap.push(line.clone()).len();
+            assert!(tap.pending.len() <= MAX_EVENT_BYTES + line.len());
+        }
+        assert!(tap.ended());
+        assert_eq!(sent, 6 + 8 * line.len(), "every byte reached the client");
+        assert_eq!(
+            &tap.push(Bytes::from_static(USAGE.as_bytes()))[..],
+            USAGE.as_bytes()
+        );
     }
 
     #[test]

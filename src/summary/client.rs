@@ -14,6 +14,7 @@ use crate::proxy::auth::bearer;
 const CREDENTIAL_HEADERS: &[&str] = &[
     "authorization",
     "api-key",
+    "x-api-key",
     "openai-organization",
     "openai-project",
 ];
@@ -123,10 +124,17 @@ impl Client {
             .await
             .map_err(|e| CallError::Transport(e.without_url().to_string()))?;
         let status = resp.status();
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| CallError::Transport(e.without_url().to_string()))?;
+        // A checkpoint is a few kilobytes; an answer far larger is not one,
+        // and reading it whole would let the summarizer fill memory.
+        let bytes = match crate::proxy::body::read_upstream(resp, MAX_ANSWER_BYTES).await {
+            Ok(crate::proxy::body::Bounded::Whole(b)) => b,
+            Ok(crate::proxy::body::Bounded::Over { .. }) => {
+                return Err(CallError::Shape(format!(
+                    "the answer is longer than {MAX_ANSWER_BYTES} bytes"
+                )));
+            }
+            Err(e) => return Err(CallError::Transport(e.without_url().to_string())),
+        };
         if !status.is_success() {
             // The error is logged: a summarizer that echoes the key it was
             // sent must not put it in the logs.
@@ -164,6 +172,9 @@ impl Client {
         })
     }
 }
+
+/// Largest summarizer answer read.
+const MAX_ANSWER_BYTES: usize = 4 << 20;
 
 /// `scheme://host:port` of a URL, with the scheme's default port filled in.
 fn origin(base_url: &str) -> Option<String> {

@@ -1,5 +1,7 @@
 //! The HTTP server: routes, shared state, the tower stack, and graceful
-//! shutdown.
+//! shutdown. Connections (the cap, idle deadlines) are in `connections.rs`.
+
+pub mod connections;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -13,11 +15,11 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tower::ServiceBuilder;
+use tower::util::MapRequestLayer;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
@@ -70,12 +72,16 @@ impl AppState {
 ///    shape instead of a dropped connection.
 /// 2. `SetSensitiveRequestHeadersLayer`: `Authorization` and API-key headers
 ///    are marked sensitive, so no `Debug` print or trace can show them.
-/// 3. `SetRequestIdLayer` / `PropagateRequestIdLayer`: every request has an
+/// 3. `sane_request_id`: a client's `x-request-id` longer than
+///    [`MAX_REQUEST_ID`] bytes or with characters other than letters,
+///    digits and `-_.:/+=` is dropped (and replaced by ours next), so no
+///    client can put 300 KB into every log line and echo.
+/// 4. `SetRequestIdLayer` / `PropagateRequestIdLayer`: every request has an
 ///    `x-request-id` (the client's, or a new UUID) that reaches the upstream
 ///    and the logs; the response carries the upstream's id, else ours.
-/// 4. `observe`: one access-log line and `condense_requests_total` per request.
-/// 5. `authorize`: client keys, when `auth.client_keys` is set.
-/// 6. The router: condense's own endpoints, chat completions, and everything
+/// 5. `observe`: one access-log line and `condense_requests_total` per request.
+/// 6. `authorize`: client keys, when `auth.client_keys` is set.
+/// 7. The router: condense's own endpoints, chat completions, and everything
 ///    else forwarded as it is.
 pub fn app(state: AppState) -> Router {
     let router = Router::new()
@@ -97,9 +103,26 @@ pub fn app(state: AppState) -> Router {
                 header::HeaderName::from_static("api-key"),
                 header::HeaderName::from_static("x-api-key"),
             ]))
+            .layer(MapRequestLayer::new(sane_request_id))
             .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
             .layer(PropagateRequestIdLayer::x_request_id()),
     )
+}
+
+/// Longest client `x-request-id` kept.
+pub const MAX_REQUEST_ID: usize = 128;
+
+fn sane_request_id(mut req: Request) -> Request {
+    let ok = req.headers().get("x-request-id").is_none_or(|v| {
+        v.len() <= MAX_REQUEST_ID
+            && v.as_bytes()
+                .iter()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.:/+=".contains(b))
+    });
+    if !ok {
+        req.headers_mut().remove("x-request-id");
+    }
+    req
 }
 
 async fn chat(State(s): State<AppState>, req: Request) -> Response {
@@ -228,24 +251,42 @@ impl Server {
                 source,
             })?;
         let addr = listener.local_addr()?;
-        // Streams are relayed chunk by chunk: without TCP_NODELAY, Nagle's
-        // algorithm holds each small chunk until the client's delayed ACK
-        // (about 40 ms per chunk on Linux).
-        let listener = listener.tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "cannot set TCP_NODELAY on a client connection");
-            }
-        });
-        let (stop, mut stopped) = watch::channel(false);
+        if config.upstream.api_key.is_some()
+            && config.auth.client_keys.is_empty()
+            && !addr.ip().is_loopback()
+        {
+            tracing::warn!(
+                listen = %addr,
+                "upstream.api_key is set and auth.client_keys is empty on an address other hosts can reach: anyone who reaches condense spends that key; set auth.client_keys"
+            );
+        }
+        let limits = connections::Limits::new(
+            config.server.max_connections,
+            Duration::from_secs_f64(config.server.idle_timeout_seconds),
+        );
+        tracing::info!(
+            max_connections = limits.max_connections,
+            "client connection cap"
+        );
+        if limits.max_connections < config.server.max_connections {
+            tracing::warn!(
+                max_connections = limits.max_connections,
+                configured = config.server.max_connections,
+                "the open-file limit allows fewer client connections than server.max_connections; raise it (ulimit -n) to serve more"
+            );
+        }
+        let (stop, stopped) = watch::channel(false);
         let flag = state.shutting_down.clone();
-        let service = app(state.clone()).into_make_service();
+        let mut on_stop = stopped.clone();
+        tokio::spawn(async move {
+            let _ = on_stop.wait_for(|s| *s).await;
+            flag.store(true, Ordering::Relaxed);
+        });
+        let router = app(state.clone());
+        let metrics = state.metrics.clone();
         let task = tokio::spawn(async move {
-            axum::serve(listener, service)
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.wait_for(|s| *s).await;
-                    flag.store(true, Ordering::Relaxed);
-                })
-                .await
+            connections::serve(listener, router, limits, metrics, stopped).await;
+            Ok(())
         });
         Ok(Server {
             addr,
@@ -264,9 +305,9 @@ impl Server {
         &self.state
     }
 
-    /// Stops accepting connections, lets in-flight requests and streams
-    /// finish within the grace period, then returns (cutting off whatever is
-    /// still running).
+    /// Stops accepting connections, closes idle ones, lets in-flight
+    /// requests and streams finish within the grace period, then returns
+    /// (cutting off whatever is still running).
     pub async fn shutdown(self) -> Result<(), ServerError> {
         let _ = self.stop.send(true);
         let mut task = self.task;

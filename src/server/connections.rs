@@ -1,0 +1,442 @@
+//! Client connections: accepted, capped, watched for idleness, and closed.
+//!
+//! axum's own `serve` keeps a connection for as long as the client likes: a
+//! TCP connection that never sends a byte, or sends its headers at one byte
+//! a second, is held forever, and enough of them exhaust the process's file
+//! descriptors until nothing (not even `/healthz`) is answered. Here:
+//!
+//! - A connection with no request in flight (a fresh one, one still sending
+//!   its request headers, or an idle keep-alive one) is closed after
+//!   `server.idle_timeout_seconds`. A request in flight is never cut by this:
+//!   its body has its own deadline (`server.body_timeout_seconds`, in the
+//!   proxy) and its response the upstream timeouts.
+//! - At most `max_connections` are open. A connection beyond that first
+//!   makes room by closing the longest-idle connection that has no request
+//!   in flight; when every connection is busy it is answered `503` (OpenAI
+//!   error shape, `Retry-After: 1`) and closed.
+//! - On shutdown, idle connections close at once and busy ones after their
+//!   response, so shutdown takes as long as the longest request, not the
+//!   whole grace period.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::Request;
+use axum::response::Response;
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto::Builder;
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinSet;
+use tower::Service;
+
+use crate::error::openai_error_body;
+use crate::metrics::Metrics;
+
+/// File descriptors kept free for everything that is not a client
+/// connection (the listener, logs, Redis, the upstream pool's idle ones).
+const RESERVED_FDS: u64 = 64;
+/// Connections being refused at once; beyond it they are dropped unanswered.
+const MAX_REFUSING: usize = 256;
+/// Time a refused connection gets to read its 503.
+const REFUSE_TIME: Duration = Duration::from_secs(1);
+/// Pause after an accept failure (out of file descriptors, ...), so the
+/// loop does not spin while the condition lasts.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// How many connections a server keeps, and for how long an idle one.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub idle: Duration,
+}
+
+impl Limits {
+    /// `configured` connections, or fewer when the process's open-file limit
+    /// could not hold them: each client connection with a request in flight
+    /// also holds one to the upstream.
+    pub fn new(configured: usize, idle: Duration) -> Limits {
+        let by_files = open_file_limit()
+            .map(|n| (n.saturating_sub(RESERVED_FDS) / 2).max(1))
+            .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
+        Limits {
+            max_connections: configured.min(by_files).max(1),
+            idle,
+        }
+    }
+}
+
+/// The soft limit on open files (Linux: `/proc/self/limits`).
+fn open_file_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
+/// One open connection, as the accept loop and its own task see it.
+struct Conn {
+    /// Requests in flight: from the handler's start to the end (or drop) of
+    /// the response body.
+    active: AtomicUsize,
+    /// Milliseconds since the registry's epoch at which `active` last
+    /// changed (or the connection was accepted).
+    since: AtomicU64,
+    /// Woken when `active` changes.
+    changed: Notify,
+    /// Woken to ask the connection to close if it is idle.
+    evict: Notify,
+    /// Set while an eviction is asked and not yet answered, so that a burst
+    /// of new connections evicts as many idle ones.
+    evicting: AtomicBool,
+}
+
+/// The open connections.
+struct Registry {
+    conns: Mutex<HashMap<u64, Arc<Conn>>>,
+    next_id: AtomicU64,
+    epoch: Instant,
+}
+
+impl Registry {
+    fn now(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn len(&self) -> usize {
+        self.conns.lock().map_or(0, |c| c.len())
+    }
+
+    fn add(&self) -> (u64, Arc<Conn>) {
+        let conn = Arc::new(Conn {
+            active: AtomicUsize::new(0),
+            since: AtomicU64::new(self.now()),
+            changed: Notify::new(),
+            evict: Notify::new(),
+            evicting: AtomicBool::new(false),
+        });
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut c) = self.conns.lock() {
+            c.insert(id, conn.clone());
+        }
+        (id, conn)
+    }
+
+    fn remove(&self, id: u64) {
+        if let Ok(mut c) = self.conns.lock() {
+            c.remove(&id);
+        }
+    }
+
+    /// Asks the connection idle longest to close; false when none is idle.
+    fn evict_idle(&self) -> bool {
+        let Ok(conns) = self.conns.lock() else {
+            return false;
+        };
+        let oldest = conns
+            .values()
+            .filter(|c| c.idle() && !c.evicting.load(Ordering::Relaxed))
+            .min_by_key(|c| c.since.load(Ordering::Relaxed));
+        match oldest {
+            Some(c) => {
+                c.evicting.store(true, Ordering::Relaxed);
+                c.evict.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl Conn {
+    fn idle(&self) -> bool {
+        self.active.load(Ordering::Acquire) == 0
+    }
+
+    /// Resolves once the connection has had no request in flight for
+    /// `idle`.
+    async fn idle_for(&self, idle: Duration, registry: &Registry) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.idle() {
+                let since = self.since.load(Ordering::Relaxed);
+                let waited = Duration::from_millis(registry.now().saturating_sub(since));
+                tokio::select! {
+                    _ = tokio::time::sleep(idle.saturating_sub(waited)) => {
+                        if self.idle() && self.since.load(Ordering::Relaxed) == since {
+                            return;
+                        }
+                    }
+                    _ = changed => {}
+                }
+            } else {
+                changed.await;
+            }
+        }
+    }
+}
+
+/// Counts a request in flight on its connection until dropped.
+struct Active {
+    conn: Arc<Conn>,
+    registry: Arc<Registry>,
+}
+
+impl Active {
+    fn new(conn: Arc<Conn>, registry: Arc<Registry>) -> Active {
+        conn.active.fetch_add(1, Ordering::AcqRel);
+        conn.since.store(registry.now(), Ordering::Relaxed);
+        conn.changed.notify_waiters();
+        Active { conn, registry }
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.conn.active.fetch_sub(1, Ordering::AcqRel);
+        self.conn
+            .since
+            .store(self.registry.now(), Ordering::Relaxed);
+        self.conn.changed.notify_waiters();
+    }
+}
+
+/// The router for one connection: every request is counted in flight until
+/// its response body has been sent (or dropped).
+#[derive(Clone)]
+struct Tracked {
+    router: Router,
+    conn: Arc<Conn>,
+    registry: Arc<Registry>,
+}
+
+impl Service<Request<Incoming>> for Tracked {
+    type Response = Response;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        let active = Active::new(self.conn.clone(), self.registry.clone());
+        let call = self.router.call(req.map(Body::new));
+        Box::pin(async move {
+            let resp = call.await?;
+            Ok(resp.map(|body| {
+                Body::new(Counted {
+                    body,
+                    _active: active,
+                })
+            }))
+        })
+    }
+}
+
+/// A response body that keeps its request counted in flight.
+struct Counted {
+    body: Body,
+    _active: Active,
+}
+
+impl http_body::Body for Counted {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// Serves `router` on `listener` until `stop` turns true, then waits for
+/// the open connections to finish (the caller bounds that wait).
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: Limits,
+    metrics: Arc<Metrics>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let registry = Arc::new(Registry {
+        conns: Mutex::new(HashMap::new()),
+        next_id: AtomicU64::new(0),
+        epoch: Instant::now(),
+    });
+    let builder = Arc::new(Builder::new(TokioExecutor::new()));
+    let mut tasks = JoinSet::new();
+    let refusing = Arc::new(AtomicUsize::new(0));
+    let for_connections = stop.clone();
+    loop {
+        tokio::select! {
+            biased;
+            _ = stopped(&mut stop) => break,
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            accepted = listener.accept() => {
+                let tcp = match accepted {
+                    Ok((tcp, _)) => tcp,
+                    Err(e) => {
+                        // Out of file descriptors (or another resource):
+                        // idle connections give theirs back.
+                        tracing::warn!(error = %e, "cannot accept a connection");
+                        registry.evict_idle();
+                        tokio::time::sleep(ACCEPT_BACKOFF).await;
+                        continue;
+                    }
+                };
+                // Streams are relayed chunk by chunk: without TCP_NODELAY,
+                // Nagle's algorithm holds each small chunk until the
+                // client's delayed ACK (about 40 ms per chunk on Linux).
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "cannot set TCP_NODELAY on a client connection");
+                }
+                if registry.len() >= limits.max_connections && !registry.evict_idle() {
+                    refuse(tcp, &refusing, &metrics);
+                    continue;
+                }
+                let (id, conn) = registry.add();
+                metrics.open_connections.inc();
+                let service = Tracked {
+                    router: router.clone(),
+                    conn: conn.clone(),
+                    registry: registry.clone(),
+                };
+                tasks.spawn(connection(
+                    tcp,
+                    service,
+                    builder.clone(),
+                    limits.idle,
+                    for_connections.clone(),
+                    metrics.clone(),
+                    id,
+                ));
+            }
+        }
+    }
+    drop(listener);
+    while tasks.join_next().await.is_some() {}
+}
+
+/// Resolves once `stop` is true (or its sender is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// Serves one connection until it ends, is idle too long, is evicted while
+/// idle, or the server stops.
+async fn connection(
+    tcp: TcpStream,
+    service: Tracked,
+    builder: Arc<Builder<TokioExecutor>>,
+    idle: Duration,
+    mut stop: watch::Receiver<bool>,
+    metrics: Arc<Metrics>,
+    id: u64,
+) {
+    let conn = service.conn.clone();
+    let registry = service.registry.clone();
+    let served = builder.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(service));
+    tokio::pin!(served);
+    let mut draining = false;
+    let closed = loop {
+        tokio::select! {
+            result = served.as_mut() => {
+                if let Err(e) = result {
+                    tracing::debug!(error = %e, "client connection ended with an error");
+                }
+                break None;
+            }
+            _ = stopped(&mut stop), if !draining => {
+                draining = true;
+                served.as_mut().graceful_shutdown();
+                // hyper waits for the first bytes of a connection that has
+                // sent none; an idle connection has nothing to finish.
+                if conn.idle() {
+                    break None;
+                }
+            }
+            _ = conn.evict.notified() => {
+                if conn.idle() {
+                    break Some("evicted");
+                }
+                // It became busy meanwhile: it may be chosen again later.
+                conn.evicting.store(false, Ordering::Relaxed);
+            }
+            _ = conn.idle_for(idle, &registry) => break Some("idle_timeout"),
+        }
+    };
+    if let Some(reason) = closed {
+        metrics
+            .connections_closed_total
+            .with_label_values(&[reason])
+            .inc();
+    }
+    registry.remove(id);
+    metrics.open_connections.dec();
+}
+
+/// Answers a connection over the cap with a 503 and closes it (in the
+/// background, bounded in time and in number).
+fn refuse(mut tcp: TcpStream, refusing: &Arc<AtomicUsize>, metrics: &Metrics) {
+    metrics
+        .connections_closed_total
+        .with_label_values(&["refused"])
+        .inc();
+    metrics
+        .proxy_errors_total
+        .with_label_values(&["overloaded"])
+        .inc();
+    if refusing.fetch_add(1, Ordering::AcqRel) >= MAX_REFUSING {
+        refusing.fetch_sub(1, Ordering::AcqRel);
+        return;
+    }
+    let refusing = refusing.clone();
+    tokio::spawn(async move {
+        let body = openai_error_body(
+            "condense: too many open connections; try again shortly",
+            "api_error",
+            "overloaded",
+        );
+        let head = format!(
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
+            body.len()
+        );
+        let _ = tokio::time::timeout(REFUSE_TIME, async {
+            tcp.write_all(head.as_bytes()).await?;
+            tcp.write_all(body.as_bytes()).await?;
+            tcp.shutdown().await?;
+            // Read what the client sent until it closes, so that the close
+            // is not a reset that discards the 503 before it is read.
+            let mut sink = [0u8; 4096];
+            while tcp.read(&mut sink).await? > 0 {}
+            Ok::<_, std::io::Error>(())
+        })
+        .await;
+        refusing.fetch_sub(1, Ordering::AcqRel);
+    });
+}
