@@ -63,6 +63,21 @@ impl ProxyError {
         }
     }
 
+    /// Every value of [`ProxyError::metric_label`], so the metric can show 0
+    /// for each from the start.
+    pub const KINDS: &'static [&'static str] = &[
+        "upstream_unreachable",
+        "upstream_timeout",
+        "request_too_large",
+        "invalid_body",
+        "request_timeout",
+        "invalid_path",
+        "method_not_allowed",
+        "overloaded",
+        "invalid_api_key",
+        "shutting_down",
+    ];
+
     /// A short label for the `condense_proxy_errors_total{kind}` metric.
     pub fn metric_label(&self) -> &'static str {
         self.kind().1
@@ -99,5 +114,29 @@ impl IntoResponse for ProxyError {
             _ => {}
         }
         resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_is_listed() {
+        for e in [
+            ProxyError::UpstreamUnreachable(String::new()),
+            ProxyError::UpstreamTimeout(1.0),
+            ProxyError::BodyTooLarge(1),
+            ProxyError::BadRequestBody(String::new()),
+            ProxyError::BodyTimeout(1.0),
+            ProxyError::InvalidPath("x"),
+            ProxyError::MethodNotAllowed(http::Method::CONNECT),
+            ProxyError::Overloaded("x"),
+            ProxyError::Unauthorized,
+            ProxyError::ShuttingDown,
+        ] {
+            assert!(ProxyError::KINDS.contains(&e.metric_label()), "{e}");
+        }
+        assert_eq!(ProxyError::KINDS.len(), 10);
     }
 }

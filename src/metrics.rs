@@ -252,6 +252,25 @@ impl Metrics {
             ),
             &["kind"],
         )?;
+        // Known label values start at zero, so dashboards show 0 rather
+        // than "no data" until the first event.
+        for kind in crate::error::ProxyError::KINDS {
+            proxy_errors_total.with_label_values(&[kind]);
+        }
+        for cause in crate::proxy::relay::INTERRUPTION_CAUSES {
+            stream_interruptions_total.with_label_values(&[cause]);
+        }
+        for kind in crate::proxy::relay::ANOMALIES {
+            upstream_invalid_responses_total.with_label_values(&[kind]);
+        }
+        for format in crate::overflow::formats() {
+            for outcome in crate::overflow::OUTCOMES {
+                context_overflow_total.with_label_values(&[format, outcome]);
+            }
+        }
+        for op in crate::state::OPS {
+            state_errors_total.with_label_values(&[op]);
+        }
         let mut names = Vec::new();
         let mut register = |c: Box<dyn Collector>| {
             names.extend(c.desc().iter().map(|d| d.fq_name.clone()));

@@ -171,6 +171,20 @@ const TABLE: &[Row] = &[
     },
 ];
 
+/// Every `provider_format` label, each once.
+pub fn formats() -> Vec<&'static str> {
+    let mut out: Vec<&'static str> = Vec::new();
+    for row in TABLE {
+        if !out.contains(&row.format) {
+            out.push(row.format);
+        }
+    }
+    out
+}
+
+/// The `outcome` label of `condense_context_overflow_total`.
+pub const OUTCOMES: &[&str] = &["recovered", "failed", "not_recoverable"];
+
 /// Recognises an overflow error response.
 pub fn detect(status: u16, body: &[u8]) -> Option<Overflow> {
     if !(400..500).contains(&status) || body.len() > 1 << 20 {

@@ -16,6 +16,9 @@ use crate::cache::Bounded;
 use crate::config::StateConfig;
 use crate::metrics::Metrics;
 
+/// The operations, the `op` label of `condense_state_errors_total`.
+pub const OPS: &[&str] = &["get", "put", "lease", "release"];
+
 /// All keys condense writes start with this.
 const PREFIX: &str = "condense:";
 

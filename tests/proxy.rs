@@ -540,3 +540,22 @@ async fn shutdown_lets_an_inflight_stream_finish() {
             .is_err()
     );
 }
+
+#[tokio::test]
+async fn labelled_counters_show_zero_before_anything_happens() {
+    let h = Harness::start().await;
+    for series in [
+        "condense_proxy_errors_total{kind=\"upstream_unreachable\"}",
+        "condense_proxy_errors_total{kind=\"overloaded\"}",
+        "condense_stream_interruptions_total{cause=\"idle_timeout\"}",
+        "condense_upstream_invalid_responses_total{kind=\"sse_without_done\"}",
+        "condense_context_overflow_total{outcome=\"recovered\",provider_format=\"openai\"}",
+        "condense_context_overflow_total{outcome=\"not_recoverable\",provider_format=\"llamacpp\"}",
+        "condense_state_errors_total{op=\"get\"}",
+        "condense_summarizer_calls_total{outcome=\"error\"}",
+        "condense_connections_closed_total{reason=\"idle_timeout\"}",
+    ] {
+        assert_eq!(h.metric(series).await, Some(0.0), "{series}");
+    }
+    h.shutdown().await;
+}

@@ -18,6 +18,11 @@ use crate::metrics::Metrics;
 /// Time between a stream's error event and the body failing.
 const FLUSH_BEFORE_ABORT: Duration = Duration::from_millis(20);
 
+/// The `cause` label of `condense_stream_interruptions_total`.
+pub const INTERRUPTION_CAUSES: &[&str] = &["idle_timeout", "upstream_error"];
+/// The `kind` label of `condense_upstream_invalid_responses_total`.
+pub const ANOMALIES: &[&str] = &["invalid_json", "sse_without_done", "sse_event_too_long"];
+
 /// How a response body is inspected on its way through.
 pub enum Tap {
     /// Bytes pass untouched and unread.
