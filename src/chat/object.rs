@@ -47,6 +47,11 @@ impl RawObject {
         self.entries.iter().rposition(|(k, _)| k == key)
     }
 
+    /// The keys, in order (a duplicate key as often as it occurs).
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.entries.iter().map(|(k, _)| k.as_str())
+    }
+
     /// Replaces the value of `key` in place, or appends it when absent.
     /// `value` must be valid JSON.
     pub fn set(&mut self, key: &str, value: Bytes) {

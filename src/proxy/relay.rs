@@ -69,14 +69,17 @@ impl Tap {
 
     /// For a stream, an SSE event that tells the client (and its SDK, which
     /// raises it as an API error) why the stream stops here.
-    fn error_event(&self, code: &str, message: &str) -> Option<Bytes> {
+    fn error_event(&mut self, code: &str, message: &str) -> Option<Bytes> {
         let Tap::Sse(t) = self else {
             return None;
         };
         let error = serde_json::json!({"error": {
             "message": message, "type": "api_error", "param": null, "code": code}});
         let lead = if t.at_event_boundary() { "" } else { "\n\n" };
-        Some(Bytes::from(format!("{lead}data: {error}\n\n")))
+        // A finishing chunk held back goes first.
+        let mut out = t.take_held().map(Vec::from).unwrap_or_default();
+        out.extend_from_slice(format!("{lead}data: {error}\n\n").as_bytes());
+        Some(Bytes::from(out))
     }
 
     fn usage(&self) -> Option<Usage> {

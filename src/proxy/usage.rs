@@ -6,6 +6,14 @@
 //! estimate. A client that did not ask for usage must not see the difference,
 //! so for it the tap drops the usage-only chunk (`"choices":[]`) and the
 //! `"usage":null` field the upstream then adds to every other chunk.
+//!
+//! Some upstreams put more than usage on that chunk when asked for it, and
+//! on the last chunk otherwise: llama.cpp's `timings`. So the tap holds the
+//! chunk that finishes a choice until the next event: when that is the
+//! usage-only chunk, the fields it has and the held chunk lacks (other than
+//! `usage` and `choices`) are moved onto the held chunk, which then goes out.
+//! The client receives what the upstream would have sent it had condense not
+//! asked for usage.
 
 use bytes::{Bytes, BytesMut};
 use serde::Deserialize;
@@ -52,6 +60,8 @@ pub struct SseTap {
     done: bool,
     /// Set once an over-long event ended the tap.
     ended: bool,
+    /// When stripping: the last event that finished a choice, not yet sent.
+    held: Option<Bytes>,
 }
 
 /// The longest SSE event the tap holds (a chat chunk is a few hundred
@@ -67,6 +77,7 @@ impl SseTap {
             usage: None,
             done: false,
             ended: false,
+            held: None,
         }
     }
 
@@ -103,10 +114,7 @@ impl SseTap {
         while let Some(end) = find_event_end(&self.pending, self.scanned) {
             let event = self.pending.split_to(end);
             self.scanned = 0;
-            let kept = self.process(&event);
-            if let Some(bytes) = kept.filter(|_| self.strip) {
-                out.extend_from_slice(&bytes);
-            }
+            self.process(&event, &mut out);
         }
         // The end of an event can straddle chunks: rescan the last two
         // bytes with the next chunk, never what came before them.
@@ -117,10 +125,11 @@ impl SseTap {
                 "an SSE event is longer than the tap reads; relaying the rest of the stream unread"
             );
             self.ended = true;
-            let held = self.pending.split();
+            let rest = self.pending.split();
             self.pending = BytesMut::new();
             if self.strip {
-                out.extend_from_slice(&held);
+                self.flush_held(&mut out);
+                out.extend_from_slice(&rest);
             }
         }
         if self.strip { out.freeze() } else { chunk }
@@ -129,8 +138,23 @@ impl SseTap {
     /// The stream ended: returns what is still held back (an unterminated
     /// last event is passed on as it is).
     pub fn finish(&mut self) -> Bytes {
-        let rest = self.pending.split().freeze();
-        if self.strip { rest } else { Bytes::new() }
+        let mut out = BytesMut::new();
+        self.flush_held(&mut out);
+        if self.strip {
+            out.extend_from_slice(&self.pending.split());
+        }
+        out.freeze()
+    }
+
+    /// The held event, to be sent before anything condense adds itself.
+    pub fn take_held(&mut self) -> Option<Bytes> {
+        self.held.take()
+    }
+
+    fn flush_held(&mut self, out: &mut BytesMut) {
+        if let Some(h) = self.held.take() {
+            out.extend_from_slice(&h);
+        }
     }
 
     /// The usage seen so far.
@@ -138,49 +162,103 @@ impl SseTap {
         self.usage
     }
 
-    /// Reads one complete event; returns the bytes to forward for it when
-    /// stripping (None drops it).
-    fn process(&mut self, event: &[u8]) -> Option<Bytes> {
+    /// Reads one complete event and, when stripping, appends to `out` what
+    /// the client gets for it.
+    fn process(&mut self, event: &[u8], out: &mut BytesMut) {
         if memchr::memmem::find(event, b"data: [DONE]").is_some()
             || memchr::memmem::find(event, b"data:[DONE]").is_some()
         {
             self.done = true;
         }
-        // Only events that mention usage need a closer look.
-        let strip = self.strip;
-        let verbatim = || strip.then(|| Bytes::copy_from_slice(event));
-        if memchr::memmem::find(event, b"\"usage\"").is_none() {
-            return verbatim();
-        }
-        let Ok(text) = std::str::from_utf8(event) else {
-            return verbatim();
+        let parsed = if memchr::memmem::find(event, b"\"usage\"").is_some() {
+            parse_event(event)
+        } else {
+            None
         };
-        let data: String = text
-            .lines()
-            .filter_map(|l| l.strip_prefix("data:"))
-            .map(|d| d.strip_prefix(' ').unwrap_or(d))
-            .collect::<Vec<_>>()
-            .join("\n");
-        let Ok(mut obj) = RawObject::parse(&Bytes::from(data)) else {
-            return verbatim();
-        };
-        let usage = Usage::from_object(&obj);
+        let usage = parsed.as_ref().and_then(|(_, o)| Usage::from_object(o));
         if usage.is_some() {
             self.usage = usage;
         }
         if !self.strip {
-            return None;
+            return;
         }
-        let usage_only = obj.get("choices") == Some(b"[]");
-        match (usage, obj.get("usage").map(|u| u == b"null")) {
-            (Some(_), _) if usage_only => None,
-            (None, Some(true)) => {
-                obj.remove("usage");
-                Some(rebuild_event(text, &obj.to_vec()))
+        let Some((text, mut obj)) = parsed else {
+            self.pass(Bytes::copy_from_slice(event), finishes(event), out);
+            return;
+        };
+        if usage.is_some() && obj.get("choices") == Some(b"[]") {
+            // The usage-only chunk the client did not ask for: dropped, its
+            // other fields moved onto the chunk that finished the answer.
+            if let Some(held) = self.held.take() {
+                out.extend_from_slice(&merge_extra_fields(held, &obj));
             }
-            _ => Some(Bytes::copy_from_slice(event)),
+            return;
+        }
+        let event = if obj.get("usage") == Some(b"null") {
+            obj.remove("usage");
+            rebuild_event(text, &obj.to_vec())
+        } else {
+            Bytes::copy_from_slice(event)
+        };
+        let finishing = finishes(&event);
+        self.pass(event, finishing, out);
+    }
+
+    /// Sends an event after the held one; an event that finishes a choice
+    /// is held instead until the next one.
+    fn pass(&mut self, event: Bytes, finishing: bool, out: &mut BytesMut) {
+        self.flush_held(out);
+        if finishing {
+            self.held = Some(event);
+        } else {
+            out.extend_from_slice(&event);
         }
     }
+}
+
+/// The data of an SSE event as a JSON object, with the event's text.
+fn parse_event(event: &[u8]) -> Option<(&str, RawObject)> {
+    let text = std::str::from_utf8(event).ok()?;
+    let data: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(|d| d.strip_prefix(' ').unwrap_or(d))
+        .collect::<Vec<_>>()
+        .join("\n");
+    Some((text, RawObject::parse(&Bytes::from(data)).ok()?))
+}
+
+/// Whether an event finishes a choice: it has a `finish_reason` that is not
+/// null.
+fn finishes(event: &[u8]) -> bool {
+    let all = memchr::memmem::find_iter(event, b"\"finish_reason\"").count();
+    if all == 0 {
+        return false;
+    }
+    let null = memchr::memmem::find_iter(event, b"\"finish_reason\":null").count()
+        + memchr::memmem::find_iter(event, b"\"finish_reason\": null").count();
+    all > null
+}
+
+/// `held` with the top-level fields of `usage_chunk` it lacks added (not
+/// `usage`, not `choices`); unchanged when there are none.
+fn merge_extra_fields(held: Bytes, usage_chunk: &RawObject) -> Bytes {
+    let Some((text, mut obj)) = parse_event(&held) else {
+        return held;
+    };
+    let extra: Vec<&str> = usage_chunk
+        .keys()
+        .filter(|k| !matches!(*k, "usage" | "choices") && obj.get(k).is_none())
+        .collect();
+    if extra.is_empty() {
+        return held;
+    }
+    for k in extra {
+        if let Some(v) = usage_chunk.get(k) {
+            obj.set(k, Bytes::copy_from_slice(v));
+        }
+    }
+    rebuild_event(text, &obj.to_vec())
 }
 
 /// The event with its data lines replaced by one `data:` line holding `json`.
@@ -371,6 +449,32 @@ mod tests {
             &tap.push(Bytes::from_static(USAGE.as_bytes()))[..],
             USAGE.as_bytes()
         );
+    }
+
+    #[test]
+    fn fields_beside_usage_move_onto_the_finishing_chunk() {
+        // llama.cpp with include_usage: `timings` rides on the usage chunk;
+        // without it, on the chunk with the finish_reason.
+        let fin = "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],\"id\":\"c\",\"usage\":null}\n\n";
+        let usage = "data: {\"choices\":[],\"id\":\"c\",\"usage\":{\"prompt_tokens\":9},\"timings\":{\"prompt_ms\":1.5}}\n\n";
+        let mut tap = SseTap::new(true);
+        let out = run(&mut tap, &[CHUNK, fin, usage, DONE]);
+        assert_eq!(
+            out,
+            format!(
+                "{}data: {{\"choices\":[{{\"index\":0,\"delta\":{{}},\"finish_reason\":\"stop\"}}],\"id\":\"c\",\"timings\":{{\"prompt_ms\":1.5}}}}\n\n{DONE}",
+                CHUNK.replace(",\"usage\":null", "")
+            )
+        );
+        assert_eq!(tap.usage().unwrap().prompt_tokens, 9);
+        // OpenAI: nothing beside usage that the last chunk lacks; bytes as
+        // before.
+        let mut tap = SseTap::new(true);
+        let out = run(&mut tap, &[fin, USAGE, DONE]);
+        assert_eq!(out, format!("{}{DONE}", fin.replace(",\"usage\":null", "")));
+        // A stream that ends after the finishing chunk still sends it.
+        let mut tap = SseTap::new(true);
+        assert_eq!(run(&mut tap, &[fin]), fin.replace(",\"usage\":null", ""));
     }
 
     #[test]
