@@ -18,6 +18,7 @@ pub mod pipeline;
 pub mod proxy;
 pub mod replay;
 pub mod server;
+pub mod simulate;
 pub mod state;
 pub mod summary;
 pub mod tokens;

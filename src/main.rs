@@ -49,10 +49,11 @@ enum Command {
         #[arg(long, value_name = "N")]
         window: Option<u64>,
     },
-    /// Replay a recorded conversation turn by turn through the pipeline
-    /// (offline) and report tokens, prefix stability, probe retention and
-    /// fit per turn, next to two common strategies. Given several
-    /// conversations, report each one's totals and their means.
+    /// Replay a recorded conversation turn by turn through condense (in
+    /// process, offline) to a simulated provider, and report tokens, prefix
+    /// stability, probe retention and failed turns per turn, next to two
+    /// common strategies. Given several conversations, report each one's
+    /// totals and their means.
     Replay {
         /// Chat requests whose messages are each a whole conversation.
         #[arg(required = true, value_name = "FILE")]
@@ -78,6 +79,25 @@ enum Command {
         /// instead of dropping them; the report counts the calls and tokens.
         #[arg(long, value_name = "URL")]
         upstream: Option<String>,
+        /// How the simulated provider counts prompt tokens: `o200k` (as
+        /// condense does), `chars:N` (N characters of text per token, e.g.
+        /// chars:3.6 for a Llama-like tokenizer) or `bytes:N`. condense
+        /// learns the difference from its usage, as in production.
+        #[arg(long, value_name = "RULE", default_value = "o200k")]
+        provider_count: condense::simulate::CountRule,
+        /// The window the provider enforces (default: the window condense
+        /// applies, i.e. --window or the model's).
+        #[arg(long, value_name = "N")]
+        provider_window: Option<u64>,
+        /// The provider's overflow error: `openai` (names the window and the
+        /// prompt's size), `llamacpp` (its exceed_context_size_error) or
+        /// `bare` (no numbers).
+        #[arg(long, value_name = "STYLE", default_value = "openai")]
+        provider_errors: condense::simulate::OverflowStyle,
+        /// The provider's /models listing names its window (as vLLM's
+        /// max_model_len does).
+        #[arg(long)]
+        provider_lists_window: bool,
     },
 }
 
@@ -112,13 +132,25 @@ fn main() -> ExitCode {
             probes,
             json,
             upstream,
+            provider_count,
+            provider_window,
+            provider_errors,
+            provider_lists_window,
         } => replay(
             &config,
             &files,
-            CompactOptions { model, window },
+            &ReplayArgs {
+                options: CompactOptions { model, window },
+                summarizer: upstream,
+                provider: condense::replay::Provider {
+                    count: provider_count,
+                    window: provider_window,
+                    overflow: provider_errors,
+                    lists_window: provider_lists_window,
+                },
+            },
             probes.as_deref(),
             json,
-            upstream,
         ),
     }
 }
@@ -136,14 +168,25 @@ fn read_input(file: &Path) -> Result<Vec<u8>, ExitCode> {
     })
 }
 
+/// How `condense replay` runs each conversation.
+struct ReplayArgs {
+    options: CompactOptions,
+    summarizer: Option<String>,
+    provider: condense::replay::Provider,
+}
+
 fn replay(
     config: &Config,
     files: &[PathBuf],
-    options: CompactOptions,
+    args: &ReplayArgs,
     probes: Option<&Path>,
     json: bool,
-    upstream: Option<String>,
 ) -> ExitCode {
+    // What the replayed proxy logs (overflows, summarizer failures) shows
+    // with RUST_LOG set; the report alone otherwise.
+    if std::env::var_os("RUST_LOG").is_some() {
+        condense::logging::init(&config.log);
+    }
     let several = files.len() > 1;
     if several && probes.is_some_and(|p| !p.is_dir()) {
         eprintln!("condense: with several conversations, --probes names a directory");
@@ -153,7 +196,7 @@ fn replay(
     let mut single = None;
     for file in files {
         let probe_file = probes.and_then(|p| probe_file(p, file));
-        let report = match replay_one(config, file, &options, probe_file.as_deref(), &upstream) {
+        let report = match replay_one(config, file, args, probe_file.as_deref()) {
             Ok(r) => r,
             Err(code) => return code,
         };
@@ -216,9 +259,8 @@ fn probe_file(probes: &Path, conversation: &Path) -> Option<PathBuf> {
 fn replay_one(
     config: &Config,
     file: &Path,
-    options: &CompactOptions,
+    args: &ReplayArgs,
     probes: Option<&Path>,
-    upstream: &Option<String>,
 ) -> Result<condense::replay::Report, ExitCode> {
     let body = read_input(file)?;
     let probes: Vec<condense::replay::Probe> = match probes {
@@ -232,53 +274,25 @@ fn replay_one(
         },
     };
     let body = body.into();
-    let report = match upstream {
-        None => {
-            condense::replay::replay(config, &body, options, &probes).map_err(|e| e.to_string())
-        }
-        Some(url) => replay_summarized(config, &body, options, &probes, url),
-    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| {
+            eprintln!("condense: cannot start the runtime: {e}");
+            ExitCode::FAILURE
+        })?;
+    let report = runtime.block_on(condense::replay::replay_with(
+        config,
+        &body,
+        &args.options,
+        &probes,
+        &args.provider,
+        args.summarizer.as_deref(),
+    ));
     report.map_err(|e| {
         eprintln!("condense: {}: {e}", file.display());
         ExitCode::FAILURE
     })
-}
-
-/// A replay whose old turns are summarized by the API at `url`.
-fn replay_summarized(
-    config: &Config,
-    body: &bytes::Bytes,
-    options: &CompactOptions,
-    probes: &[condense::replay::Probe],
-    url: &str,
-) -> Result<condense::replay::Report, String> {
-    let mut summary = config.summary.clone();
-    summary.base_url = Some(url.to_string());
-    if summary.api_key.is_none() {
-        summary.api_key = config.upstream.api_key.clone();
-    }
-    let mut checked = config.clone();
-    checked.summary = summary.clone();
-    checked.validate().map_err(|e| e.to_string())?;
-    let store = std::sync::Arc::new(condense::state::StateStore::memory(
-        config.state.max_bytes,
-        std::time::Duration::from_secs(config.state.ttl_seconds),
-    ));
-    let summarizer = condense::summary::Summarizer::new(&summary, url, store, None)
-        .map_err(|e| e.to_string())?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    runtime
-        .block_on(condense::replay::replay_with(
-            config,
-            body,
-            options,
-            probes,
-            Some((&summarizer, url)),
-        ))
-        .map_err(|e| e.to_string())
 }
 
 fn compact(config: &Config, file: &Path, options: CompactOptions) -> ExitCode {

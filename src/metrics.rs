@@ -54,6 +54,7 @@ pub struct Metrics {
     pub summarizer_calls_total: IntCounterVec,
     pub summarizer_seconds: Histogram,
     pub summary_tokens: Histogram,
+    pub summarizer_prompt_tokens_total: IntCounter,
     pub summary_fallbacks_total: IntCounterVec,
     pub state_errors_total: IntCounterVec,
     pub context_overflow_total: IntCounterVec,
@@ -217,6 +218,10 @@ impl Metrics {
                 100.0, 250.0, 500.0, 750.0, 1000.0, 1500.0, 2000.0, 4000.0, 8000.0,
             ]),
         )?;
+        let summarizer_prompt_tokens_total = IntCounter::new(
+            "condense_summarizer_prompt_tokens_total",
+            "Prompt tokens of the summarizer calls that wrote a checkpoint (as the summarizer reported them).",
+        )?;
         let summary_fallbacks_total = IntCounterVec::new(
             Opts::new(
                 "condense_summary_fallbacks_total",
@@ -285,6 +290,7 @@ impl Metrics {
         register(Box::new(summarizer_calls_total.clone()))?;
         register(Box::new(summarizer_seconds.clone()))?;
         register(Box::new(summary_tokens.clone()))?;
+        register(Box::new(summarizer_prompt_tokens_total.clone()))?;
         register(Box::new(summary_fallbacks_total.clone()))?;
         register(Box::new(state_errors_total.clone()))?;
         register(Box::new(compactions_total.clone()))?;
@@ -332,6 +338,7 @@ impl Metrics {
             summarizer_calls_total,
             summarizer_seconds,
             summary_tokens,
+            summarizer_prompt_tokens_total,
             summary_fallbacks_total,
             state_errors_total,
             context_overflow_total,

@@ -254,17 +254,26 @@ pub const BLIND_SHARE: f64 = 0.7;
 
 impl Overflow {
     /// How the retry of the rejected request is measured. `raw_sent` is
-    /// condense's raw estimate of the body it sent, `calibrated_sent` the
-    /// calibrated one.
+    /// condense's raw estimate of the body it sent, `sent_bytes` that body's
+    /// length, `calibrated_sent` the calibrated estimate.
     ///
     /// With the provider's own count of the prompt, that count over the raw
     /// estimate is the ratio for the retry (it replaces calibration rather
     /// than multiplying it, so it is never applied twice), and the ceiling
     /// is the window. Without a count, the retry aims at 70% of the
     /// rejected prompt.
-    pub fn correction(&self, raw_sent: Option<u64>, calibrated_sent: u64) -> Correction {
-        let ratio = match (self.prompt, raw_sent) {
-            (Some(p), Some(r)) if r > 0 => Some((p as f64 / r as f64).clamp(MIN_RATIO, MAX_RATIO)),
+    ///
+    /// The provider's count says how far off the estimate was in total, not
+    /// where: one whitespace-heavy result can hold the whole difference (a
+    /// provider counting characters sees its spaces; o200k folds them). So
+    /// on the retry no message counts less than its bytes at the rejected
+    /// body's average density (`density`): the difference is cut where the
+    /// bytes are.
+    pub fn correction(&self, raw_sent: u64, sent_bytes: usize, calibrated_sent: u64) -> Correction {
+        let ratio = match self.prompt {
+            Some(p) if raw_sent > 0 => {
+                Some((p as f64 / raw_sent as f64).clamp(MIN_RATIO, MAX_RATIO))
+            }
             _ => None,
         };
         let counted = match (self.prompt, ratio) {
@@ -277,6 +286,7 @@ impl Overflow {
             ratio,
             completion: self.completion,
             prompt_budget,
+            density: (sent_bytes > 0).then(|| raw_sent as f64 / sent_bytes as f64),
         }
     }
 }
@@ -295,18 +305,19 @@ mod tests {
         };
         // Ceiling and count: the provider's ratio replaces calibration, the
         // window does the rest.
-        let c = o(Some(8192), Some(12_000), Some(1000)).correction(Some(10_000), 11_000);
+        let c = o(Some(8192), Some(12_000), Some(1000)).correction(10_000, 40_000, 11_000);
         assert_eq!(c.ratio, Some(1.2));
         assert_eq!(c.completion, Some(1000));
         assert_eq!(c.prompt_budget, None);
+        assert_eq!(c.density, Some(0.25));
         // No numbers: 70% of the rejected prompt.
-        let c = o(None, None, None).correction(Some(10_000), 11_000);
+        let c = o(None, None, None).correction(10_000, 40_000, 11_000);
         assert_eq!((c.ratio, c.prompt_budget), (None, Some(7_700)));
         // A ceiling without a count: the window, and 70% as a cap.
-        let c = o(Some(8192), None, None).correction(Some(10_000), 11_000);
+        let c = o(Some(8192), None, None).correction(10_000, 40_000, 11_000);
         assert_eq!(c.prompt_budget, Some(7_700));
         // A count without a ceiling: 70% of the provider's count.
-        let c = o(None, Some(20_000), None).correction(Some(10_000), 11_000);
+        let c = o(None, Some(20_000), None).correction(10_000, 40_000, 11_000);
         assert_eq!((c.ratio, c.prompt_budget), (Some(2.0), Some(14_000)));
     }
 

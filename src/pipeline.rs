@@ -15,11 +15,29 @@ use crate::tokens::{Assessment, Encoding, ModelInfo, TokenService};
 pub struct CachedCounter<'a> {
     pub tokens: &'a TokenService,
     pub encoding: Encoding,
+    /// Raw tokens per byte no message counts below (0: none; see
+    /// [`crate::tokens::Correction::density`]).
+    pub density: f64,
+}
+
+impl<'a> CachedCounter<'a> {
+    pub fn new(tokens: &'a TokenService, encoding: Encoding) -> CachedCounter<'a> {
+        CachedCounter {
+            tokens,
+            encoding,
+            density: 0.0,
+        }
+    }
 }
 
 impl Counter for CachedCounter<'_> {
     fn message(&self, raw: &[u8]) -> u64 {
-        self.tokens.message_tokens(raw, self.encoding)
+        let counted = self.tokens.message_tokens(raw, self.encoding);
+        if self.density > 0.0 {
+            counted.max((raw.len() as f64 * self.density).ceil() as u64)
+        } else {
+            counted
+        }
     }
 
     fn derived(
@@ -61,6 +79,7 @@ struct Setup {
     replacement: Replacement,
     encoding: Encoding,
     ratio: f64,
+    density: f64,
 }
 
 impl Pending {
@@ -128,10 +147,13 @@ pub fn process(
             pending: None,
         };
     };
-    let ratio = assessment.calibration_ratio.max(f64::MIN_POSITIVE);
+    // Boundaries are planned with the plan ratio, which a small drift of
+    // calibration does not move; what is reported uses the observed one.
+    let plan = assessment.plan_ratio.max(f64::MIN_POSITIVE);
+    let ratio = assessment.calibration_ratio;
     let limits = Limits {
-        budget: assessment.budget.prompt_budget as f64 / ratio,
-        window: assessment.budget.window as f64 / ratio,
+        budget: assessment.budget.prompt_budget as f64 / plan,
+        window: assessment.budget.window as f64 / plan,
         fixed: count.total - count.per_message.iter().sum::<u64>(),
     };
     let settings = compaction_config.for_model(info.trigger, info.target);
@@ -141,6 +163,11 @@ pub fn process(
         replacement: replacement.for_budget(limits.budget),
         encoding: info.encoding,
         ratio,
+        density: info
+            .correction
+            .as_ref()
+            .and_then(|c| c.density)
+            .unwrap_or(0.0),
     };
     apply(tokens, req, assessment, setup)
 }
@@ -179,6 +206,7 @@ fn apply(
     let counter = CachedCounter {
         tokens,
         encoding: setup.encoding,
+        density: setup.density,
     };
     let outcome = compaction::compact_with(
         req.messages(),

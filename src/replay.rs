@@ -19,14 +19,19 @@
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
+use std::sync::Arc;
+
 use crate::chat::{ChatRequest, Message, ParseError};
+use crate::compaction::Counter;
 use crate::compaction::conversation::Analysis;
 use crate::compaction::text::{message_text, with_string_field};
-use crate::compaction::{Counter, Replacement};
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
+use crate::metrics::Metrics;
 use crate::offline::{self, CompactOptions, OfflineError};
-use crate::pipeline::{self, CachedCounter};
-use crate::summary::Summarizer;
+use crate::pipeline::CachedCounter;
+use crate::proxy::upstream::{Upstream, UpstreamError};
+use crate::proxy::{Proxy, SetupError};
+use crate::simulate::{CountRule, OverflowStyle, Simulator};
 use crate::tokens::Budget;
 
 /// A fact an agent needs later: its exact text and where it first appears.
@@ -52,6 +57,8 @@ pub struct Turn {
     pub turn: usize,
     pub messages: usize,
     pub tokens_before: u64,
+    /// The status the client got.
+    pub status: u16,
     pub actions: String,
     /// Probes condense lost on this turn (present in the uncompacted turn).
     pub lost: Vec<String>,
@@ -84,11 +91,25 @@ pub struct SummaryStats {
     pub completion_tokens: u64,
 }
 
+/// The simulated provider of a replay, and what it saw.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProviderReport {
+    /// Its counting rule (`o200k`, `chars:3.6`, ...).
+    pub count: String,
+    /// The window it enforced.
+    pub window: u64,
+    /// Requests it rejected for their length.
+    pub rejections: usize,
+    /// The calibration ratio condense had learned at the end.
+    pub calibration_ratio: f64,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     pub model: String,
     pub window: u64,
     pub prompt_budget: u64,
+    pub provider: ProviderReport,
     pub turns: Vec<Turn>,
     pub condense: Totals,
     pub drop_oldest: Totals,
@@ -183,6 +204,12 @@ pub enum ReplayError {
     NotChat(#[from] ParseError),
     #[error("cannot start the runtime: {0}")]
     Runtime(std::io::Error),
+    #[error(transparent)]
+    Config(ConfigError),
+    #[error("cannot set up the proxy: {0}")]
+    Setup(#[from] SetupError),
+    #[error("cannot set up the simulated provider: {0}")]
+    Upstream(#[from] UpstreamError),
 }
 
 /// One strategy's running state across turns.
@@ -196,13 +223,14 @@ struct Track {
 }
 
 impl Track {
+    /// Records one turn's request; `fits`: whether the provider took it.
     fn turn(
         &mut self,
         messages: &[Message],
         fixed: u64,
-        budget: u64,
         counter: &dyn Counter,
         probes: &[&Probe],
+        fits: bool,
     ) -> Strategy {
         let costs: Vec<u64> = messages.iter().map(|m| counter.message(m.raw())).collect();
         let tokens = fixed + costs.iter().sum::<u64>();
@@ -226,7 +254,6 @@ impl Track {
             self.retention_sum += r;
             self.retention_turns += 1;
         }
-        let fits = tokens <= budget;
         if !fits {
             self.totals.turns_not_fit += 1;
         }
@@ -275,8 +302,32 @@ fn haystack(messages: &[Message]) -> String {
         .join("\n")
 }
 
+/// The provider a replay sends its turns to: it counts prompt tokens by
+/// its own rule and enforces its window with its own overflow errors.
+#[derive(Debug, Clone)]
+pub struct Provider {
+    pub count: CountRule,
+    /// The window it enforces; None: the window condense applies.
+    pub window: Option<u64>,
+    pub overflow: OverflowStyle,
+    /// Whether its `/models` listing names the window.
+    pub lists_window: bool,
+}
+
+impl Default for Provider {
+    fn default() -> Provider {
+        Provider {
+            count: CountRule::O200k,
+            window: None,
+            overflow: OverflowStyle::OpenAi,
+            lists_window: false,
+        }
+    }
+}
+
 /// Replays `body` (a chat request whose messages are the whole
-/// conversation), dropping old turns mechanically when they must go.
+/// conversation) against a provider that counts like o200k, dropping old
+/// turns mechanically when they must go.
 pub fn replay(
     config: &Config,
     body: &Bytes,
@@ -287,24 +338,57 @@ pub fn replay(
         .enable_all()
         .build()
         .map_err(ReplayError::Runtime)?;
-    runtime.block_on(replay_with(config, body, options, probes, None))
+    runtime.block_on(replay_with(
+        config,
+        body,
+        options,
+        probes,
+        &Provider::default(),
+        None,
+    ))
 }
 
-/// [`replay`], with old turns summarized by `summarizer` when given.
+/// The URL the replayed proxy is configured with for the simulated
+/// provider (never contacted: requests are answered in process).
+const PROVIDER_URL: &str = "http://provider.simulated/v1";
+
+/// [`replay`] against `provider`, with old turns summarized by the
+/// OpenAI-compatible API at `summarizer` when given (configured by
+/// `config.summary`; the key falls back to `upstream.api_key`).
+///
+/// Every turn goes through condense's own proxy, in process: measured,
+/// compacted, sent to the provider, recovered from its overflow errors,
+/// and calibrated from its usage, exactly as a client's request would be.
+/// What the provider accepted is what the report measures.
 pub async fn replay_with(
     config: &Config,
     body: &Bytes,
     options: &CompactOptions,
     probes: &[Probe],
-    summarizer: Option<(&Summarizer, &str)>,
+    provider: &Provider,
+    summarizer: Option<&str>,
 ) -> Result<Report, ReplayError> {
     let full = ChatRequest::parse(body)?;
     let tokens = offline::token_service(config)?;
     let (model, info) = offline::model_and_info(&tokens, &full, options);
-    let counter = CachedCounter {
-        tokens: &tokens,
-        encoding: info.encoding,
-    };
+    let counter = CachedCounter::new(&tokens, info.encoding);
+    let proxied = proxy_config(config, &model, options, summarizer);
+    proxied.validate().map_err(ReplayError::Config)?;
+    let mut simulator = Simulator::new(
+        provider.count,
+        provider.window.unwrap_or(info.window),
+        provider.overflow,
+    );
+    simulator.lists_window = provider.lists_window;
+    let simulator = Arc::new(simulator);
+    let metrics = Arc::new(Metrics::new().map_err(OfflineError::from)?);
+    let upstream = Upstream::simulated(&proxied.upstream, simulator.clone())?;
+    let proxy = Arc::new(Proxy::with_upstream(
+        Arc::new(proxied),
+        metrics.clone(),
+        upstream,
+    )?);
+
     let all = full.messages().to_vec();
     let mut ends: Vec<usize> = all
         .iter()
@@ -322,11 +406,18 @@ pub async fn replay_with(
         config.tokens.default_completion_tokens,
         config.tokens.reserve_ratio,
     );
+    let completion = full.max_completion_tokens().unwrap_or(0);
+    let accepts = |messages: &[Message]| {
+        let mut req = full.clone();
+        req.set_messages(messages.to_vec());
+        simulator
+            .count(&req.to_bytes())
+            .is_some_and(|n| n + completion <= simulator.window)
+    };
     let fixed = tokens.count(&full, info.encoding).tools + crate::tokens::count::REPLY_PRIMING;
     let (mut ours, mut drop, mut sliding) = (Track::default(), Track::default(), Track::default());
     let mut turns = Vec::new();
-    let mut stats = SummaryStats::default();
-    let replacement = summarizer.map_or(Replacement::Digest, |(s, _)| s.replacement());
+    let mut rejections = 0;
     for (t, &end) in ends.iter().enumerate() {
         let prefix = &all[..end];
         let probes_here: Vec<&Probe> = probes
@@ -335,44 +426,41 @@ pub async fn replay_with(
             .collect();
         let mut req = full.clone();
         req.set_messages(prefix.to_vec());
+        if let Some(m) = &options.model {
+            req.set_field(
+                "model",
+                Bytes::from(serde_json::to_vec(m).unwrap_or_default()),
+            );
+        }
         let turn_body = req.to_bytes();
         let before = fixed + prefix.iter().map(|m| counter.message(m.raw())).sum::<u64>();
 
-        let mut p = offline::process(
-            &tokens,
-            config,
-            &model,
-            info.clone(),
-            req,
-            &turn_body,
-            &replacement,
-        );
-        if let Some((s, upstream)) = summarizer {
-            let (done, result) = pipeline::summarize(&tokens, s, upstream, &model, None, p).await;
-            p = done;
-            match result {
-                Some(Ok(c)) => {
-                    stats.calls += c.calls;
-                    stats.reused += u32::from(c.reused);
-                    stats.prompt_tokens += c.prompt_tokens;
-                    stats.completion_tokens += c.completion_tokens;
-                }
-                Some(Err(_)) => stats.fallbacks += 1,
-                None => {}
-            }
-        }
+        let seen = simulator.received().len();
+        let (status, actions) = send_turn(&proxy, turn_body.clone()).await;
+        let received = simulator.received();
+        let new = &received[seen.min(received.len())..];
+        rejections += new.iter().filter(|(_, ok)| !ok).count();
+        // What the provider accepted (or, when the turn failed, the last
+        // thing it was sent; or the turn as the client sent it).
+        let sent = new
+            .iter()
+            .rev()
+            .find(|(_, ok)| *ok)
+            .or(new.last())
+            .map_or(turn_body, |(b, _)| b.clone());
+        let forwarded = ChatRequest::parse(&sent)?;
         let condense = ours.turn(
-            p.request.messages(),
+            forwarded.messages(),
             fixed,
-            budget.prompt_budget,
             &counter,
             &probes_here,
+            (200..300).contains(&status),
         );
         let d = drop_oldest(prefix, fixed, budget.prompt_budget, &counter);
-        let drop_s = drop.turn(&d, fixed, budget.prompt_budget, &counter, &probes_here);
+        let drop_s = drop.turn(&d, fixed, &counter, &probes_here, accepts(&d));
         let s = last_10_results(prefix, before, info.trigger * budget.prompt_budget as f64);
-        let sliding_s = sliding.turn(&s, fixed, budget.prompt_budget, &counter, &probes_here);
-        let hay = haystack(p.request.messages());
+        let sliding_s = sliding.turn(&s, fixed, &counter, &probes_here, accepts(&s));
+        let hay = haystack(forwarded.messages());
         let lost = probes_here
             .iter()
             .filter(|pr| !hay.contains(&pr.text))
@@ -382,23 +470,115 @@ pub async fn replay_with(
             turn: t + 1,
             messages: end,
             tokens_before: before,
-            actions: p.actions(),
+            status,
+            actions,
             lost,
             condense,
             drop_oldest: drop_s,
             last_10_results: sliding_s,
         });
     }
+    let m = &metrics;
+    let stats = summarizer.map(|_| SummaryStats {
+        calls: m.summarizer_calls_total.with_label_values(&["ok"]).get() as u32,
+        reused: m
+            .summarizer_calls_total
+            .with_label_values(&["reused"])
+            .get() as u32,
+        fallbacks: ["failed", "cooldown"]
+            .iter()
+            .map(|r| m.summary_fallbacks_total.with_label_values(&[r]).get() as u32)
+            .sum(),
+        prompt_tokens: m.summarizer_prompt_tokens_total.get(),
+        completion_tokens: m.summary_tokens.get_sample_sum() as u64,
+    });
     Ok(Report {
         model,
         window: info.window,
         prompt_budget: budget.prompt_budget,
+        provider: ProviderReport {
+            count: provider.count.to_string(),
+            window: simulator.window,
+            rejections,
+            calibration_ratio: proxy.tokens.calibration.ratio(
+                PROVIDER_URL.trim_end_matches('/'),
+                &served_model(&full, options),
+            ),
+        },
         turns,
         condense: ours.finish(),
         drop_oldest: drop.finish(),
         last_10_results: sliding.finish(),
-        summarizer: summarizer.map(|_| stats),
+        summarizer: stats,
     })
+}
+
+/// The model name the replayed requests carry.
+fn served_model(full: &ChatRequest, options: &CompactOptions) -> String {
+    options
+        .model
+        .clone()
+        .or_else(|| full.model())
+        .unwrap_or_default()
+}
+
+/// The configuration the replayed proxy runs with: `config`, pointed at the
+/// simulated provider, with `--window` as a profile for the model, and the
+/// summarizer at `summarizer` (or none).
+fn proxy_config(
+    config: &Config,
+    model: &str,
+    options: &CompactOptions,
+    summarizer: Option<&str>,
+) -> Config {
+    let mut c = config.clone();
+    c.upstream.base_url = PROVIDER_URL.to_string();
+    if let Some(window) = options.window {
+        // A profile that is the model's exact name is the most specific.
+        c.models.push(crate::config::ModelProfile {
+            pattern: model.to_string(),
+            context_window: window,
+            encoding: None,
+            trigger: None,
+            target: None,
+        });
+    }
+    match summarizer {
+        Some(url) => {
+            c.summary.enabled = true;
+            c.summary.base_url = Some(url.to_string());
+            if c.summary.api_key.is_none() {
+                c.summary.api_key = config.upstream.api_key.clone();
+            }
+        }
+        None => c.summary.enabled = false,
+    }
+    c
+}
+
+/// Sends one turn through the proxy and reads the whole answer (which is
+/// when usage is taken); returns the status the client got and the actions
+/// condense reported.
+async fn send_turn(proxy: &Arc<Proxy>, body: Bytes) -> (u16, String) {
+    let request = http::Request::builder()
+        .method(http::Method::POST)
+        .uri("/v1/chat/completions")
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(axum::body::Body::from(body));
+    let Ok(request) = request else {
+        return (0, "none".to_string());
+    };
+    let response = proxy.clone().chat(request).await;
+    let status = response.status().as_u16();
+    let actions = response
+        .headers()
+        .get(crate::proxy::X_ACTIONS)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("none")
+        .to_string();
+    let _ = axum::body::to_bytes(response.into_body(), usize::MAX).await;
+    proxy.settled().await;
+    (status, actions)
 }
 
 /// Baseline: drop the oldest units (a call with its results) after the

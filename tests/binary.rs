@@ -246,7 +246,7 @@ async fn replay_with_an_upstream_summarizes_old_turns_and_counts_the_calls() {
             "replay",
             "examples/agent-session.json",
             "--window",
-            "8192",
+            "5120",
             "--json",
         ])
         .args(extra);

@@ -32,10 +32,7 @@ fn run(svc: &TokenService, messages: &[Message], budget: f64) -> Outcome {
 }
 
 fn run_with(svc: &TokenService, messages: &[Message], budget: f64, s: &Settings) -> Outcome {
-    let counter = CachedCounter {
-        tokens: svc,
-        encoding: Encoding::O200k,
-    };
+    let counter = CachedCounter::new(svc, Encoding::O200k);
     let limits = Limits {
         budget,
         window: budget * 1.3,
@@ -287,7 +284,7 @@ proptest! {
     fn checkpoint_spans_keep_the_invariants(turns in prop::collection::vec(turn_strategy(), 1..14), end_with_user: bool, budget in 300.0f64..12000.0) {
         let svc = service();
         let input = build(&turns, end_with_user);
-        let counter = CachedCounter { tokens: &svc, encoding: Encoding::O200k };
+        let counter = CachedCounter::new(&svc, Encoding::O200k);
         let limits = Limits { budget, window: budget * 1.3, fixed: 3 };
         let trigger = condense::config::SummaryConfig::default().trigger;
         let pending = Replacement::Checkpoint { trigger, max_tokens: 60, message: None };

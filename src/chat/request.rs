@@ -73,6 +73,12 @@ impl ChatRequest {
         self.fields.get(key)
     }
 
+    /// Sets a top-level field (`value` must be valid JSON).
+    pub fn set_field(&mut self, key: &str, value: Bytes) {
+        self.fields.set(key, value);
+        self.changed = true;
+    }
+
     /// Whether the client asked for `stream_options.include_usage: true`.
     pub fn client_wants_stream_usage(&self) -> bool {
         self.stream_options()

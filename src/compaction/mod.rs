@@ -437,7 +437,7 @@ pub fn compact_with(
         fade_stage(&mut w, &a, limits, s, counter);
     }
     if (w.total() as f64) > limits.budget {
-        emergency_stage(&mut w, &a, target, counter);
+        emergency::run(&mut w, &a, target, limits.budget, counter);
     }
 
     let after = w.total();
@@ -558,58 +558,4 @@ fn fit_stage(w: &mut Work, a: &Analysis, limits: &Limits, s: &Settings, counter:
         }
     }
     w.record("fit", count, saved);
-}
-
-fn emergency_stage(w: &mut Work, a: &Analysis, target: f64, counter: &dyn Counter) {
-    let snapshot: Vec<(Option<Bytes>, u64)> = w
-        .bytes
-        .iter()
-        .cloned()
-        .zip(w.cost.iter().copied())
-        .collect();
-    let eligible: Vec<usize> = (0..w.cost.len())
-        .filter(|&i| {
-            !w.dropped[i]
-                && !matches!(a.roles[i], Role::System | Role::Developer)
-                && a.last_user != Some(i)
-        })
-        .collect();
-    let before = w.total();
-    let mut touched = 0;
-    for &share in emergency::STEPS {
-        for (i, (b, c)) in snapshot.iter().enumerate() {
-            w.bytes[i] = b.clone();
-            w.cost[i] = *c;
-        }
-        touched = 0;
-        for &i in &eligible {
-            let m = w.current(i);
-            let mut changed = false;
-            if let Some(text) = content_text(m.content()) {
-                let keep = ((text.len() as f64 * share) as usize).max(emergency::MIN_CHARS);
-                if keep < text.len()
-                    && let Some(bytes) =
-                        with_string_field(m.raw(), "content", &head_tail(&text, keep))
-                    && w.replace(i, bytes, counter) > 0
-                {
-                    changed = true;
-                }
-            }
-            let m = w.current(i);
-            let chars = mask::args_chars(&m);
-            let keep = ((chars as f64 * share) as usize).max(emergency::MIN_CHARS);
-            if keep < chars
-                && let Some(bytes) = mask::shorten_args(&m, keep, keep, keep)
-                && w.replace(i, bytes, counter) > 0
-            {
-                changed = true;
-            }
-            touched += usize::from(changed);
-        }
-        if (w.total() as f64) <= target {
-            break;
-        }
-    }
-    let saved = before.saturating_sub(w.total());
-    w.record("emergency", touched, saved);
 }

@@ -50,7 +50,7 @@ impl ListingFetcher {
         model: &str,
         request_headers: &HeaderMap,
     ) -> Duration {
-        if listings.get(upstream.base_url(), model).is_some() {
+        if listings.window(upstream.base_url(), model).is_some() {
             return Duration::ZERO;
         }
         let at = self.attempted_at.load(Ordering::Relaxed);
@@ -58,7 +58,7 @@ impl ListingFetcher {
             return Duration::ZERO;
         }
         let mut last = self.last_attempt.lock().await;
-        if listings.get(upstream.base_url(), model).is_some()
+        if listings.window(upstream.base_url(), model).is_some()
             || last.is_some_and(|t| t.elapsed() < REFRESH)
         {
             return Duration::ZERO;

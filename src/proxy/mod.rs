@@ -82,6 +82,8 @@ pub struct Proxy {
     body_timeout: Duration,
     /// Room for request bodies read whole.
     pub bodies: BodyBudget,
+    /// Work done off the request path.
+    background: Background,
     stream_usage: bool,
     learn_windows: bool,
 }
@@ -114,6 +116,14 @@ struct Prepared {
     report: Option<Report>,
 }
 
+/// The body sent upstream, as calibration needs it.
+enum Sent {
+    /// condense's raw count of it.
+    Counted(u64),
+    /// Not counted on the way: counted when its usage comes.
+    Body(Bytes),
+}
+
 /// What condense measured and did, for the response headers.
 struct Report {
     tokens_before: u64,
@@ -143,6 +153,16 @@ pub const X_ACTIONS: HeaderName = HeaderName::from_static("x-condense-actions");
 impl Proxy {
     pub fn new(config: Arc<Config>, metrics: Arc<Metrics>) -> Result<Proxy, SetupError> {
         let upstream = Upstream::new(&config.upstream)?;
+        Proxy::with_upstream(config, metrics, upstream)
+    }
+
+    /// A proxy in front of `upstream` (a simulated one, for `condense
+    /// replay`).
+    pub fn with_upstream(
+        config: Arc<Config>,
+        metrics: Arc<Metrics>,
+        upstream: Upstream,
+    ) -> Result<Proxy, SetupError> {
         let state = Arc::new(StateStore::new(&config.state, Some(metrics.clone()))?);
         let summarizer = if config.summary.enabled {
             Some(Summarizer::new(
@@ -170,6 +190,7 @@ impl Proxy {
             max_body_bytes: config.server.max_body_bytes,
             body_timeout: Duration::from_secs_f64(config.server.body_timeout_seconds),
             bodies: BodyBudget::new(config.server.max_buffered_bytes),
+            background: Background::default(),
             stream_usage: config.upstream.stream_usage,
             learn_windows: config.upstream.learn_windows,
         })
@@ -349,10 +370,13 @@ impl Proxy {
             (true, true) => Tap::Sse(SseTap::new(prepared.strip_usage)),
             (true, false) => Tap::Json(JsonTap::new(resp.content_length())),
         };
-        let raw_estimate = prepared.report.as_ref().and_then(|r| r.raw_after);
+        let sent_body = match prepared.report.as_ref().and_then(|r| r.raw_after) {
+            Some(raw) => Sent::Counted(raw),
+            None => Sent::Body(prepared.body.clone()),
+        };
         let on_usage = prepared
             .model
-            .map(|model| self.usage_callback(model, raw_estimate));
+            .map(|model| self.usage_callback(model, sent_body));
         let mut response = self.respond(
             ROUTE_CHAT,
             resp,
@@ -481,15 +505,23 @@ impl Proxy {
                 .put(&window_key(upstream, &model), &limit.to_string())
                 .await;
         }
-        let (raw_sent, sent) = prepared
-            .report
-            .as_ref()
-            .map_or((None, 0), |r| (r.raw_after, r.tokens_after));
-        if let (Some(p), Some(r)) = (o.prompt, raw_sent) {
-            self.tokens.calibration.observe(upstream, &model, p, r);
-        }
         let mut info = self.tokens.model_info(upstream, &model);
-        info.correction = Some(o.correction(raw_sent, sent));
+        // What was sent, counted now if the cheap path did not: the
+        // provider's count is only worth as much as the estimate it is set
+        // against.
+        let raw_sent = match prepared.report.as_ref().and_then(|r| r.raw_after) {
+            Some(raw) => raw,
+            None => ChatRequest::parse(&prepared.body)
+                .map(|req| self.tokens.count(&req, info.encoding).total)
+                .unwrap_or(0),
+        };
+        let sent = prepared.report.as_ref().map_or(0, |r| r.tokens_after);
+        if let Some(p) = o.prompt {
+            self.tokens
+                .calibration
+                .observe(upstream, &model, p, raw_sent);
+        }
+        info.correction = Some(o.correction(raw_sent, prepared.body.len(), sent));
 
         let Some(retry) = self.prepare_retry(original, &model, info, &headers).await else {
             count("not_recoverable");
@@ -513,9 +545,14 @@ impl Proxy {
     }
 
     /// The client's original request compacted for a retry after an
-    /// overflow, or None when no smaller request that fits can be made.
-    /// On this path a needed checkpoint that cannot be had is no reason to
-    /// drop history mechanically: the client gets the upstream's error.
+    /// overflow, or None when no smaller request that fits the window can
+    /// be made (the system and developer messages and the last user
+    /// message alone are too long, by the provider's measure). The retry
+    /// aims at the budget, but goes out whenever it fits the window: a
+    /// budget's completion allowance and reserve are condense's margins,
+    /// not the provider's limit. On this path a needed checkpoint that
+    /// cannot be had is no reason to drop history mechanically: the client
+    /// gets the upstream's error.
     async fn prepare_retry(
         &self,
         original: &Bytes,
@@ -524,10 +561,17 @@ impl Proxy {
         headers: &HeaderMap,
     ) -> Option<Prepared> {
         let chat = ChatRequest::parse(original).ok()?;
+        let completion = info
+            .correction
+            .as_ref()
+            .and_then(|c| c.completion)
+            .or(chat.max_completion_tokens())
+            .unwrap_or(0);
+        let window = info.window;
         let p = self.measure_or_forward(chat, original, model, info).ok()?;
         let p = self.checkpointed(p, model, headers, false).await?;
         let outcome = p.outcome.as_ref()?;
-        if outcome.messages.is_none() || !outcome.fits {
+        if outcome.messages.is_none() || p.tokens_after + completion > window {
             return None;
         }
         std::panic::catch_unwind(AssertUnwindSafe(|| self.ready(p, model))).ok()
@@ -677,25 +721,19 @@ impl Proxy {
         }
     }
 
-    /// What to do with the usage a response reports: count it, keep it, and
-    /// calibrate against `raw_estimate`, condense's count of the body sent.
-    fn usage_callback(&self, model: String, raw_estimate: Option<u64>) -> UsageCallback {
+    /// What to do with the usage a response reports: count it, and
+    /// calibrate against condense's raw count of `sent`, the body that went
+    /// upstream. A body condense did not count on the way (the cheap path,
+    /// an opted-out request) is counted now, on the blocking pool, so every
+    /// response with usage calibrates without adding to any request's time
+    /// (and the next turn finds its messages counted).
+    fn usage_callback(&self, model: String, sent: Sent) -> UsageCallback {
         let metrics = self.metrics.clone();
         let tokens = self.tokens.clone();
+        let background = self.background.clone();
         let upstream = self.upstream.base_url().to_string();
         Box::new(move |usage| {
             let label = metrics.model_label(&model);
-            if let Some(estimate) = raw_estimate
-                && let Some(ratio) =
-                    tokens
-                        .calibration
-                        .observe(&upstream, &model, usage.prompt_tokens, estimate)
-            {
-                metrics
-                    .calibration_ratio
-                    .with_label_values(&[&label])
-                    .set(ratio);
-            }
             metrics
                 .upstream_prompt_tokens_total
                 .with_label_values(&[&label])
@@ -704,7 +742,40 @@ impl Proxy {
                 .upstream_completion_tokens_total
                 .with_label_values(&[&label])
                 .inc_by(usage.completion_tokens);
+            let (counter, model_name, upstream_url) =
+                (tokens.clone(), model.clone(), upstream.clone());
+            let calibrate = move |estimate: u64| {
+                if let Some(r) =
+                    tokens
+                        .calibration
+                        .observe(&upstream, &model, usage.prompt_tokens, estimate)
+                {
+                    metrics
+                        .calibration_ratio
+                        .with_label_values(&[&label])
+                        .set(r.observed);
+                }
+            };
+            match sent {
+                Sent::Counted(raw) => calibrate(raw),
+                Sent::Body(body) => {
+                    background.spawn(move || {
+                        let Ok(req) = ChatRequest::parse(&body) else {
+                            return;
+                        };
+                        let enc = counter.model_info(&upstream_url, &model_name).encoding;
+                        calibrate(counter.count(&req, enc).total);
+                    });
+                }
+            }
         })
+    }
+
+    /// Waits until the work started off the request path (counting bodies
+    /// for calibration) is done: `condense replay` and tests use it to see
+    /// each turn's effect before the next.
+    pub async fn settled(&self) {
+        self.background.settled().await;
     }
 
     /// Turns the upstream's response into the client's: same status, same
@@ -752,5 +823,45 @@ impl Proxy {
             .inc();
         tracing::warn!(route, error = %e, "request failed in condense");
         e.into_response()
+    }
+}
+
+/// Blocking work started off the request path, and a way to wait for it.
+#[derive(Clone, Default)]
+struct Background {
+    running: Arc<std::sync::atomic::AtomicUsize>,
+    idle: Arc<tokio::sync::Notify>,
+}
+
+impl Background {
+    /// Runs `work` on the blocking pool (or here, outside a runtime).
+    fn spawn(&self, work: impl FnOnce() + Send + 'static) {
+        use std::sync::atomic::Ordering;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            work();
+            return;
+        };
+        self.running.fetch_add(1, Ordering::AcqRel);
+        let this = self.clone();
+        runtime.spawn_blocking(move || {
+            // A panic in the work must not leave `running` up.
+            let _ = std::panic::catch_unwind(AssertUnwindSafe(work));
+            if this.running.fetch_sub(1, Ordering::AcqRel) == 1 {
+                this.idle.notify_waiters();
+            }
+        });
+    }
+
+    async fn settled(&self) {
+        use std::sync::atomic::Ordering;
+        loop {
+            let idle = self.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.running.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            idle.await;
+        }
     }
 }

@@ -25,6 +25,8 @@ pub enum UpstreamError {
 
 pub struct Upstream {
     client: reqwest::Client,
+    /// Set for `condense replay`: requests are answered in process.
+    simulator: Option<std::sync::Arc<crate::simulate::Simulator>>,
     /// `base_url` without a trailing slash.
     base: String,
     /// The path of `base_url` without a trailing slash (`/v1`, or empty).
@@ -49,6 +51,7 @@ impl Upstream {
         let parsed = Url::parse(&config.base_url)?;
         Ok(Upstream {
             client,
+            simulator: None,
             base: config.base_url.trim_end_matches('/').to_string(),
             base_path: parsed.path().trim_end_matches('/').to_string(),
             host: parsed.host_str().map(str::to_string),
@@ -57,6 +60,17 @@ impl Upstream {
             idle_timeout: Duration::from_secs_f64(config.idle_timeout_seconds),
             connect_timeout,
         })
+    }
+
+    /// An upstream whose requests `simulator` answers in process (for
+    /// `condense replay`); everything else as [`Upstream::new`].
+    pub fn simulated(
+        config: &UpstreamConfig,
+        simulator: std::sync::Arc<crate::simulate::Simulator>,
+    ) -> Result<Upstream, UpstreamError> {
+        let mut u = Upstream::new(config)?;
+        u.simulator = Some(simulator);
+        Ok(u)
     }
 
     /// The configured base URL (also the calibration key for this upstream).
@@ -110,6 +124,18 @@ impl Upstream {
         headers: HeaderMap,
         body: Option<reqwest::Body>,
     ) -> Result<reqwest::Response, ProxyError> {
+        if let Some(sim) = &self.simulator {
+            let bytes = body
+                .as_ref()
+                .and_then(reqwest::Body::as_bytes)
+                .map(bytes::Bytes::copy_from_slice)
+                .unwrap_or_default();
+            return Ok(reqwest::Response::from(sim.respond(
+                &method,
+                url.path(),
+                &bytes,
+            )));
+        }
         let mut req = self.client.request(method, url).headers(headers);
         if let Some(b) = body {
             req = req.body(b);

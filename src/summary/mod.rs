@@ -415,8 +415,9 @@ impl Job {
             m.summarizer_seconds
                 .observe(started.elapsed().as_secs_f64());
             m.summarizer_calls_total.with_label_values(&[outcome]).inc();
-            if let Ok((_, _, tokens)) = &result {
+            if let Ok((_, prompt_tokens, tokens)) = &result {
                 m.summary_tokens.observe(*tokens as f64);
+                m.summarizer_prompt_tokens_total.inc_by(*prompt_tokens);
             }
         }
         if let Err(e) = &result {

@@ -41,6 +41,11 @@ impl CountCache {
         n
     }
 
+    /// The count for `key` when cached (no counters).
+    pub fn peek(&self, key: u64) -> Option<u64> {
+        self.counts.get(&key).map(u64::from)
+    }
+
     /// Whether `key` is cached (no counters).
     pub fn contains(&self, key: u64) -> bool {
         self.counts.contains(&key)

@@ -2,12 +2,28 @@
 //!
 //! For every response that reports `usage.prompt_tokens`, the ratio of that
 //! number to condense's raw estimate of exactly the body it sent is an
-//! observation for (upstream, model). The ratio in use is the median of the
-//! last few observations: the first observation already moves it (fast
+//! observation for (upstream, model). The *observed* ratio is the median of
+//! the last few observations: the first observation already moves it (fast
 //! convergence), and a single odd response (a cached-prompt quirk, a provider
 //! that counts a hidden system prompt once) cannot drag it away (outlier
 //! resistance). Observations are clamped to a sane range, requests too small
 //! to say much are ignored, and an unknown pair starts at 1.0.
+//!
+//! Two ratios come out of it:
+//!
+//! - the observed ratio, for what condense reports (`x-condense-tokens-*`,
+//!   metrics): as close to the upstream's count as condense can get;
+//! - the *plan* ratio, for where compaction's boundaries go. The replayed
+//!   plan decides every earlier turn's boundaries from their raw counts
+//!   against the budget in raw tokens (the prompt budget over this ratio):
+//!   if that moved with every observation, earlier decisions would land
+//!   elsewhere on the next turn and the provider's cached prefix would be
+//!   lost. So the plan ratio stays put while the observed one drifts within
+//!   [`PLAN_MARGIN`] of it (content mix, a CJK tool result, the lag of the
+//!   median), and is set to the observed one only when that leaves the
+//!   margin. Compacting with a ratio up to 8% low leaves the request up to 8%
+//!   over the budget by the upstream's count: the reserve
+//!   (`tokens.reserve_ratio`) takes part of it, overflow recovery the rest.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -21,16 +37,49 @@ pub const MAX_RATIO: f64 = 2.5;
 /// Estimates below this many tokens are dominated by fixed overheads and
 /// are not used.
 pub const MIN_ESTIMATE: u64 = 64;
+/// The plan ratio stays while the observed ratio is within this share of
+/// it either way (observed / plan in [1 / 1.08, 1.08]).
+pub const PLAN_MARGIN: f64 = 0.08;
 /// Observations kept per (upstream, model).
 const WINDOW: usize = 9;
 /// Pairs kept; client-invented model names cannot grow memory forever (the
 /// pairs in use survive a flood of names used once).
 const MAX_PAIRS: usize = 4096;
 
-type Observations = Arc<Mutex<VecDeque<f64>>>;
+/// What is known of one (upstream, model).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ratios {
+    /// The median of the recent observations.
+    pub observed: f64,
+    /// The ratio compaction plans with.
+    pub plan: f64,
+}
+
+impl Ratios {
+    const UNKNOWN: Ratios = Ratios {
+        observed: 1.0,
+        plan: 1.0,
+    };
+}
+
+#[derive(Default)]
+struct Pair {
+    observations: VecDeque<f64>,
+    plan: Option<f64>,
+}
+
+impl Pair {
+    fn ratios(&self) -> Ratios {
+        let observed = median(&self.observations);
+        Ratios {
+            observed,
+            plan: self.plan.unwrap_or(observed),
+        }
+    }
+}
 
 pub struct Calibration {
-    pairs: Bounded<u64, Observations, PreHashed>,
+    pairs: Bounded<u64, Arc<Mutex<Pair>>, PreHashed>,
 }
 
 impl Default for Calibration {
@@ -42,57 +91,48 @@ impl Default for Calibration {
 }
 
 impl Calibration {
-    /// The ratio to multiply a raw estimate by (1.0 until observed).
-    pub fn ratio(&self, upstream: &str, model: &str) -> f64 {
+    /// The ratios to multiply a raw estimate by (both 1.0 until observed).
+    pub fn ratios(&self, upstream: &str, model: &str) -> Ratios {
         self.pairs
             .get(&pair_key(upstream, model))
-            .and_then(|w| w.lock().ok().map(|w| median(&w)))
-            .unwrap_or(1.0)
+            .and_then(|p| p.lock().ok().map(|p| p.ratios()))
+            .unwrap_or(Ratios::UNKNOWN)
     }
 
-    /// The observations of a pair, created empty when there are none.
-    fn window(&self, upstream: &str, model: &str) -> Observations {
-        self.pairs
-            .get_or_insert_with(pair_key(upstream, model), Observations::default)
+    /// The observed ratio (1.0 until observed).
+    pub fn ratio(&self, upstream: &str, model: &str) -> f64 {
+        self.ratios(upstream, model).observed
     }
 
     /// Records that the upstream counted `reported` tokens for a body that
     /// condense estimated at `estimated` (raw, before calibration). Returns
-    /// the ratio now in use, or None when the observation was not used.
+    /// the ratios now in use, or None when the observation was not used.
     pub fn observe(
         &self,
         upstream: &str,
         model: &str,
         reported: u64,
         estimated: u64,
-    ) -> Option<f64> {
+    ) -> Option<Ratios> {
         if estimated < MIN_ESTIMATE || reported == 0 {
             return None;
         }
         let x = (reported as f64 / estimated as f64).clamp(MIN_RATIO, MAX_RATIO);
-        let window = self.window(upstream, model);
-        let mut window = window.lock().ok()?;
-        if window.len() == WINDOW {
-            window.pop_front();
+        let pair = self
+            .pairs
+            .get_or_insert_with(pair_key(upstream, model), Default::default);
+        let mut pair = pair.lock().ok()?;
+        if pair.observations.len() == WINDOW {
+            pair.observations.pop_front();
         }
-        window.push_back(x);
-        Some(median(&window))
-    }
-
-    /// Multiplies the stored ratio by `factor` (a correction learned outside
-    /// usage, e.g. from an overflow error naming the provider's count).
-    pub fn correct(&self, upstream: &str, model: &str, factor: f64) -> f64 {
-        let window = self.window(upstream, model);
-        let Ok(mut window) = window.lock() else {
-            return 1.0;
-        };
-        if window.is_empty() {
-            window.push_back(1.0);
+        pair.observations.push_back(x);
+        let observed = median(&pair.observations);
+        let drift = observed / pair.plan.unwrap_or(1.0);
+        if pair.plan.is_none() || !(1.0 / (1.0 + PLAN_MARGIN)..=1.0 + PLAN_MARGIN).contains(&drift)
+        {
+            pair.plan = Some(observed);
         }
-        for x in window.iter_mut() {
-            *x = (*x * factor).clamp(MIN_RATIO, MAX_RATIO);
-        }
-        median(&window)
+        Some(pair.ratios())
     }
 }
 
@@ -120,6 +160,7 @@ mod tests {
         assert_eq!(c.ratio("u", "m"), 1.0);
         c.observe("u", "m", 1300, 1000);
         assert!((c.ratio("u", "m") - 1.3).abs() < 1e-9);
+        assert!((c.ratios("u", "m").plan - 1.3).abs() < 1e-9);
         assert_eq!(c.ratio("u", "other"), 1.0);
         assert_eq!(c.ratio("v", "m"), 1.0);
     }
@@ -140,5 +181,24 @@ mod tests {
         assert_eq!(c.observe("u", "m", 5, 10), None);
         c.observe("u", "m", 100_000, 1000);
         assert_eq!(c.ratio("u", "m"), MAX_RATIO);
+    }
+
+    #[test]
+    fn the_plan_ratio_holds_within_the_margin_and_follows_beyond_it() {
+        let c = Calibration::default();
+        c.observe("u", "m", 1400, 1000);
+        // Drift within 8% either way: the plan stays, what is observed moves.
+        for reported in [1450, 1500, 1480, 1350, 1320, 1460] {
+            let r = c.observe("u", "m", reported, 1000).unwrap();
+            assert!((r.plan - 1.4).abs() < 1e-9, "{r:?}");
+        }
+        assert!((c.ratio("u", "m") - 1.45).abs() < 1e-9);
+        // A move beyond it: the plan follows.
+        for _ in 0..5 {
+            c.observe("u", "m", 1700, 1000);
+        }
+        let r = c.ratios("u", "m");
+        assert_eq!(r.plan, r.observed);
+        assert!((r.plan - 1.7).abs() < 1e-9, "{r:?}");
     }
 }

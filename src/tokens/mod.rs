@@ -30,7 +30,7 @@ use crate::compaction::memo::Memo;
 use crate::config::{Config, ModelProfile};
 use crate::metrics::Metrics;
 use cache::CountCache;
-use calibration::Calibration;
+use calibration::{Calibration, Ratios};
 use models::Listings;
 
 /// Bytes of masked message forms remembered across requests.
@@ -67,12 +67,17 @@ pub struct Assessment {
     pub budget: Budget,
     pub trigger: f64,
     pub target: f64,
+    /// The observed calibration ratio: `tokens` is the raw count times it.
     pub calibration_ratio: f64,
+    /// The ratio compaction plans with (see `calibration`): `pressure` is
+    /// the raw count times it over the budget.
+    pub plan_ratio: f64,
     /// The raw count; None when the request took the cheap path.
     #[serde(skip)]
     pub count: Option<Count>,
     pub tokens_raw: Option<u64>,
-    /// The calibrated estimate (a byte-based one on the cheap path).
+    /// The calibrated estimate (on the cheap path: cached counts of the
+    /// messages seen before, bytes / 4 for the others).
     pub tokens: u64,
     pub pressure: f64,
     /// True when the request was judged far below the trigger from its byte
@@ -116,7 +121,7 @@ impl TokenService {
     /// The window, encoding and thresholds for a model on an upstream.
     pub fn model_info(&self, upstream: &str, model: &str) -> ModelInfo {
         let profile = models::best_profile(&self.profiles, model);
-        let listed = self.listings.get(upstream, model);
+        let listed = self.listings.window(upstream, model);
         let (window, source) = match (listed, profile) {
             (Some(l), Some(p)) if p.context_window < l => (p.context_window, WindowSource::Profile),
             (Some(l), _) => (l, WindowSource::Listing),
@@ -171,6 +176,25 @@ impl TokenService {
             .sum()
     }
 
+    /// A request's raw count from what the cache holds, without tokenizing:
+    /// bytes / 4 for messages (and tool lists) not counted before. After a
+    /// response, condense counts the body it sent off the request path, so
+    /// on the next turn only the new messages are estimated from bytes.
+    pub fn estimate_cached(&self, req: &ChatRequest, enc: Encoding) -> u64 {
+        let guess = |raw: &[u8], domain: u64| {
+            self.cache
+                .peek(xxh3_64(raw) ^ enc.salt() ^ domain)
+                .unwrap_or_else(|| raw.len().div_ceil(4) as u64)
+        };
+        let messages: u64 = req.messages().iter().map(|m| guess(m.raw(), 0)).sum();
+        let tools: u64 = ["tools", "functions"]
+            .iter()
+            .filter_map(|k| req.field(k))
+            .map(|raw| guess(raw, TOOLS_DOMAIN))
+            .sum();
+        count::REPLY_PRIMING + messages + tools
+    }
+
     /// Tokens of one message, from the cache when it was seen before.
     pub fn message_tokens(&self, raw: &[u8], enc: Encoding) -> u64 {
         self.cached(raw, enc, 0, || count::message_tokens(enc, raw))
@@ -218,17 +242,24 @@ impl TokenService {
         if let Some(cap) = correction.prompt_budget {
             budget.prompt_budget = budget.prompt_budget.min(cap.max(1));
         }
-        let ratio = correction
-            .ratio
-            .unwrap_or_else(|| self.calibration.ratio(upstream, &model));
+        // A retry after an overflow measures with the provider's own count
+        // of the rejected prompt, for the report and the plan alike.
+        let ratios = match correction.ratio {
+            Some(r) => Ratios {
+                observed: r,
+                plan: r,
+            },
+            None => self.calibration.ratios(upstream, &model),
+        };
         let cheap = allow_cheap
             && info.correction.is_none()
-            && (upper_bound(body) as f64 * ratio) < info.trigger * budget.prompt_budget as f64;
-        let (count, tokens) = if cheap {
-            (None, (body.len().div_ceil(4) as f64 * ratio).round() as u64)
+            && (upper_bound(body) as f64 * ratios.observed.max(ratios.plan))
+                < info.trigger * budget.prompt_budget as f64;
+        let (count, raw) = if cheap {
+            (None, self.estimate_cached(req, info.encoding))
         } else {
             let c = self.count(req, info.encoding);
-            let t = (c.total as f64 * ratio).round() as u64;
+            let t = c.total;
             (Some(c), t)
         };
         Assessment {
@@ -243,12 +274,13 @@ impl TokenService {
             model,
             trigger: info.trigger,
             target: info.target,
-            calibration_ratio: ratio,
+            calibration_ratio: ratios.observed,
+            plan_ratio: ratios.plan,
             tokens_raw: count.as_ref().map(|c| c.total),
             count,
-            pressure: budget.pressure(tokens),
+            pressure: budget.pressure((raw as f64 * ratios.plan).round() as u64),
             budget,
-            tokens,
+            tokens: (raw as f64 * ratios.observed).round() as u64,
             cheap_path: cheap,
         }
     }

@@ -50,6 +50,9 @@ pub struct Correction {
     /// The most the prompt may have (calibrated tokens), when the error gave
     /// no numbers to go by.
     pub prompt_budget: Option<u64>,
+    /// Raw tokens per byte of the rejected body: on the retry no message
+    /// counts less than its bytes at this density.
+    pub density: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -134,13 +137,58 @@ impl Listings {
     }
 
     /// Stores the windows of a listing response body; returns how many.
+    /// A listing of exactly one model (a llama.cpp or single-model vLLM
+    /// server, which serves it whatever name a request gives) also sets the
+    /// window of every model name the listing does not know.
     pub fn learn(&self, upstream: &str, body: &[u8]) -> usize {
         let found = parse_listing(body);
         for (id, window) in &found {
             self.windows.insert(pair_key(upstream, id), *window);
         }
+        if let [(_, window)] = found.as_slice()
+            && listed_models(body) == 1
+        {
+            self.windows.insert(pair_key(upstream, ONLY_MODEL), *window);
+        }
         found.len()
     }
+
+    /// The window for `model`: its own, or the only model's.
+    pub fn window(&self, upstream: &str, model: &str) -> Option<u64> {
+        self.get(upstream, model)
+            .or_else(|| self.get(upstream, ONLY_MODEL))
+    }
+}
+
+/// Where a `/models` entry states the window it is served with, first
+/// found wins: vLLM `max_model_len`; llama.cpp server `meta.n_ctx` (the
+/// context it was started with; not `n_ctx_train`, which `-c` may cut);
+/// LM Studio `loaded_context_length` (then `max_context_length`, also
+/// Mistral's); OpenRouter, Together and Fireworks `context_length`; Groq
+/// `context_window`; LiteLLM-style `max_input_tokens`; OpenRouter's
+/// `top_provider.context_length`.
+const WINDOW_FIELDS: &[&str] = &[
+    "/max_model_len",
+    "/meta/n_ctx",
+    "/n_ctx",
+    "/loaded_context_length",
+    "/context_length",
+    "/context_window",
+    "/max_context_length",
+    "/max_input_tokens",
+    "/top_provider/context_length",
+];
+
+/// The key under which a single-model listing's window is kept (not a
+/// model name: names cannot contain a NUL).
+const ONLY_MODEL: &str = "\0only";
+
+/// How many models a listing names.
+fn listed_models(body: &[u8]) -> usize {
+    serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| v.get("data")?.as_array().map(Vec::len))
+        .unwrap_or(0)
 }
 
 /// (model id, context window) for every model of a `/models` response that
@@ -153,19 +201,10 @@ pub fn parse_listing(body: &[u8]) -> Vec<(String, u64)> {
         return Vec::new();
     };
     let window_of = |m: &Value| {
-        [
-            "max_model_len",
-            "context_length",
-            "context_window",
-            "max_context_length",
-        ]
-        .iter()
-        .find_map(|k| m.get(*k).and_then(Value::as_u64))
-        .or_else(|| {
-            m.pointer("/top_provider/context_length")
-                .and_then(Value::as_u64)
-        })
-        .filter(|w| *w >= 256)
+        WINDOW_FIELDS
+            .iter()
+            .find_map(|pointer| m.pointer(pointer).and_then(Value::as_u64))
+            .filter(|w| *w >= 256)
     };
     models
         .iter()
@@ -241,9 +280,23 @@ mod tests {
             br#"{"object":"list","data":[{"id":"gpt-4o","object":"model","owned_by":"system"}]}"#;
         assert!(parse_listing(openai).is_empty());
         assert!(parse_listing(b"<html>").is_empty());
+        let llamacpp = br#"{"object":"list","data":[{"id":"gemma-3-270m-it-Q4_K_M.gguf","object":"model","owned_by":"llamacpp","meta":{"vocab_type":2,"n_vocab":262144,"n_ctx_train":32768,"n_ctx":4096,"n_embd":640}}]}"#;
+        assert_eq!(
+            parse_listing(llamacpp),
+            vec![("gemma-3-270m-it-Q4_K_M.gguf".to_string(), 4096)]
+        );
+        let lmstudio = br#"{"data":[{"id":"qwen3-8b","max_context_length":40960,"loaded_context_length":8192}]}"#;
+        assert_eq!(
+            parse_listing(lmstudio),
+            vec![("qwen3-8b".to_string(), 8192)]
+        );
         let l = Listings::default();
         assert_eq!(l.learn("u", vllm), 1);
         assert_eq!(l.get("u", "Qwen/Qwen2.5-7B-Instruct"), Some(16384));
         assert_eq!(l.get("other", "Qwen/Qwen2.5-7B-Instruct"), None);
+        // One model served: its window for any name a request gives.
+        assert_eq!(l.window("u", "whatever-the-client-says"), Some(16384));
+        l.learn("v", openrouter);
+        assert_eq!(l.window("v", "whatever-the-client-says"), None);
     }
 }

@@ -1,0 +1,404 @@
+//! A simulated upstream: an OpenAI-compatible chat API that counts prompt
+//! tokens by its own rule and enforces its context window with a provider's
+//! overflow error, answering in process.
+//!
+//! No production upstream counts like o200k, so `condense replay --count`
+//! sends every turn through the real proxy to one of these: calibration
+//! learns from its usage, windows from its errors (or its `/models`
+//! listing), and overflow recovery runs as it would against the real
+//! provider. The test mock upstream answers with the same code, so a replay
+//! and a proxy in front of that mock can be compared byte for byte.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use bytes::Bytes;
+use http::{Method, StatusCode, header};
+use serde_json::{Value, json};
+
+use crate::chat::ChatRequest;
+use crate::tokens::Encoding;
+
+/// How the simulated upstream counts a request's prompt tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CountRule {
+    /// Exactly as condense counts with o200k (calibration stays at 1.0).
+    O200k,
+    /// Characters of text (message contents, tool-call names and
+    /// arguments, tool schemas) per token, plus 3 per message and 3 for
+    /// the reply, as a sentencepiece-like tokenizer roughly does: runs of
+    /// whitespace, which o200k folds into few tokens, count in full.
+    Chars(f64),
+    /// UTF-8 bytes of that text per token: CJK and emoji cost 3–4 times
+    /// what ASCII does, as in byte-level tokenizers without merges for them.
+    Bytes(f64),
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "unknown counting rule {0:?}: use o200k, chars:N or bytes:N (N tokens per character/byte, e.g. chars:3.6)"
+)]
+pub struct RuleError(String);
+
+impl std::str::FromStr for CountRule {
+    type Err = RuleError;
+
+    fn from_str(s: &str) -> Result<CountRule, RuleError> {
+        let bad = || RuleError(s.to_string());
+        let per = |n: &str| {
+            n.parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite() && *v >= 0.5 && *v <= 20.0)
+                .ok_or_else(bad)
+        };
+        match s.split_once(':') {
+            None if s == "o200k" => Ok(CountRule::O200k),
+            Some(("chars", n)) => Ok(CountRule::Chars(per(n)?)),
+            Some(("bytes", n)) => Ok(CountRule::Bytes(per(n)?)),
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl std::fmt::Display for CountRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CountRule::O200k => f.write_str("o200k"),
+            CountRule::Chars(n) => write!(f, "chars:{n}"),
+            CountRule::Bytes(n) => write!(f, "bytes:{n}"),
+        }
+    }
+}
+
+/// Gives a part's tokens: `(raw, is_tools, count)`, remembered or counted.
+type PartMemo<'a> = dyn FnMut(&[u8], bool, &dyn Fn() -> u64) -> u64 + 'a;
+
+/// Tokens a message costs beyond its text under the text rules.
+const PER_MESSAGE: u64 = 3;
+/// Tokens priming the reply.
+const PRIMING: u64 = 3;
+
+impl CountRule {
+    /// The prompt tokens of a chat request body; None when it is not one.
+    pub fn count(&self, body: &Bytes) -> Option<u64> {
+        self.count_with(body, &mut |_, _, f| f())
+    }
+
+    /// [`CountRule::count`], each message's (and tool list's) tokens got
+    /// through `memo(raw, is_tools, count)`.
+    fn count_with(
+        &self,
+        body: &Bytes,
+        memo: &mut PartMemo<'_>,
+    ) -> Option<u64> {
+        let req = ChatRequest::parse(body).ok()?;
+        let enc = Encoding::for_model(&req.model().unwrap_or_default());
+        let mut total = match self {
+            CountRule::O200k => crate::tokens::count::REPLY_PRIMING,
+            _ => PRIMING,
+        };
+        for m in req.messages() {
+            total += memo(m.raw(), false, &|| self.part(m.raw(), false, enc));
+        }
+        for key in ["tools", "functions"] {
+            if let Some(raw) = req.field(key) {
+                total += memo(raw, true, &|| self.part(raw, true, enc));
+            }
+        }
+        Some(total)
+    }
+
+    /// The tokens of one message, or of a tool list.
+    fn part(&self, raw: &[u8], tools: bool, enc: Encoding) -> u64 {
+        let per = match self {
+            CountRule::O200k if tools => return crate::tokens::count::tools_tokens(enc, raw),
+            CountRule::O200k => return crate::tokens::count::message_tokens(enc, raw),
+            CountRule::Chars(n) | CountRule::Bytes(n) => *n,
+        };
+        let v: Value = serde_json::from_slice(raw).unwrap_or(Value::Null);
+        let text = (text_units(&v, self) as f64 / per).ceil() as u64;
+        if tools { text } else { text + PER_MESSAGE }
+    }
+}
+
+/// Characters (or bytes) of every string in `v`, keys excluded.
+fn text_units(v: &Value, rule: &CountRule) -> usize {
+    match v {
+        Value::String(s) => match rule {
+            CountRule::Bytes(_) => s.len(),
+            _ => s.chars().count(),
+        },
+        Value::Array(a) => a.iter().map(|x| text_units(x, rule)).sum(),
+        Value::Object(o) => o.values().map(|x| text_units(x, rule)).sum(),
+        Value::Number(n) => n.to_string().len(),
+        _ => 0,
+    }
+}
+
+/// The wording of the simulated provider's overflow error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OverflowStyle {
+    /// OpenAI's, naming the window and the prompt's size.
+    OpenAi,
+    /// llama.cpp server's `exceed_context_size_error` with `n_prompt_tokens`
+    /// and `n_ctx`.
+    LlamaCpp,
+    /// `context_length_exceeded` without numbers (as the Responses API).
+    Bare,
+}
+
+impl std::str::FromStr for OverflowStyle {
+    type Err = RuleError;
+
+    fn from_str(s: &str) -> Result<OverflowStyle, RuleError> {
+        match s {
+            "openai" => Ok(OverflowStyle::OpenAi),
+            "llamacpp" => Ok(OverflowStyle::LlamaCpp),
+            "bare" => Ok(OverflowStyle::Bare),
+            _ => Err(RuleError(s.to_string())),
+        }
+    }
+}
+
+/// The simulated provider.
+#[derive(Debug)]
+pub struct Simulator {
+    pub rule: CountRule,
+    /// The window it enforces: prompt plus `max_tokens` (or
+    /// `max_completion_tokens`) must fit.
+    pub window: u64,
+    pub overflow: OverflowStyle,
+    /// Whether `/models` lists the window (as vLLM's `max_model_len`);
+    /// otherwise the listing names no window, as OpenAI's does.
+    pub lists_window: bool,
+    /// The chat bodies it received, in order, with whether it accepted each.
+    received: Mutex<Vec<(Bytes, bool)>>,
+    /// Counts of messages and tool lists seen before (a replay re-sends its
+    /// history every turn).
+    memo: Mutex<HashMap<u64, u64>>,
+}
+
+/// The model name the simulated listing carries.
+const LISTED_MODEL: &str = "gpt-4o";
+
+impl Simulator {
+    pub fn new(rule: CountRule, window: u64, overflow: OverflowStyle) -> Simulator {
+        Simulator {
+            rule,
+            window,
+            overflow,
+            lists_window: false,
+            received: Mutex::new(Vec::new()),
+            memo: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The prompt tokens of a chat request body by this provider's rule;
+    /// None when it is not one.
+    pub fn count(&self, body: &Bytes) -> Option<u64> {
+        self.rule.count_with(body, &mut |raw, tools, count| {
+            let key = xxhash_rust::xxh3::xxh3_64(raw) ^ u64::from(tools);
+            if let Some(n) = self.memo.lock().ok().and_then(|m| m.get(&key).copied()) {
+                return n;
+            }
+            let n = count();
+            if let Ok(mut m) = self.memo.lock() {
+                m.insert(key, n);
+            }
+            n
+        })
+    }
+
+    /// The chat bodies received so far, with whether each was accepted.
+    pub fn received(&self) -> Vec<(Bytes, bool)> {
+        self.received.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// Answers one request.
+    pub fn respond(&self, method: &Method, path: &str, body: &Bytes) -> http::Response<Bytes> {
+        if method == Method::GET && path.ends_with("/models") {
+            let mut model = json!({"id": LISTED_MODEL, "object": "model", "owned_by": "simulated"});
+            if self.lists_window {
+                // Where each server kind says it.
+                match self.overflow {
+                    OverflowStyle::LlamaCpp => model["meta"] = json!({"n_ctx": self.window}),
+                    _ => model["max_model_len"] = json!(self.window),
+                }
+            }
+            return json_response(StatusCode::OK, &json!({"object": "list", "data": [model]}));
+        }
+        if method != Method::POST || !path.ends_with("/chat/completions") {
+            return json_response(
+                StatusCode::NOT_FOUND,
+                &error_body("no such route on the simulated upstream", None),
+            );
+        }
+        let Some(prompt) = self.count(body) else {
+            return json_response(
+                StatusCode::BAD_REQUEST,
+                &error_body("not a chat completions request", None),
+            );
+        };
+        let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+        let completion = req["max_completion_tokens"]
+            .as_u64()
+            .or(req["max_tokens"].as_u64())
+            .unwrap_or(0);
+        let fits = prompt + completion <= self.window;
+        if let Ok(mut r) = self.received.lock() {
+            r.push((body.clone(), fits));
+        }
+        if !fits {
+            return json_response(StatusCode::BAD_REQUEST, &self.overflow_body(prompt));
+        }
+        let usage =
+            json!({"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1});
+        let model = req["model"].as_str().unwrap_or("unknown");
+        if req["stream"] == json!(true) {
+            return stream_response(
+                model,
+                &usage,
+                req["stream_options"]["include_usage"] == json!(true),
+            );
+        }
+        json_response(
+            StatusCode::OK,
+            &json!({
+                "id": "chatcmpl-sim", "object": "chat.completion", "created": 0, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "usage": usage,
+            }),
+        )
+    }
+
+    fn overflow_body(&self, prompt: u64) -> Value {
+        let window = self.window;
+        match self.overflow {
+            OverflowStyle::OpenAi => error_body(
+                &format!(
+                    "This model's maximum context length is {window} tokens. However, your messages resulted in {prompt} tokens. Please reduce the length of the messages."
+                ),
+                Some("context_length_exceeded"),
+            ),
+            OverflowStyle::Bare => error_body(
+                "Your input exceeds the context window of this model. Please adjust your input and try again.",
+                Some("context_length_exceeded"),
+            ),
+            OverflowStyle::LlamaCpp => json!({"error": {
+                "code": 400,
+                "message": format!("the request exceeds the available context size, try increasing it"),
+                "type": "exceed_context_size_error",
+                "n_prompt_tokens": prompt,
+                "n_ctx": window,
+            }}),
+        }
+    }
+}
+
+fn error_body(message: &str, code: Option<&str>) -> Value {
+    json!({"error": {"message": message, "type": "invalid_request_error", "param": null, "code": code}})
+}
+
+fn json_response(status: StatusCode, v: &Value) -> http::Response<Bytes> {
+    let mut r = http::Response::new(Bytes::from(v.to_string()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+/// An OpenAI-style stream: one content chunk, the finishing chunk, the
+/// usage chunk when asked for, `[DONE]`.
+fn stream_response(model: &str, usage: &Value, include_usage: bool) -> http::Response<Bytes> {
+    let null_usage = |mut v: Value| {
+        if include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    };
+    let chunk = |delta: Value, finish: Value| {
+        null_usage(
+            json!({"id": "chatcmpl-sim", "object": "chat.completion.chunk", "created": 0, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}),
+        )
+    };
+    let mut events = vec![
+        chunk(json!({"role": "assistant", "content": "ok"}), Value::Null),
+        chunk(json!({}), json!("stop")),
+    ];
+    if include_usage {
+        events.push(json!({"id": "chatcmpl-sim", "object": "chat.completion.chunk", "created": 0, "model": model, "choices": [], "usage": usage}));
+    }
+    let mut body = String::new();
+    for e in events {
+        body.push_str(&format!("data: {e}\n\n"));
+    }
+    body.push_str("data: [DONE]\n\n");
+    let mut r = http::Response::new(Bytes::from(body));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/event-stream"),
+    );
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(v: Value) -> Bytes {
+        Bytes::from(v.to_string())
+    }
+
+    #[test]
+    fn rules_count_text_their_own_way() {
+        let b = body(json!({"model": "gpt-4o", "messages": [
+            {"role": "user", "content": "x".repeat(360)},
+            {"role": "tool", "tool_call_id": "a", "content": " ".repeat(36)}]}));
+        // Per message, rounded up: "user" + 360 "x" (364 characters, 102
+        // tokens), "tool" + "a" + 36 spaces (41, 12), 3 each, 3 priming.
+        assert_eq!(CountRule::Chars(3.6).count(&b), Some(102 + 12 + 6 + 3));
+        assert_eq!(
+            "bytes:4".parse::<CountRule>().unwrap().count(&body(
+                json!({"messages": [{"role": "user", "content": "日本"}]})
+            )),
+            Some(((4 + 6) as f64 / 4.0).ceil() as u64 + 3 + 3)
+        );
+        assert!("chars:0".parse::<CountRule>().is_err());
+        assert!("words:3".parse::<CountRule>().is_err());
+        assert_eq!(
+            CountRule::Chars(3.0).count(&Bytes::from_static(b"nope")),
+            None
+        );
+    }
+
+    #[test]
+    fn the_window_is_enforced_with_the_providers_wording() {
+        let mut s = Simulator::new(CountRule::Chars(1.0), 100, OverflowStyle::OpenAi);
+        let small = body(json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}));
+        let r = s.respond(&Method::POST, "/v1/chat/completions", &small);
+        assert_eq!(r.status(), 200);
+        let v: Value = serde_json::from_slice(r.body()).unwrap();
+        assert_eq!(v["usage"]["prompt_tokens"], 6 + 6);
+        let big = body(
+            json!({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "x".repeat(90)}]}),
+        );
+        let r = s.respond(&Method::POST, "/v1/chat/completions", &big);
+        assert_eq!(r.status(), 400);
+        let o = crate::overflow::detect(400, r.body()).unwrap();
+        assert_eq!((o.limit, o.prompt), (Some(100), Some(100)));
+        s.overflow = OverflowStyle::LlamaCpp;
+        let r = s.respond(&Method::POST, "/v1/chat/completions", &big);
+        let o = crate::overflow::detect(400, r.body()).unwrap();
+        assert_eq!(
+            (o.format, o.limit, o.prompt),
+            ("llamacpp", Some(100), Some(100))
+        );
+        assert_eq!(
+            s.received().iter().map(|(_, ok)| *ok).collect::<Vec<_>>(),
+            [true, false, false]
+        );
+    }
+}
