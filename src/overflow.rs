@@ -271,8 +271,11 @@ impl Overflow {
     /// bytes are.
     pub fn correction(&self, raw_sent: u64, sent_bytes: usize, calibrated_sent: u64) -> Correction {
         let ratio = match self.prompt {
+            // The provider's count of this very body: trusted far beyond
+            // the range calibration keeps to (a body that is mostly one
+            // whitespace-heavy result can count six times o200k).
             Some(p) if raw_sent > 0 => {
-                Some((p as f64 / raw_sent as f64).clamp(MIN_RATIO, MAX_RATIO))
+                Some((p as f64 / raw_sent as f64).clamp(MIN_RATIO / 5.0, MAX_RATIO * 4.0))
             }
             _ => None,
         };
@@ -310,6 +313,9 @@ mod tests {
         assert_eq!(c.completion, Some(1000));
         assert_eq!(c.prompt_budget, None);
         assert_eq!(c.density, Some(0.25));
+        // Far beyond what calibration would take, still the provider's word.
+        let c = o(Some(8192), Some(60_000), None).correction(10_000, 40_000, 11_000);
+        assert_eq!(c.ratio, Some(6.0));
         // No numbers: 70% of the rejected prompt.
         let c = o(None, None, None).correction(10_000, 40_000, 11_000);
         assert_eq!((c.ratio, c.prompt_budget), (None, Some(7_700)));

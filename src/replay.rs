@@ -368,6 +368,30 @@ pub async fn replay_with(
     provider: &Provider,
     summarizer: Option<&str>,
 ) -> Result<Report, ReplayError> {
+    let (report, _) = run(config, body, options, probes, provider, summarizer).await?;
+    Ok(report)
+}
+
+/// [`replay_with`], and every chat request body the provider received, in
+/// order, with whether it accepted it.
+pub async fn replay_received(
+    config: &Config,
+    body: &Bytes,
+    options: &CompactOptions,
+    provider: &Provider,
+) -> Result<(Report, Vec<(Bytes, bool)>), ReplayError> {
+    let (report, simulator) = run(config, body, options, &[], provider, None).await?;
+    Ok((report, simulator.received()))
+}
+
+async fn run(
+    config: &Config,
+    body: &Bytes,
+    options: &CompactOptions,
+    probes: &[Probe],
+    provider: &Provider,
+    summarizer: Option<&str>,
+) -> Result<(Report, Arc<Simulator>), ReplayError> {
     let full = ChatRequest::parse(body)?;
     let tokens = offline::token_service(config)?;
     let (model, info) = offline::model_and_info(&tokens, &full, options);
@@ -492,7 +516,7 @@ pub async fn replay_with(
         prompt_tokens: m.summarizer_prompt_tokens_total.get(),
         completion_tokens: m.summary_tokens.get_sample_sum() as u64,
     });
-    Ok(Report {
+    let report = Report {
         model,
         window: info.window,
         prompt_budget: budget.prompt_budget,
@@ -510,7 +534,8 @@ pub async fn replay_with(
         drop_oldest: drop.finish(),
         last_10_results: sliding.finish(),
         summarizer: stats,
-    })
+    };
+    Ok((report, simulator))
 }
 
 /// The model name the replayed requests carry.

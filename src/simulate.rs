@@ -86,11 +86,7 @@ impl CountRule {
 
     /// [`CountRule::count`], each message's (and tool list's) tokens got
     /// through `memo(raw, is_tools, count)`.
-    fn count_with(
-        &self,
-        body: &Bytes,
-        memo: &mut PartMemo<'_>,
-    ) -> Option<u64> {
+    fn count_with(&self, body: &Bytes, memo: &mut PartMemo<'_>) -> Option<u64> {
         let req = ChatRequest::parse(body).ok()?;
         let enc = Encoding::for_model(&req.model().unwrap_or_default());
         let mut total = match self {

@@ -937,3 +937,102 @@ fn replay_of_the_shared_traces_when_present() {
         );
     }
 }
+
+// ------------------------------------------------- calibration drift
+
+/// The conversation as a chat request body.
+fn request_body(messages: &[Message]) -> Bytes {
+    let list: Vec<Value> = messages.iter().map(json_of).collect();
+    Bytes::from(json!({"model": "gpt-4o", "messages": list}).to_string())
+}
+
+/// What the proxy would forward for `body` with the calibration `svc` has
+/// learned, and the observed ratio it reported with.
+fn forwarded(svc: &TokenService, body: &Bytes, window: u64) -> (Bytes, f64) {
+    let mut info = svc.model_info("u", "gpt-4o");
+    info.window = window;
+    let p = condense::pipeline::process(
+        svc,
+        &CompactionConfig::default(),
+        condense::pipeline::Subject {
+            upstream: "u",
+            model: "gpt-4o",
+            info,
+        },
+        ChatRequest::parse(body).unwrap(),
+        body,
+        false,
+        &Replacement::Digest,
+    );
+    (p.request.to_bytes(), p.assessment.calibration_ratio)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
+
+    /// A calibration ratio that drifts within half the plan margin either
+    /// way moves no boundary: the same conversation compacted under r and
+    /// under r·(1 ± margin/2) is forwarded byte for byte the same, while
+    /// the ratio the headers report does follow the drift.
+    #[test]
+    fn a_calibration_drift_within_the_margin_moves_no_boundary(
+        turns in prop::collection::vec(turn_strategy(), 1..14),
+        ratio in 0.6f64..2.2,
+        up: bool,
+        window in 2500u64..30_000,
+    ) {
+        use condense::tokens::calibration::PLAN_MARGIN;
+        let body = request_body(&build(&turns, false));
+        let drift = if up { 1.0 + PLAN_MARGIN / 2.0 } else { 1.0 / (1.0 + PLAN_MARGIN / 2.0) };
+        let steady = service();
+        steady.calibration.observe("u", "gpt-4o", (ratio * 100_000.0) as u64, 100_000);
+        let drifting = service();
+        drifting.calibration.observe("u", "gpt-4o", (ratio * 100_000.0) as u64, 100_000);
+        for _ in 0..9 {
+            drifting.calibration.observe("u", "gpt-4o", (ratio * drift * 100_000.0) as u64, 100_000);
+        }
+        let (a, reported_a) = forwarded(&steady, &body, window);
+        let (b, reported_b) = forwarded(&drifting, &body, window);
+        prop_assert!((reported_b / reported_a - drift).abs() < 1e-3, "{reported_a} {reported_b}");
+        prop_assert!(a == b, "a drift of {drift} moved a boundary");
+    }
+}
+
+#[test]
+fn on_a_tiny_budget_only_the_system_prompt_the_task_and_the_turn_in_progress_are_left() {
+    let svc = service();
+    let mut messages = vec![
+        msg(json!({"role": "system", "content": "You are an agent."})),
+        msg(json!({"role": "user", "content": "Fix the failing test in src/parser.rs."})),
+    ];
+    for t in 0..80 {
+        let id = format!("call_{t}");
+        messages.push(msg(json!({"role": "assistant", "content": null, "tool_calls": [
+            {"id": id, "type": "function", "function": {"name": "run", "arguments": json!({"cmd": format!("cat src/file_{t}.rs")}).to_string()}}]})));
+        messages.push(msg(
+            json!({"role": "tool", "tool_call_id": id, "content": format!("fn f_{t}() {{}}\n").repeat(8)}),
+        ));
+    }
+    // Each turn costs ~50 tokens even cut to the bone: 80 of them cannot
+    // fit 600, whatever is cut; the three messages that matter can.
+    let out = run(&svc, &messages, 600.0);
+    let result = out.messages.expect("compacted");
+    assert!(
+        out.fits,
+        "{} tokens after {:?}",
+        out.tokens_after, out.stages
+    );
+    assert!(out.stages.iter().any(|s| s.stage == "emergency"));
+    assert!(well_paired(&result));
+    assert!(result[0].raw() == messages[0].raw() && result[1].raw() == messages[1].raw());
+    let last = json_of(result.last().unwrap());
+    assert_eq!(
+        last["tool_call_id"], "call_79",
+        "the turn in progress stays"
+    );
+    assert!(
+        result.len() < 40,
+        "old turns were dropped: {}",
+        result.len()
+    );
+}

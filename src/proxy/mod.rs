@@ -744,17 +744,20 @@ impl Proxy {
                 .inc_by(usage.completion_tokens);
             let (counter, model_name, upstream_url) =
                 (tokens.clone(), model.clone(), upstream.clone());
+            // The gauge is set from the first usage on, whether or not this
+            // observation was large enough to count.
             let calibrate = move |estimate: u64| {
-                if let Some(r) =
-                    tokens
-                        .calibration
-                        .observe(&upstream, &model, usage.prompt_tokens, estimate)
-                {
-                    metrics
-                        .calibration_ratio
-                        .with_label_values(&[&label])
-                        .set(r.observed);
-                }
+                let ratio = tokens
+                    .calibration
+                    .observe(&upstream, &model, usage.prompt_tokens, estimate)
+                    .map_or_else(
+                        || tokens.calibration.ratio(&upstream, &model),
+                        |r| r.observed,
+                    );
+                metrics
+                    .calibration_ratio
+                    .with_label_values(&[&label])
+                    .set(ratio);
             };
             match sent {
                 Sent::Counted(raw) => calibrate(raw),

@@ -3,10 +3,12 @@
 //! For every response that reports `usage.prompt_tokens`, the ratio of that
 //! number to condense's raw estimate of exactly the body it sent is an
 //! observation for (upstream, model). The *observed* ratio is the median of
-//! the last few observations: the first observation already moves it (fast
-//! convergence), and a single odd response (a cached-prompt quirk, a provider
-//! that counts a hidden system prompt once) cannot drag it away (outlier
-//! resistance). Observations are clamped to a sane range, requests too small
+//! the last few observations, each weighted by the size of its request: the
+//! first observation already moves it (fast convergence), a single odd
+//! response (a cached-prompt quirk, a provider that counts a hidden system
+//! prompt once) cannot drag it away (outlier resistance), and the large
+//! requests, whose fixed overheads matter least and whose fit matters most,
+//! count most. Observations are clamped to a sane range, requests too small
 //! to say much are ignored, and an unknown pair starts at 1.0.
 //!
 //! Two ratios come out of it:
@@ -64,7 +66,8 @@ impl Ratios {
 
 #[derive(Default)]
 struct Pair {
-    observations: VecDeque<f64>,
+    /// (ratio, raw estimate of the request it was observed on).
+    observations: VecDeque<(f64, u64)>,
     plan: Option<f64>,
 }
 
@@ -125,7 +128,7 @@ impl Calibration {
         if pair.observations.len() == WINDOW {
             pair.observations.pop_front();
         }
-        pair.observations.push_back(x);
+        pair.observations.push_back((x, estimated));
         let observed = median(&pair.observations);
         let drift = observed / pair.plan.unwrap_or(1.0);
         if pair.plan.is_none() || !(1.0 / (1.0 + PLAN_MARGIN)..=1.0 + PLAN_MARGIN).contains(&drift)
@@ -136,18 +139,26 @@ impl Calibration {
     }
 }
 
-fn median(w: &VecDeque<f64>) -> f64 {
+/// The weighted median: the ratio at which half the weight lies on either
+/// side (between the two middle ones when it falls exactly between).
+fn median(w: &VecDeque<(f64, u64)>) -> f64 {
     if w.is_empty() {
         return 1.0;
     }
-    let mut v: Vec<f64> = w.iter().copied().collect();
-    v.sort_by(f64::total_cmp);
-    let mid = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[mid]
-    } else {
-        (v[mid - 1] + v[mid]) / 2.0
+    let mut v: Vec<(f64, u64)> = w.iter().copied().collect();
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total: u64 = v.iter().map(|(_, weight)| weight).sum();
+    let mut below = 0;
+    for (i, (ratio, weight)) in v.iter().enumerate() {
+        below += weight;
+        if 2 * below > total {
+            return *ratio;
+        }
+        if 2 * below == total {
+            return v.get(i + 1).map_or(*ratio, |next| (ratio + next.0) / 2.0);
+        }
     }
+    v[v.len() - 1].0
 }
 
 #[cfg(test)]
@@ -163,6 +174,15 @@ mod tests {
         assert!((c.ratios("u", "m").plan - 1.3).abs() < 1e-9);
         assert_eq!(c.ratio("u", "other"), 1.0);
         assert_eq!(c.ratio("v", "m"), 1.0);
+    }
+
+    #[test]
+    fn large_requests_weigh_more() {
+        let c = Calibration::default();
+        c.observe("u", "m", 150, 100);
+        c.observe("u", "m", 160, 100);
+        c.observe("u", "m", 12_000, 10_000);
+        assert!((c.ratio("u", "m") - 1.2).abs() < 1e-9);
     }
 
     #[test]

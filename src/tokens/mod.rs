@@ -176,23 +176,34 @@ impl TokenService {
             .sum()
     }
 
-    /// A request's raw count from what the cache holds, without tokenizing:
-    /// bytes / 4 for messages (and tool lists) not counted before. After a
-    /// response, condense counts the body it sent off the request path, so
-    /// on the next turn only the new messages are estimated from bytes.
+    /// A request's raw count from what the cache holds, without tokenizing.
+    /// After a response, condense counts the body it sent off the request
+    /// path, so on the next turn of a conversation only the new messages
+    /// are not in the cache; they are estimated at the density (tokens per
+    /// byte) of the messages that are, or at bytes / 4 when none are.
     pub fn estimate_cached(&self, req: &ChatRequest, enc: Encoding) -> u64 {
-        let guess = |raw: &[u8], domain: u64| {
-            self.cache
-                .peek(xxh3_64(raw) ^ enc.salt() ^ domain)
-                .unwrap_or_else(|| raw.len().div_ceil(4) as u64)
+        let parts = req.messages().iter().map(|m| (m.raw(), 0)).chain(
+            ["tools", "functions"]
+                .iter()
+                .filter_map(|k| req.field(k))
+                .map(|raw| (raw, TOOLS_DOMAIN)),
+        );
+        let (mut known, mut known_bytes, mut unknown_bytes) = (0u64, 0usize, 0usize);
+        for (raw, domain) in parts {
+            match self.cache.peek(xxh3_64(raw) ^ enc.salt() ^ domain) {
+                Some(n) => {
+                    known += n;
+                    known_bytes += raw.len();
+                }
+                None => unknown_bytes += raw.len(),
+            }
+        }
+        let density = if known_bytes > 0 {
+            known as f64 / known_bytes as f64
+        } else {
+            0.25
         };
-        let messages: u64 = req.messages().iter().map(|m| guess(m.raw(), 0)).sum();
-        let tools: u64 = ["tools", "functions"]
-            .iter()
-            .filter_map(|k| req.field(k))
-            .map(|raw| guess(raw, TOOLS_DOMAIN))
-            .sum();
-        count::REPLY_PRIMING + messages + tools
+        count::REPLY_PRIMING + known + (unknown_bytes as f64 * density).ceil() as u64
     }
 
     /// Tokens of one message, from the cache when it was seen before.

@@ -27,6 +27,10 @@
 //!   `/v1/models` lists `gpt-4o` (no window, like OpenAI) and `vllm-small`
 //!   with `max_model_len` 16384 (like vLLM). Any other path echoes the
 //!   request back as JSON.
+//! - With a provider set (`MockUpstream::set_provider`), chat requests that
+//!   are not summarizer calls and `/v1/models` are answered by that
+//!   `condense::simulate::Simulator` (its counting rule, window and overflow
+//!   wording), exactly as `condense replay` answers them in process.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
@@ -71,6 +75,8 @@ pub struct MockState {
     pub summary_delay_ms: std::sync::atomic::AtomicU64,
     /// Chat requests rejected for their length.
     pub overflows: AtomicUsize,
+    /// Answers chat requests and the listing when set.
+    pub provider: Mutex<Option<Arc<condense::simulate::Simulator>>>,
 }
 
 pub struct MockUpstream {
@@ -117,6 +123,16 @@ impl MockUpstream {
             .into_iter()
             .filter(|r| r.path.ends_with("/chat/completions") && !is_summary_call(&r.body))
             .collect()
+    }
+
+    /// Has chat requests and `/v1/models` answered by `sim`.
+    pub fn set_provider(
+        &self,
+        sim: condense::simulate::Simulator,
+    ) -> Arc<condense::simulate::Simulator> {
+        let sim = Arc::new(sim);
+        *self.state.provider.lock().unwrap() = Some(sim.clone());
+        sim
     }
 
     pub fn set_summary_mode(&self, mode: &'static str) {
@@ -166,6 +182,16 @@ async fn handle(State(state): State<Arc<MockState>>, req: Request) -> Response {
                 .insert("retry-after", "7".parse().unwrap());
         }
         return resp;
+    }
+    let provider = state.provider.lock().unwrap().clone();
+    if let Some(sim) = provider
+        && (parts.uri.path() == "/v1/models"
+            || (parts.uri.path() == "/v1/chat/completions" && !is_summary_call(&body)))
+    {
+        return sim
+            .respond(&parts.method, parts.uri.path(), &body)
+            .map(Body::from)
+            .into_response();
     }
     if parts.uri.path() == "/v1/chat/completions" && parts.method == "POST" {
         if is_summary_call(&body) {
