@@ -17,7 +17,8 @@
 //! against the model name and, failing that, against the part after its last
 //! `/` (so `gpt-4o*` also matches `openai/gpt-4o` on a router). The most
 //! specific pattern (most literal characters) wins; on a tie, the later
-//! entry, so an entry appended to the table overrides a shipped one.
+//! entry, so an entry appended to the table overrides a shipped one. A name
+//! (or last part) longer than 256 bytes matches no profile.
 
 use serde_json::Value;
 
@@ -93,10 +94,20 @@ fn specificity(pattern: &str) -> usize {
     pattern.bytes().filter(|&c| c != b'*' && c != b'?').count()
 }
 
-/// The profile for a model name, if any matches.
+/// Longest name matched against the profiles. Real model ids are tens of
+/// bytes; matching costs time linear in the name for each of the ~40
+/// profiles, on the request's async worker, so a client's 30 MB `model`
+/// would cost seconds of CPU per request and stall every other request.
+const MAX_MATCHED_NAME: usize = 256;
+
+/// The profile for a model name, if any matches. A name (or part after the
+/// last `/`) longer than [`MAX_MATCHED_NAME`] matches none.
 pub fn best_profile<'a>(profiles: &'a [ModelProfile], model: &str) -> Option<&'a ModelProfile> {
     let short = model.rsplit('/').next().unwrap_or(model);
     let pick = |name: &str| {
+        if name.len() > MAX_MATCHED_NAME {
+            return None;
+        }
         profiles
             .iter()
             .filter(|p| glob_match(&p.pattern, name))
@@ -265,6 +276,17 @@ mod tests {
             100_000
         );
         assert!(best_profile(&p, "claude-3").is_none());
+    }
+
+    #[test]
+    fn overlong_names_match_no_profile_but_their_last_part_still_does() {
+        let p = vec![profile("*", 8192), profile("gpt-4o*", 128_000)];
+        let long = "m".repeat(MAX_MATCHED_NAME + 1);
+        assert!(best_profile(&p, &long).is_none());
+        let at_limit = "m".repeat(MAX_MATCHED_NAME);
+        assert_eq!(best_profile(&p, &at_limit).unwrap().context_window, 8192);
+        let routed = format!("{long}/gpt-4o");
+        assert_eq!(best_profile(&p, &routed).unwrap().context_window, 128_000);
     }
 
     #[test]
