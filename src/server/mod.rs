@@ -112,13 +112,19 @@ pub fn app(state: AppState) -> Router {
 /// Longest client `x-request-id` kept.
 pub const MAX_REQUEST_ID: usize = 128;
 
+/// Keeps a client's `x-request-id` only when it is one sane value. Every
+/// value is judged: the id layers and the logs read the first, but all of
+/// them would be forwarded, so a sane first one must not carry a 300 KB
+/// second one upstream.
 fn sane_request_id(mut req: Request) -> Request {
-    let ok = req.headers().get("x-request-id").is_none_or(|v| {
-        v.len() <= MAX_REQUEST_ID
-            && v.as_bytes()
-                .iter()
-                .all(|b| b.is_ascii_alphanumeric() || b"-_.:/+=".contains(b))
-    });
+    let values = req.headers().get_all("x-request-id");
+    let ok = values.iter().count() <= 1
+        && values.iter().all(|v| {
+            v.len() <= MAX_REQUEST_ID
+                && v.as_bytes()
+                    .iter()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.:/+=".contains(b))
+        });
     if !ok {
         req.headers_mut().remove("x-request-id");
     }
@@ -350,5 +356,41 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {},
         _ = term => {},
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_ids(ids: &[&str]) -> Request {
+        let mut req = Request::new(Body::empty());
+        for id in ids {
+            req.headers_mut()
+                .append("x-request-id", HeaderValue::from_str(id).unwrap());
+        }
+        req
+    }
+
+    fn kept(ids: &[&str]) -> Vec<String> {
+        sane_request_id(with_ids(ids))
+            .headers()
+            .get_all("x-request-id")
+            .iter()
+            .map(|v| v.to_str().unwrap().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn only_one_sane_request_id_is_kept() {
+        assert_eq!(kept(&["trace-1:a/b+c="]), vec!["trace-1:a/b+c="]);
+        assert!(kept(&["has space"]).is_empty());
+        let long = "a".repeat(MAX_REQUEST_ID + 1);
+        assert!(kept(&[&long]).is_empty());
+        // A sane first value does not carry a bad second one along.
+        assert!(kept(&["sane-1", &long]).is_empty());
+        assert!(kept(&[&long, "sane-1"]).is_empty());
+        assert!(kept(&["sane-1", "sane-2"]).is_empty());
+        assert!(kept(&[]).is_empty());
     }
 }
