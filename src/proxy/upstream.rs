@@ -85,11 +85,15 @@ impl Upstream {
             Some(r) if r.is_empty() || r.starts_with('/') => r,
             _ => path,
         };
-        // A dot segment or a backslash, as sent or once decoded, is refused:
+        // A dot segment or a backslash, as sent or decoded, is refused:
         // `Url` resolves the plain ones, but an upstream may decode `%2e%2e`
-        // or `..%2f` itself and walk out of the base path.
-        let decoded = percent_decode(rest);
-        if decoded.contains('\\') || decoded.split('/').any(|seg| seg == "." || seg == "..") {
+        // or `..%2f` itself (twice, behind another proxy: `%252e`) and walk
+        // out of the base path, and Tomcat, Jetty and Spring read `..;x`
+        // (a segment with parameters) as `..`.
+        let decoded = decoded_fully(rest)
+            .ok_or(ProxyError::InvalidPath("is percent-encoded too many times"))?;
+        let dot = |seg: &str| matches!(seg.split(';').next(), Some("." | ".."));
+        if decoded.contains('\\') || decoded.split('/').any(dot) {
             return Err(ProxyError::InvalidPath("may not contain dot segments"));
         }
         let mut s = String::with_capacity(self.base.len() + rest.len() + 32);
@@ -153,6 +157,24 @@ impl Upstream {
             Ok(Err(e)) => Err(ProxyError::UpstreamUnreachable(describe(&e.without_url()))),
         }
     }
+}
+
+/// Times a path is decoded to find what an upstream could make of it.
+const DECODE_ROUNDS: usize = 3;
+
+/// `s` decoded until no escape is left to decode, or None when
+/// [`DECODE_ROUNDS`] did not get there (no client encodes a path three
+/// times; the bound keeps `%252525...` from costing a round per layer).
+fn decoded_fully(s: &str) -> Option<String> {
+    let mut decoded = percent_decode(s);
+    for _ in 0..DECODE_ROUNDS {
+        let again = percent_decode(&decoded);
+        if again == decoded {
+            return Some(decoded);
+        }
+        decoded = again;
+    }
+    None
 }
 
 /// `s` with its `%XX` escapes decoded (invalid ones kept as they are;
@@ -236,6 +258,11 @@ mod tests {
             "/v1\\..\\..\\tenant-b",
             "/./models",
             "/v1/models/..",
+            "/v1/..;/..;/tenant-b/v1/models",
+            "/v1/..;jsessionid=x/tenant-b",
+            "/v1/%252e%252e/%252e%252e/tenant-b/v1/models",
+            "/v1/%25252e%25252e/x",
+            "/v1/%2525252e%2525252e/x",
         ] {
             let e = u.url_for(p, None).unwrap_err();
             assert!(matches!(e, ProxyError::InvalidPath(_)), "{p}: {e}");
@@ -247,6 +274,10 @@ mod tests {
         assert_eq!(
             u.url_for("/v1/files/..file", None).unwrap().path(),
             "/tenant-a/v1/files/..file"
+        );
+        assert_eq!(
+            u.url_for("/v1/files/a;b/100%25", None).unwrap().path(),
+            "/tenant-a/v1/files/a;b/100%25"
         );
     }
 
