@@ -1,0 +1,611 @@
+#!/usr/bin/env python3
+"""Memory under the resource-exhaustion attacks, against the real binary.
+
+Reproduces the original findings against a built condense binary (this
+script builds nothing) and prints, per scenario, condense's resident memory
+when idle, its peak above that while under attack, and whether `/healthz`
+still answered. Everything runs on 127.0.0.1; every scenario is bounded in
+time, and the script kills every process it started.
+
+Scenarios (from the issue):
+  a  1,100 idle TCP connections, condense under a 1,024 open-file limit;
+     /healthz on a new connection must answer.
+  b  20 clients each declaring a 30 MB chat body and withholding the last
+     byte (default config: max_body_bytes 32 MiB, max_buffered_bytes
+     128 MiB). Goal: peak < 256 MiB above idle.
+  c  a 60 MB newline-free SSE line from the upstream on a streamed chat
+     request (c1: the client did not ask for usage, so condense filters the
+     stream; c2: it did, the stream passes unfiltered). Goal: < 64-128 MiB.
+  d  a 300 MB chunked 400 error body from the upstream on a chat request.
+     Goal: < 64-128 MiB.
+
+condense (a: under `setrlimit(RLIMIT_NOFILE, 1024)`, like `prlimit
+--nofile=1024:1024`) is configured by environment variables only:
+CONDENSE_SERVER__LISTEN, CONDENSE_UPSTREAM__BASE_URL (a raw-socket fake
+upstream in this script), CONDENSE_UPSTREAM__LEARN_WINDOWS=false.
+
+Peak RSS: /proc/<pid>/status VmRSS sampled every 10 ms, and VmHWM after
+resetting it (`echo 5 > /proc/<pid>/clear_refs`) once condense is idle; the
+larger of the two is reported.
+
+Usage: python3 benches/bounds.py [--bin target/release/condense] [--only a,c1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+MIB = 1 << 20
+HOST = "127.0.0.1"
+
+# --------------------------------------------------------------------------
+# Process and memory helpers
+# --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def status_kib(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+class Sampler:
+    """Samples a process's VmRSS in the background; keeps the maximum."""
+
+    def __init__(self, pid: int, every: float = 0.01):
+        self.pid, self.every = pid, every
+        self.max_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.max_kib = max(self.max_kib, status_kib(self.pid, "VmRSS"))
+            except (OSError, KeyError):
+                return
+            time.sleep(self.every)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+class Condense:
+    """The condense binary, serving on a free port."""
+
+    def __init__(self, binary: str, upstream: str, nofile: int | None = None, env: dict | None = None):
+        self.port = free_port()
+        self.addr = (HOST, self.port)
+        e = {k: v for k, v in os.environ.items() if not k.startswith("CONDENSE_") and k != "RUST_LOG"}
+        e.update(
+            {
+                "CONDENSE_SERVER__LISTEN": f"{HOST}:{self.port}",
+                "CONDENSE_UPSTREAM__BASE_URL": upstream,
+                "CONDENSE_UPSTREAM__LEARN_WINDOWS": "false",
+                "RUST_LOG": "error",
+            }
+        )
+        e.update(env or {})
+
+        def limit() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        self.proc = subprocess.Popen(
+            [binary],
+            env=e,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=limit,
+        )
+        deadline = time.monotonic() + 30
+        while not healthz(self.addr, timeout=0.5)[0]:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError("condense did not start")
+            time.sleep(0.05)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def idle_kib(self) -> int:
+        """VmRSS once settled; then the peak (VmHWM) is reset to it."""
+        time.sleep(0.5)
+        rss = status_kib(self.pid, "VmRSS")
+        try:
+            with open(f"/proc/{self.pid}/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+        return rss
+
+    def peak_kib(self, sampled: int) -> int:
+        try:
+            hwm = status_kib(self.pid, "VmHWM")
+        except (OSError, KeyError):
+            hwm = 0
+        return max(hwm, sampled)
+
+    def metric(self, series: str) -> float | None:
+        try:
+            with urllib.request.urlopen(f"http://{HOST}:{self.port}/metrics", timeout=5) as r:
+                for line in r.read().decode().splitlines():
+                    if line.startswith(series + " "):
+                        return float(line.rsplit(" ", 1)[1])
+        except OSError:
+            return None
+        return 0.0
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def healthz(addr: tuple[str, int], timeout: float = 5.0) -> tuple[bool, float]:
+    """Whether GET /healthz on a new connection answered 200, and how fast."""
+    start = time.monotonic()
+    try:
+        with socket.create_connection(addr, timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+        ok = data.startswith(b"HTTP/1.1 200")
+    except OSError:
+        ok = False
+    return ok, time.monotonic() - start
+
+
+# --------------------------------------------------------------------------
+# A fake upstream (raw sockets)
+# --------------------------------------------------------------------------
+
+OK_ANSWER = json.dumps(
+    {
+        "id": "ok",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "fine"}, "finish_reason": "stop"}],
+    }
+).encode()
+
+
+def read_request(conn: socket.socket) -> bytes | None:
+    """Reads one request (head and Content-Length body); returns the head."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        buf += chunk
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    # The body is read and dropped.
+    left = length - len(rest)
+    while left > 0:
+        chunk = conn.recv(min(1 << 20, left))
+        if not chunk:
+            return None
+        left -= len(chunk)
+    return head
+
+
+def send_chunked(conn: socket.socket, parts) -> None:
+    for part in parts:
+        conn.sendall(b"%x\r\n" % len(part) + part + b"\r\n")
+    conn.sendall(b"0\r\n\r\n")
+
+
+def repeated(total: int, byte: bytes, piece: int = MIB):
+    block = byte * piece
+    while total > 0:
+        n = min(piece, total)
+        yield block[:n]
+        total -= n
+
+
+SSE_FIRST = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+SSE_LINE_BYTES = 60 * 1000 * 1000
+SSE_TAIL = b"\n\ndata: [DONE]\n\n"
+SSE_TOTAL = len(SSE_FIRST) + len(b"data: ") + SSE_LINE_BYTES + len(SSE_TAIL)
+
+ERROR_HEAD = b'{"error":{"message":"bad request","type":"invalid_request_error","param":null,"code":null,"padding":"'
+ERROR_PAD = 300 * 1000 * 1000
+ERROR_TAIL = b'"}}'
+ERROR_TOTAL = len(ERROR_HEAD) + ERROR_PAD + len(ERROR_TAIL)
+
+
+class FakeUpstream:
+    """Answers chat requests as `mode` says ("ok", "long_sse", "huge_400")."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((HOST, 0))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.requests = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}/v1"
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                while read_request(conn) is not None:
+                    self.requests += 1
+                    if self.mode == "long_sse":
+                        conn.sendall(
+                            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                        )
+                        send_chunked(
+                            conn,
+                            [SSE_FIRST, b"data: ", *repeated(SSE_LINE_BYTES, b"x"), SSE_TAIL],
+                        )
+                    elif self.mode == "huge_400":
+                        conn.sendall(
+                            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+                        )
+                        send_chunked(conn, [ERROR_HEAD, *repeated(ERROR_PAD, b"p"), ERROR_TAIL])
+                    else:
+                        conn.sendall(
+                            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                            % len(OK_ANSWER)
+                            + OK_ANSWER
+                        )
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+
+
+# --------------------------------------------------------------------------
+# Clients
+# --------------------------------------------------------------------------
+
+
+def chat_request(body: dict) -> bytes:
+    raw = json.dumps(body).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(raw)
+    ) + raw
+
+
+CHAT = {
+    "model": "gpt-4o",
+    "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}],
+}
+
+
+def read_counted(s: socket.socket, deadline: float) -> tuple[int, int]:
+    """Reads a whole response off `s` without keeping its body; returns the
+    status and the number of body bytes (chunked or Content-Length)."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = s.recv(65536)
+        if not chunk:
+            raise RuntimeError("closed before the response head")
+        buf += chunk
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (l.partition(b":") for l in lines[1:])}
+    body = 0
+    if b"chunked" in headers.get(b"transfer-encoding", b""):
+        buf = bytearray(rest)
+
+        def fill() -> None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("response not read within the time limit")
+            chunk = s.recv(1 << 20)
+            if not chunk:
+                raise RuntimeError("chunked body cut short")
+            buf.extend(chunk)
+
+        while True:
+            while b"\r\n" not in buf:
+                fill()
+            i = buf.index(b"\r\n")
+            size = int(bytes(buf[:i]).split(b";")[0], 16)
+            del buf[: i + 2]
+            if size == 0:
+                return status, body
+            body += size
+            # Skip the chunk's data and its CRLF without keeping them.
+            remaining = size + 2
+            if len(buf) >= remaining:
+                del buf[:remaining]
+                continue
+            remaining -= len(buf)
+            buf.clear()
+            while remaining > 0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("response not read within the time limit")
+                chunk = s.recv(min(1 << 20, remaining))
+                if not chunk:
+                    raise RuntimeError("chunk cut short")
+                remaining -= len(chunk)
+    length = int(headers.get(b"content-length", b"-1"))
+    body = len(rest)
+    while length < 0 or body < length:
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        chunk = s.recv(1 << 20)
+        if not chunk:
+            break
+        body += len(chunk)
+    return status, body
+
+
+# --------------------------------------------------------------------------
+# Scenarios
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    name: str
+    idle_mib: float = 0.0
+    peak_above_idle_mib: float = 0.0
+    goal: str = ""
+    healthz: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def run_idle_connections(binary: str, time_limit: float) -> Result:
+    r = Result("a: 1,100 idle conns, nofile 1024", goal="/healthz answers")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1400:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    up = FakeUpstream("ok")
+    c = Condense(binary, up.base_url, nofile=1024)
+    conns: list[socket.socket] = []
+    try:
+        idle = c.idle_kib()
+        deadline = time.monotonic() + time_limit
+        with Sampler(c.pid) as sampler:
+            for _ in range(1100):
+                if time.monotonic() > deadline:
+                    r.notes.append("connect loop hit the time limit")
+                    break
+                conns.append(socket.create_connection(c.addr, timeout=5))
+            time.sleep(0.5)
+            ok, took = healthz(c.addr, timeout=5)
+            time.sleep(0.2)
+        r.idle_mib = idle / 1024
+        r.peak_above_idle_mib = (c.peak_kib(sampler.max_kib) - idle) / 1024
+        r.healthz = f"{'200' if ok else 'NO ANSWER'} in {took * 1000:.0f} ms"
+        evicted = c.metric('condense_connections_closed_total{reason="evicted"}')
+        open_now = c.metric("condense_open_connections")
+        r.notes.append(f"{len(conns)} opened, {evicted:.0f} evicted, {open_now:.0f} open")
+    finally:
+        for s in conns:
+            s.close()
+        c.kill()
+        up.close()
+    return r
+
+
+def run_withheld_bodies(binary: str, time_limit: float) -> Result:
+    r = Result("b: 20 x 30 MB bodies withheld", goal="< 256 MiB")
+    up = FakeUpstream("ok")
+    c = Condense(binary, up.base_url)
+    declared = 30 * 1000 * 1000
+    outcome: dict[int, str] = {}
+    conns: list[socket.socket] = []
+    lock = threading.Lock()
+    deadline = time.monotonic() + time_limit
+
+    def client(i: int) -> None:
+        try:
+            s = socket.create_connection(c.addr, timeout=10)
+        except OSError as e:
+            outcome[i] = f"connect failed: {e}"
+            return
+        with lock:
+            conns.append(s)
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % declared
+        )
+        try:
+            s.sendall(head)
+            # A body beyond the room is refused on its headers.
+            select.select([s], [], [], 0.2)
+            piece = b" " * MIB
+            left = declared - 1
+            while left > 0:
+                if time.monotonic() > deadline:
+                    outcome[i] = "time limit"
+                    return
+                # Refused on the headers? Then stop sending.
+                if select.select([s], [], [], 0)[0]:
+                    break
+                n = min(len(piece), left)
+                s.sendall(piece[:n])
+                left -= n
+            if left == 0:
+                outcome[i] = "holding"
+                return
+            status, _ = read_counted(s, deadline)
+            outcome[i] = str(status)
+        except OSError as e:
+            # Refused while sending: the answer may still be readable.
+            try:
+                status, _ = read_counted(s, deadline)
+                outcome[i] = str(status)
+            except (OSError, RuntimeError, ValueError, IndexError):
+                outcome[i] = f"error: {e.__class__.__name__}"
+        except (RuntimeError, ValueError, IndexError, TimeoutError) as e:
+            outcome[i] = f"error: {e}"
+
+    try:
+        idle = c.idle_kib()
+        with Sampler(c.pid) as sampler:
+            threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(20)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+            # Let condense hold what it holds for a moment.
+            time.sleep(1.0)
+            ok, took = healthz(c.addr)
+        r.idle_mib = idle / 1024
+        r.peak_above_idle_mib = (c.peak_kib(sampler.max_kib) - idle) / 1024
+        r.healthz = f"{'200' if ok else 'NO ANSWER'} in {took * 1000:.0f} ms"
+        counts: dict[str, int] = {}
+        for v in outcome.values():
+            counts[v] = counts.get(v, 0) + 1
+        r.notes.append(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    finally:
+        for s in conns:
+            s.close()
+        c.kill()
+        up.close()
+    return r
+
+
+def run_upstream_body(binary: str, time_limit: float, name: str, mode: str, body: dict, expect_status: int, expect_bytes: int, goal: str) -> Result:
+    r = Result(name, goal=goal)
+    up = FakeUpstream(mode)
+    c = Condense(binary, up.base_url)
+    try:
+        idle = c.idle_kib()
+        deadline = time.monotonic() + time_limit
+        with Sampler(c.pid) as sampler:
+            with socket.create_connection(c.addr, timeout=30) as s:
+                s.sendall(chat_request(body))
+                status, got = read_counted(s, deadline)
+            ok, took = healthz(c.addr)
+        r.idle_mib = idle / 1024
+        r.peak_above_idle_mib = (c.peak_kib(sampler.max_kib) - idle) / 1024
+        r.healthz = f"{'200' if ok else 'NO ANSWER'} in {took * 1000:.0f} ms"
+        whole = "whole" if (status, got) == (expect_status, expect_bytes) else f"MISMATCH (expected {expect_status}, {expect_bytes} B)"
+        r.notes.append(f"client got {status}, {got / 1e6:.1f} MB: {whole}")
+        if mode == "long_sse":
+            n = c.metric('condense_upstream_invalid_responses_total{kind="sse_event_too_long"}')
+            r.notes.append(f"sse_event_too_long={n:.0f}")
+        else:
+            r.notes.append(f"upstream requests={up.requests} (1 = no retry)")
+    except (OSError, RuntimeError, TimeoutError) as e:
+        r.notes.append(f"FAILED: {e!r}")
+    finally:
+        c.kill()
+        up.close()
+    return r
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bin", default="target/release/condense", help="the condense binary (default: %(default)s)")
+    p.add_argument("--only", default="a,b,c1,c2,d", help="scenarios to run (default: %(default)s)")
+    p.add_argument("--time-limit", type=float, default=120.0, help="seconds per scenario")
+    args = p.parse_args()
+    if not os.access(args.bin, os.X_OK):
+        print(f"no executable at {args.bin}; build it with `cargo build --release`", file=sys.stderr)
+        return 2
+    streamed = dict(CHAT, stream=True)
+    asked = dict(streamed, stream_options={"include_usage": True})
+    scenarios = {
+        "a": lambda: run_idle_connections(args.bin, args.time_limit),
+        "b": lambda: run_withheld_bodies(args.bin, args.time_limit),
+        "c1": lambda: run_upstream_body(
+            args.bin, args.time_limit, "c1: 60 MB SSE line (usage stripped)", "long_sse", streamed, 200, SSE_TOTAL, "< 64-128 MiB"
+        ),
+        "c2": lambda: run_upstream_body(
+            args.bin, args.time_limit, "c2: 60 MB SSE line (usage asked)", "long_sse", asked, 200, SSE_TOTAL, "< 64-128 MiB"
+        ),
+        "d": lambda: run_upstream_body(
+            args.bin, args.time_limit, "d: 300 MB chunked 400 body", "huge_400", CHAT, 400, ERROR_TOTAL, "< 64-128 MiB"
+        ),
+    }
+    results = []
+    for key in args.only.split(","):
+        key = key.strip()
+        if key not in scenarios:
+            print(f"unknown scenario {key}", file=sys.stderr)
+            return 2
+        started = time.monotonic()
+        try:
+            res = scenarios[key]()
+        except (OSError, RuntimeError) as e:
+            res = Result(key, notes=[f"FAILED: {e!r}"])
+        res.notes.append(f"{time.monotonic() - started:.1f} s")
+        results.append(res)
+        print(f"done: {res.name}", file=sys.stderr, flush=True)
+
+    cols = ("scenario", "idle RSS", "peak above idle", "goal", "/healthz", "notes")
+    rows = [
+        (
+            r.name,
+            f"{r.idle_mib:.1f} MiB",
+            f"{r.peak_above_idle_mib:.1f} MiB",
+            r.goal,
+            r.healthz,
+            "; ".join(r.notes),
+        )
+        for r in results
+    ]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    line = " | ".join(c.ljust(w) for c, w in zip(cols, widths))
+    print(line)
+    print("-+-".join("-" * w for w in widths))
+    for row in rows:
+        print(" | ".join(v.ljust(w) for v, w in zip(row, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
