@@ -358,8 +358,9 @@ pub struct ServerConfig {
     /// hold them). Beyond it the longest-idle connection is closed to make
     /// room, or, with every connection busy, the new one gets a 503.
     pub max_connections: usize,
-    /// A client connection with no request in flight (idle keep-alive, or
-    /// still sending its request headers) is closed after this long.
+    /// A client connection on which nothing moves is closed after this
+    /// long: no request in flight (idle keep-alive, or still sending its
+    /// request headers), or a client that stopped reading its response.
     pub idle_timeout_seconds: f64,
     /// After SIGTERM/SIGINT, how long in-flight requests and streams may run
     /// before condense exits anyway.

@@ -131,11 +131,11 @@ impl Metrics {
         let connections_closed_total = IntCounterVec::new(
             Opts::new(
                 "condense_connections_closed_total",
-                "Client connections condense closed itself, by reason: idle_timeout (no request in flight for server.idle_timeout_seconds), evicted (idle, to make room at server.max_connections), refused (over the cap with every connection busy; answered 503).",
+                "Client connections condense closed itself, by reason: idle_timeout (no request in flight for server.idle_timeout_seconds), write_stalled (the client stopped reading its response for that long), evicted (idle, to make room at server.max_connections), refused (over the cap with every connection busy; answered 503).",
             ),
             &["reason"],
         )?;
-        for reason in ["idle_timeout", "evicted", "refused"] {
+        for reason in ["idle_timeout", "write_stalled", "evicted", "refused"] {
             connections_closed_total.with_label_values(&[reason]);
         }
         let token_cache_hits_total = IntCounter::new(

@@ -5,11 +5,15 @@
 //! a second, is held forever, and enough of them exhaust the process's file
 //! descriptors until nothing (not even `/healthz`) is answered. Here:
 //!
-//! - A connection with no request in flight (a fresh one, one still sending
-//!   its request headers, or an idle keep-alive one) is closed after
-//!   `server.idle_timeout_seconds`. A request in flight is never cut by this:
-//!   its body has its own deadline (`server.body_timeout_seconds`, in the
-//!   proxy) and its response the upstream timeouts.
+//! - A connection on which nothing moves is closed after
+//!   `server.idle_timeout_seconds`: one with no request in flight (a fresh
+//!   one, one still sending its request headers, or an idle keep-alive one),
+//!   or one whose client has stopped reading its response (every write has
+//!   been blocked on a full socket buffer that long; the response's upstream
+//!   connection goes with it). A request in flight that is merely slow is
+//!   never cut by this: its body has its own deadline
+//!   (`server.body_timeout_seconds`, in the proxy) and its response the
+//!   upstream timeouts.
 //! - At most `max_connections` are open. A connection beyond that first
 //!   makes room by closing the longest-idle connection that has no request
 //!   in flight; when every connection is busy it is answered `503` (OpenAI
@@ -101,6 +105,9 @@ struct Conn {
     /// Set while an eviction is asked and not yet answered, so that a burst
     /// of new connections evicts as many idle ones.
     evicting: AtomicBool,
+    /// Milliseconds since the registry's epoch (plus one) at which writes to
+    /// the client started to block; 0 while they go through.
+    write_blocked: AtomicU64,
 }
 
 /// The open connections.
@@ -126,6 +133,7 @@ impl Registry {
             changed: Notify::new(),
             evict: Notify::new(),
             evicting: AtomicBool::new(false),
+            write_blocked: AtomicU64::new(0),
         });
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut c) = self.conns.lock() {
@@ -187,6 +195,94 @@ impl Conn {
                 changed.await;
             }
         }
+    }
+}
+
+impl Conn {
+    /// Resolves once writes to the client have been blocked for `limit`
+    /// without a byte going through.
+    async fn write_stalled(&self, limit: Duration, registry: &Registry) {
+        loop {
+            let since = self.write_blocked.load(Ordering::Relaxed);
+            let waited = match since {
+                0 => Duration::ZERO,
+                at => Duration::from_millis(registry.now().saturating_sub(at - 1)),
+            };
+            if since != 0 && waited >= limit {
+                return;
+            }
+            tokio::time::sleep(limit.saturating_sub(waited)).await;
+        }
+    }
+}
+
+/// The client's socket, telling its [`Conn`] when writes block and when
+/// they go through again.
+struct Watched {
+    tcp: TcpStream,
+    conn: Arc<Conn>,
+    registry: Arc<Registry>,
+}
+
+impl Watched {
+    fn note<T>(&self, poll: Poll<T>) -> Poll<T> {
+        let blocked = &self.conn.write_blocked;
+        match &poll {
+            Poll::Pending => {
+                if blocked.load(Ordering::Relaxed) == 0 {
+                    blocked.store(self.registry.now() + 1, Ordering::Relaxed);
+                }
+            }
+            Poll::Ready(_) => {
+                if blocked.load(Ordering::Relaxed) != 0 {
+                    blocked.store(0, Ordering::Relaxed);
+                }
+            }
+        }
+        poll
+    }
+}
+
+impl tokio::io::AsyncRead for Watched {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Watched {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let poll = Pin::new(&mut self.tcp).poll_write(cx, buf);
+        self.note(poll)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let poll = Pin::new(&mut self.tcp).poll_write_vectored(cx, bufs);
+        self.note(poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.tcp.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let poll = Pin::new(&mut self.tcp).poll_flush(cx);
+        self.note(poll)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_shutdown(cx)
     }
 }
 
@@ -360,7 +456,12 @@ async fn connection(
 ) {
     let conn = service.conn.clone();
     let registry = service.registry.clone();
-    let served = builder.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(service));
+    let io = Watched {
+        tcp,
+        conn: conn.clone(),
+        registry: registry.clone(),
+    };
+    let served = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(service));
     tokio::pin!(served);
     let mut draining = false;
     let closed = loop {
@@ -388,6 +489,7 @@ async fn connection(
                 conn.evicting.store(false, Ordering::Relaxed);
             }
             _ = conn.idle_for(idle, &registry) => break Some("idle_timeout"),
+            _ = conn.write_stalled(idle, &registry) => break Some("write_stalled"),
         }
     };
     if let Some(reason) = closed {
