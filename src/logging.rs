@@ -24,3 +24,36 @@ pub fn init(config: &LogConfig) {
         LogFormat::Json => builder.json().try_init(),
     };
 }
+
+/// Longest client-chosen string (model name, path) put into a log line.
+pub const MAX_LOGGED: usize = 256;
+
+/// `s` cut to [`MAX_LOGGED`] bytes (at a character boundary), so a client
+/// cannot make every log line as long as its request.
+pub fn clip(s: &str) -> &str {
+    if s.len() <= MAX_LOGGED {
+        return s;
+    }
+    let mut end = MAX_LOGGED;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_strings_are_clipped_at_a_character_boundary() {
+        assert_eq!(clip("gpt-4o"), "gpt-4o");
+        let long = "é".repeat(200);
+        let c = clip(&long);
+        assert!(
+            c.len() <= MAX_LOGGED && c.chars().all(|ch| ch == 'é'),
+            "{}",
+            c.len()
+        );
+    }
+}

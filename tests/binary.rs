@@ -140,7 +140,11 @@ async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() 
         messages.push(serde_json::json!({"role": "user", "content": format!("ok {t}")}));
     }
     let long = serde_json::json!({"model": "small-model", "messages": messages, "max_tokens": 64});
+    // The overflowing one with a 100 KB model name: no log line carries it.
+    let mut huge_name = long.clone();
+    huge_name["model"] = serde_json::json!(format!("small-model-{}", "m".repeat(100_000)));
     for extra in [None, Some(("x-mock-window", "100"))] {
+        let long = if extra.is_some() { &huge_name } else { &long };
         let mut req = client
             .post(format!("http://{addr}/v1/chat/completions"))
             .bearer_auth("sk-never-log-this-key")
@@ -185,6 +189,8 @@ async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() 
         !log.contains("never-log-this"),
         "a key reached the logs:\n{log}"
     );
+    let longest = log.lines().map(str::len).max().unwrap_or(0);
+    assert!(longest < 4096, "a log line of {longest} bytes");
 }
 
 #[test]

@@ -498,7 +498,13 @@ impl Proxy {
                 .inc();
         };
         let upstream = self.upstream.base_url();
-        tracing::info!(model, format = o.format, limit = ?o.limit, prompt = ?o.prompt, "upstream context overflow");
+        tracing::info!(
+            model = crate::logging::clip(&model),
+            format = o.format,
+            limit = ?o.limit,
+            prompt = ?o.prompt,
+            "upstream context overflow"
+        );
         if let Some(limit) = o.limit {
             self.tokens.overflows.set(upstream, &model, limit);
             self.state
@@ -692,7 +698,7 @@ impl Proxy {
             }
             if !outcome.stages.is_empty() {
                 tracing::debug!(
-                    model,
+                    model = crate::logging::clip(model),
                     before = p.assessment.tokens,
                     after = p.tokens_after,
                     actions = %outcome.actions(),

@@ -209,7 +209,7 @@ async fn observe(State(s): State<AppState>, req: Request, next: Next) -> Respons
     if matches!(route, ROUTE_CHAT | ROUTE_PASSTHROUGH) {
         tracing::info!(
             %method,
-            path,
+            path = crate::logging::clip(&path),
             status,
             request_id,
             headers_ms = start.elapsed().as_secs_f64() * 1000.0,

@@ -421,7 +421,11 @@ impl Job {
             }
         }
         if let Err(e) = &result {
-            tracing::warn!(model = %self.model, error = %e, "summarizer call failed");
+            tracing::warn!(
+                model = crate::logging::clip(&self.model),
+                error = %e,
+                "summarizer call failed"
+            );
         }
         result
     }
