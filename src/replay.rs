@@ -126,6 +126,7 @@ pub struct Overview {
     pub window: u64,
     pub prompt_budget: u64,
     pub turns: usize,
+    pub provider: ProviderReport,
     pub condense: Totals,
     pub drop_oldest: Totals,
     pub last_10_results: Totals,
@@ -139,6 +140,7 @@ impl Overview {
             window: r.window,
             prompt_budget: r.prompt_budget,
             turns: r.turns.len(),
+            provider: r.provider,
             condense: r.condense,
             drop_oldest: r.drop_oldest,
             last_10_results: r.last_10_results,
@@ -688,6 +690,7 @@ pub fn render(r: &Report) -> String {
     }
     s.push('\n');
     strategies(&mut s, &r.condense, &r.drop_oldest, &r.last_10_results);
+    s.push_str(&provider_line(&r.provider));
     if let Some(st) = &r.summarizer {
         s.push_str(&format!(
             "\nsummarizer: {} calls ({} prompt + {} completion tokens), {} turns reused a stored checkpoint, {} fell back to drops\n",
@@ -695,6 +698,14 @@ pub fn render(r: &Report) -> String {
         ));
     }
     s
+}
+
+/// One line on the provider.
+fn provider_line(p: &ProviderReport) -> String {
+    format!(
+        "provider: counts {}, window {}; {} requests rejected for their length; calibration ratio learned {:.3}\n",
+        p.count, p.window, p.rejections, p.calibration_ratio
+    )
 }
 
 /// The strategies' totals as a table.
@@ -729,6 +740,7 @@ pub fn render_suite(suite: &Suite) -> String {
             c.conversation, c.model, c.window, c.prompt_budget, c.turns
         ));
         strategies(&mut s, &c.condense, &c.drop_oldest, &c.last_10_results);
+        s.push_str(&provider_line(&c.provider));
         s.push('\n');
     }
     s.push_str(&format!(
