@@ -256,3 +256,31 @@ async fn an_overflow_hidden_in_one_whitespace_heavy_result_is_recovered() {
     );
     h.shutdown().await;
 }
+
+/// A local server whose window condense is not told (an unknown model:
+/// 32768 assumed) and must learn: from llama.cpp's error, which names it,
+/// and from an error with no numbers at all, which only bounds it.
+#[tokio::test]
+async fn a_small_window_condense_was_not_told_costs_one_rejection_and_no_failed_turn() {
+    for (overflow, window) in [(OverflowStyle::LlamaCpp, 4096), (OverflowStyle::Bare, 3000)] {
+        let (report, received) = replay_received(
+            &Config::default(),
+            &example(),
+            &CompactOptions {
+                model: Some("local-model".to_string()),
+                window: None,
+            },
+            &Provider {
+                count: CountRule::Chars(3.3),
+                window: Some(window),
+                overflow,
+                lists_window: false,
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(report.condense.turns_not_fit, 0, "{overflow:?}");
+        let rejected = received.iter().filter(|(_, ok)| !ok).count();
+        assert_eq!(rejected, 1, "{overflow:?}: every later turn fits");
+    }
+}

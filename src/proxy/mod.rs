@@ -505,23 +505,35 @@ impl Proxy {
             prompt = ?o.prompt,
             "upstream context overflow"
         );
-        if let Some(limit) = o.limit {
+        // What was sent, counted now if the cheap path did not: the
+        // provider's count is only worth as much as the estimate it is set
+        // against.
+        let encoding = self.tokens.model_info(upstream, &model).encoding;
+        let sent_request = ChatRequest::parse(&prepared.body).ok();
+        let raw_sent = match prepared.report.as_ref().and_then(|r| r.raw_after) {
+            Some(raw) => raw,
+            None => sent_request
+                .as_ref()
+                .map_or(0, |req| self.tokens.count(req, encoding).total),
+        };
+        let sent = prepared.report.as_ref().map_or(0, |r| r.tokens_after);
+        // The window: as the error names it, or else at most what was just
+        // rejected (the prompt as the provider counted it, or as condense
+        // estimates it, plus the completion asked for). Without that bound,
+        // a provider whose errors carry no numbers would reject every later
+        // request of the conversation once.
+        let requested = sent_request
+            .as_ref()
+            .and_then(ChatRequest::max_completion_tokens)
+            .unwrap_or(0);
+        let bound = o.prompt.unwrap_or(sent).saturating_add(requested);
+        if let Some(limit) = o.limit.or((bound > 0).then_some(bound)) {
             self.tokens.overflows.set(upstream, &model, limit);
             self.state
                 .put(&window_key(upstream, &model), &limit.to_string())
                 .await;
         }
         let mut info = self.tokens.model_info(upstream, &model);
-        // What was sent, counted now if the cheap path did not: the
-        // provider's count is only worth as much as the estimate it is set
-        // against.
-        let raw_sent = match prepared.report.as_ref().and_then(|r| r.raw_after) {
-            Some(raw) => raw,
-            None => ChatRequest::parse(&prepared.body)
-                .map(|req| self.tokens.count(&req, info.encoding).total)
-                .unwrap_or(0),
-        };
-        let sent = prepared.report.as_ref().map_or(0, |r| r.tokens_after);
         if let Some(p) = o.prompt {
             self.tokens
                 .calibration
