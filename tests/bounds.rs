@@ -472,21 +472,9 @@ fn client() -> reqwest::Client {
     reqwest::Client::builder().timeout(LIMIT).build().unwrap()
 }
 
-/// A coding-agent session of `turns` tool calls (as in tests/summary.rs).
+/// A coding-agent session of `turns` tool calls.
 fn session(turns: usize) -> Value {
-    let mut messages = vec![
-        json!({"role": "system", "content": "You are a coding agent."}),
-        json!({"role": "user", "content": "Fix the failing test in src/parser.rs"}),
-    ];
-    for t in 0..turns {
-        let id = format!("call_{t}");
-        messages.push(json!({"role": "assistant", "content": format!("Step {t}. idea{t}"), "tool_calls": [{"id": id, "type": "function", "function": {"name": "run", "arguments": format!("{{\"cmd\":\"cat src/m{t}.rs\"}}")}}]}));
-        let body: String = (0..30)
-            .map(|l| format!("{l:>4} let v{t}_{l} = parse(&input[{l}..]);\n"))
-            .collect();
-        messages.push(json!({"role": "tool", "tool_call_id": id, "content": format!("{body}error[E0308]: mismatched types in src/m{t}.rs\n")}));
-    }
-    json!({"model": "agent-small", "messages": messages, "max_tokens": 256})
+    common::coding_session("agent-small", turns, 1, 30)
 }
 
 /// Summarize once a request has more than 20 messages (so `session(12)`

@@ -13,19 +13,7 @@ use serde_json::{Value, json};
 /// A coding-agent conversation of about 16k tokens for gpt-4o (a 128k
 /// window in condense's table).
 fn session(turns: usize) -> Value {
-    let mut messages = vec![
-        json!({"role": "system", "content": "You are a coding agent."}),
-        json!({"role": "user", "content": "Fix the failing test in src/parser.rs"}),
-    ];
-    for t in 0..turns {
-        let id = format!("call_{t}");
-        messages.push(json!({"role": "assistant", "content": format!("Reading file {t}."), "tool_calls": [{"id": id, "type": "function", "function": {"name": "run", "arguments": format!("{{\"cmd\":\"cat src/m{t}.rs\"}}")}}]}));
-        let body: String = (0..60)
-            .map(|l| format!("{l:>4} let v{t}_{l} = parse(&input[{l}..]);\n"))
-            .collect();
-        messages.push(json!({"role": "tool", "tool_call_id": id, "content": format!("{body}error[E0308]: mismatched types in src/m{t}.rs\n")}));
-    }
-    json!({"model": "gpt-4o", "messages": messages, "max_tokens": 256})
+    common::coding_session("gpt-4o", turns, 0, 60)
 }
 
 async fn send(h: &Harness, body: &Value, extra: &[(&str, &str)]) -> reqwest::Response {

@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 
 use common::{Harness, Redis};
 use condense::config::{Config, SummaryTrigger, TriggerKind};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 fn small_window(c: &mut Config) {
     c.models.push(common::profile("agent-*", 8192));
@@ -39,20 +39,7 @@ fn session(turns: usize, think: usize) -> Value {
 
 /// A session whose tool results have `lines` lines.
 fn session_with(turns: usize, think: usize, lines: usize) -> Value {
-    let mut messages = vec![
-        json!({"role": "system", "content": "You are a coding agent."}),
-        json!({"role": "user", "content": "Fix the failing test in src/parser.rs"}),
-    ];
-    for t in 0..turns {
-        let id = format!("call_{t}");
-        let thought: String = (0..think).map(|w| format!("idea{t}x{w} ")).collect();
-        messages.push(json!({"role": "assistant", "content": format!("Step {t}. {thought}"), "tool_calls": [{"id": id, "type": "function", "function": {"name": "run", "arguments": format!("{{\"cmd\":\"cat src/m{t}.rs\"}}")}}]}));
-        let body: String = (0..lines)
-            .map(|l| format!("{l:>4} let v{t}_{l} = parse(&input[{l}..]);\n"))
-            .collect();
-        messages.push(json!({"role": "tool", "tool_call_id": id, "content": format!("{body}error[E0308]: mismatched types in src/m{t}.rs\n")}));
-    }
-    json!({"model": "agent-small", "messages": messages, "max_tokens": 256})
+    common::coding_session("agent-small", turns, think, lines)
 }
 
 async fn send(h: &Harness, body: &Value) -> reqwest::Response {

@@ -453,6 +453,26 @@ pub fn profile(pattern: &str, window: u64) -> condense::config::ModelProfile {
     }
 }
 
+/// A coding-agent session for `model` of `turns` tool calls whose results
+/// have `lines` lines. With `think` words of reasoning per assistant
+/// message, masking tool output alone cannot save it.
+pub fn coding_session(model: &str, turns: usize, think: usize, lines: usize) -> Value {
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a coding agent."}),
+        json!({"role": "user", "content": "Fix the failing test in src/parser.rs"}),
+    ];
+    for t in 0..turns {
+        let id = format!("call_{t}");
+        let thought: String = (0..think).map(|w| format!("idea{t}x{w} ")).collect();
+        messages.push(json!({"role": "assistant", "content": format!("Step {t}. {thought}"), "tool_calls": [{"id": id, "type": "function", "function": {"name": "run", "arguments": format!("{{\"cmd\":\"cat src/m{t}.rs\"}}")}}]}));
+        let body: String = (0..lines)
+            .map(|l| format!("{l:>4} let v{t}_{l} = parse(&input[{l}..]);\n"))
+            .collect();
+        messages.push(json!({"role": "tool", "tool_call_id": id, "content": format!("{body}error[E0308]: mismatched types in src/m{t}.rs\n")}));
+    }
+    json!({"model": model, "messages": messages, "max_tokens": 256})
+}
+
 pub fn chat_body(stream: bool) -> Value {
     json!({
         "model": "gpt-4o",
