@@ -252,44 +252,47 @@ fn parse_digits(s: &str) -> Option<u64> {
 /// numbers.
 pub const BLIND_SHARE: f64 = 0.7;
 
+/// condense's measure of the body the provider rejected.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rejected {
+    /// The raw count.
+    pub raw: u64,
+    /// The body's length in bytes.
+    pub bytes: usize,
+    /// The calibrated estimate.
+    pub calibrated: u64,
+    /// The calibration ratio it was estimated with.
+    pub ratio: f64,
+}
+
 impl Overflow {
-    /// How the retry of the rejected request is measured. `raw_sent` is
-    /// condense's raw estimate of the body it sent, `sent_bytes` that body's
-    /// length, `calibrated_sent` the calibrated estimate.
-    ///
-    /// With the provider's own count of the prompt, that count over the raw
-    /// estimate is the ratio for the retry (it replaces calibration rather
-    /// than multiplying it, so it is never applied twice), and the ceiling
-    /// is the window. Without a count, the retry aims at 70% of the
-    /// rejected prompt.
+    /// How the retry of the rejected request is measured.
     ///
     /// The provider's count says how far off the estimate was in total, not
     /// where: one whitespace-heavy result can hold the whole difference (a
-    /// provider counting characters sees its spaces; o200k folds them). So
-    /// on the retry no message counts less than its bytes at the rejected
-    /// body's average density (`density`): the difference is cut where the
-    /// bytes are.
-    pub fn correction(&self, raw_sent: u64, sent_bytes: usize, calibrated_sent: u64) -> Correction {
-        let ratio = match self.prompt {
-            // The provider's count of this very body: trusted far beyond
-            // the range calibration keeps to (a body that is mostly one
-            // whitespace-heavy result can count six times o200k).
-            Some(p) if raw_sent > 0 => {
-                Some((p as f64 / raw_sent as f64).clamp(MIN_RATIO / 5.0, MAX_RATIO * 4.0))
-            }
+    /// provider counting characters sees every space; o200k folds runs of
+    /// them), or it can be spread evenly (a tokenizer that is simply
+    /// coarser). So on the retry each message counts as the larger of two
+    /// readings: its tokens at the calibration ratio, and its bytes at the
+    /// provider's tokens per byte of the rejected body (`density`, in raw
+    /// tokens at that ratio). Either kind of difference is then seen where
+    /// it is, and the rejected body itself counts at least what the
+    /// provider said. The ceiling is the window. Without a count, the retry
+    /// aims at 70% of the rejected prompt.
+    pub fn correction(&self, sent: &Rejected) -> Correction {
+        let ratio = sent.ratio.clamp(MIN_RATIO, MAX_RATIO);
+        let density = match self.prompt {
+            Some(p) if sent.bytes > 0 => Some(p as f64 / sent.bytes as f64 / ratio),
             _ => None,
         };
-        let counted = match (self.prompt, ratio) {
-            (Some(p), Some(_)) => p,
-            _ => calibrated_sent,
-        };
-        let prompt_budget = (self.limit.is_none() || ratio.is_none())
+        let counted = self.prompt.unwrap_or(sent.calibrated);
+        let prompt_budget = (self.limit.is_none() || self.prompt.is_none())
             .then_some((counted as f64 * BLIND_SHARE).round() as u64);
         Correction {
-            ratio,
+            ratio: density.map(|_| ratio),
             completion: self.completion,
             prompt_budget,
-            density: (sent_bytes > 0).then(|| raw_sent as f64 / sent_bytes as f64),
+            density,
         }
     }
 }
@@ -306,25 +309,32 @@ mod tests {
             prompt,
             completion,
         };
-        // Ceiling and count: the provider's ratio replaces calibration, the
-        // window does the rest.
-        let c = o(Some(8192), Some(12_000), Some(1000)).correction(10_000, 40_000, 11_000);
-        assert_eq!(c.ratio, Some(1.2));
+        let sent = Rejected {
+            raw: 10_000,
+            bytes: 40_000,
+            calibrated: 11_000,
+            ratio: 1.1,
+        };
+        // Ceiling and count: the calibration ratio stays, and the
+        // provider's tokens per byte (0.3, here 0.3 / 1.1 in raw tokens)
+        // floor every message.
+        let c = o(Some(8192), Some(12_000), Some(1000)).correction(&sent);
+        assert_eq!(c.ratio, Some(1.1));
         assert_eq!(c.completion, Some(1000));
         assert_eq!(c.prompt_budget, None);
-        assert_eq!(c.density, Some(0.25));
-        // Far beyond what calibration would take, still the provider's word.
-        let c = o(Some(8192), Some(60_000), None).correction(10_000, 40_000, 11_000);
-        assert_eq!(c.ratio, Some(6.0));
-        // No numbers: 70% of the rejected prompt.
-        let c = o(None, None, None).correction(10_000, 40_000, 11_000);
-        assert_eq!((c.ratio, c.prompt_budget), (None, Some(7_700)));
+        assert!((c.density.unwrap() - 0.3 / 1.1).abs() < 1e-12);
+        // No numbers: 70% of the rejected prompt, no floor.
+        let c = o(None, None, None).correction(&sent);
+        assert_eq!(
+            (c.ratio, c.prompt_budget, c.density),
+            (None, Some(7_700), None)
+        );
         // A ceiling without a count: the window, and 70% as a cap.
-        let c = o(Some(8192), None, None).correction(10_000, 40_000, 11_000);
+        let c = o(Some(8192), None, None).correction(&sent);
         assert_eq!(c.prompt_budget, Some(7_700));
         // A count without a ceiling: 70% of the provider's count.
-        let c = o(None, Some(20_000), None).correction(10_000, 40_000, 11_000);
-        assert_eq!((c.ratio, c.prompt_budget), (Some(2.0), Some(14_000)));
+        let c = o(None, Some(20_000), None).correction(&sent);
+        assert_eq!(c.prompt_budget, Some(14_000));
     }
 
     #[test]

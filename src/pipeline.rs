@@ -219,10 +219,17 @@ fn apply(
         req.set_messages(messages);
     }
     let ratio = setup.ratio;
+    // With a density floor the outcome is counted in floored units, which
+    // the ratio was made for; calibration wants the plain count.
+    let raw_after = if setup.density > 0.0 {
+        tokens.count(&req, setup.encoding).total
+    } else {
+        outcome.tokens_after
+    };
     let pending = outcome.span.clone().map(|span| Pending { span, setup });
     Processed {
         tokens_after: (outcome.tokens_after as f64 * ratio).round() as u64,
-        raw_after: Some(outcome.tokens_after),
+        raw_after: Some(raw_after),
         request: req,
         assessment,
         outcome: Some(outcome),

@@ -8,6 +8,7 @@
 pub mod auth;
 pub mod body;
 pub mod headers;
+pub mod learn;
 pub mod listing;
 pub mod relay;
 pub mod upstream;
@@ -38,6 +39,7 @@ use crate::summary::client::CallError;
 use crate::tokens::{ModelInfo, TokenService, pair_key};
 use auth::Credentials;
 use body::{BodyBudget, StreamFault};
+use learn::{Background, Learner, Sent};
 use listing::ListingFetcher;
 use relay::{InflightGuard, Tap, UsageCallback};
 use upstream::{Upstream, UpstreamError};
@@ -114,14 +116,6 @@ struct Prepared {
     strip_usage: bool,
     /// What the response headers report; None when condense did not measure.
     report: Option<Report>,
-}
-
-/// The body sent upstream, as calibration needs it.
-enum Sent {
-    /// condense's raw count of it.
-    Counted(u64),
-    /// Not counted on the way: counted when its usage comes.
-    Body(Bytes),
 }
 
 /// What condense measured and did, for the response headers.
@@ -269,9 +263,9 @@ impl Proxy {
     ) -> Result<Response, ProxyError> {
         let (parts, body) = req.into_parts();
         let url = self.upstream.url_for(parts.uri.path(), parts.uri.query())?;
-        // `_held` keeps the body's room in the budget until the response
-        // is on its way.
-        let (bytes, _held) = body::read_request(
+        // `held` keeps the body's room in the budget until the response is
+        // on its way (or, when it is counted after it, until counted).
+        let (bytes, held) = body::read_request(
             body,
             body::content_length(&parts.headers),
             self.max_body_bytes,
@@ -370,13 +364,23 @@ impl Proxy {
             (true, true) => Tap::Sse(SseTap::new(prepared.strip_usage)),
             (true, false) => Tap::Json(JsonTap::new(resp.content_length())),
         };
-        let sent_body = match prepared.report.as_ref().and_then(|r| r.raw_after) {
-            Some(raw) => Sent::Counted(raw),
-            None => Sent::Body(prepared.body.clone()),
+        let learner = prepared.model.map(|model| Learner {
+            metrics: self.metrics.clone(),
+            tokens: self.tokens.clone(),
+            upstream: self.upstream.base_url().to_string(),
+            model,
+        });
+        let counted = match (&learner, prepared.report.as_ref().and_then(|r| r.raw_after)) {
+            (_, Some(raw)) => Sent::Counted(raw),
+            (Some(l), None) if resp.status().is_success() => l.count_later(
+                prepared.body.clone(),
+                held,
+                &self.prepare_slots,
+                &self.background,
+            ),
+            _ => Sent::Unknown,
         };
-        let on_usage = prepared
-            .model
-            .map(|model| self.usage_callback(model, sent_body));
+        let on_usage = learner.map(|l| l.on_usage(counted));
         let mut response = self.respond(
             ROUTE_CHAT,
             resp,
@@ -444,7 +448,7 @@ impl Proxy {
     /// once. Returns the response for the client (the retry's, or the
     /// upstream's error unchanged) and what was sent.
     async fn recover(
-        &self,
+        self: &Arc<Self>,
         resp: reqwest::Response,
         prepared: Prepared,
         original: &Bytes,
@@ -505,41 +509,46 @@ impl Proxy {
             prompt = ?o.prompt,
             "upstream context overflow"
         );
-        // What was sent, counted now if the cheap path did not: the
-        // provider's count is only worth as much as the estimate it is set
-        // against.
         let encoding = self.tokens.model_info(upstream, &model).encoding;
-        let sent_request = ChatRequest::parse(&prepared.body).ok();
-        let raw_sent = match prepared.report.as_ref().and_then(|r| r.raw_after) {
-            Some(raw) => raw,
-            None => sent_request
-                .as_ref()
-                .map_or(0, |req| self.tokens.count(req, encoding).total),
+        let calibrated = prepared.report.as_ref().map_or(0, |r| r.tokens_after);
+        // The ratio the rejected body was estimated with, before this
+        // overflow's own observation moves it.
+        let ratio = self.tokens.calibration.ratio(upstream, &model);
+        let Some((rejected, requested)) = self
+            .measure_rejected(&prepared.body, encoding, calibrated, ratio)
+            .await
+        else {
+            count("not_recoverable");
+            return Ok((unchanged(), prepared));
         };
-        let sent = prepared.report.as_ref().map_or(0, |r| r.tokens_after);
-        // The window: as the error names it, or else at most what was just
-        // rejected (the prompt as the provider counted it, or as condense
-        // estimates it, plus the completion asked for). Without that bound,
-        // a provider whose errors carry no numbers would reject every later
-        // request of the conversation once.
-        let requested = sent_request
-            .as_ref()
-            .and_then(ChatRequest::max_completion_tokens)
-            .unwrap_or(0);
-        let bound = o.prompt.unwrap_or(sent).saturating_add(requested);
-        if let Some(limit) = o.limit.or((bound > 0).then_some(bound)) {
+        // The window as the error names it, learned and shared. An error
+        // without it still bounds the window by what was just rejected (the
+        // prompt as the provider counted it, or as condense estimates it,
+        // plus the completion asked for); without that, a provider whose
+        // errors carry no numbers would reject every later request of the
+        // conversation once. condense's estimate may be low, so that bound
+        // stays in process and expires.
+        if let Some(limit) = o.limit {
             self.tokens.overflows.set(upstream, &model, limit);
             self.state
                 .put(&window_key(upstream, &model), &limit.to_string())
                 .await;
+        } else {
+            let bound = o
+                .prompt
+                .unwrap_or(calibrated)
+                .saturating_add(requested.unwrap_or(0));
+            if bound > 0 {
+                self.tokens.bounds.set(upstream, &model, bound);
+            }
         }
         let mut info = self.tokens.model_info(upstream, &model);
         if let Some(p) = o.prompt {
             self.tokens
                 .calibration
-                .observe(upstream, &model, p, raw_sent);
+                .observe(upstream, &model, p, rejected.raw);
         }
-        info.correction = Some(o.correction(raw_sent, prepared.body.len(), sent));
+        info.correction = Some(o.correction(&rejected));
 
         let Some(retry) = self.prepare_retry(original, &model, info, &headers).await else {
             count("not_recoverable");
@@ -560,6 +569,42 @@ impl Proxy {
             "failed"
         });
         Ok((resp, retry))
+    }
+
+    /// condense's measure of a body the provider rejected (counted now
+    /// where the cheap path did not; off the async workers when it is
+    /// large, as on the way in), and the completion it asked for.
+    async fn measure_rejected(
+        self: &Arc<Self>,
+        body: &Bytes,
+        encoding: crate::tokens::Encoding,
+        calibrated: u64,
+        ratio: f64,
+    ) -> Option<(overflow::Rejected, Option<u64>)> {
+        let large = body.len() >= BLOCKING_PREPARE_BYTES;
+        let (tokens, body) = (self.tokens.clone(), body.clone());
+        let measure = move || {
+            let req = ChatRequest::parse(&body).ok()?;
+            let rejected = overflow::Rejected {
+                raw: tokens.count(&req, encoding).total,
+                bytes: body.len(),
+                calibrated,
+                ratio,
+            };
+            Some((rejected, req.max_completion_tokens()))
+        };
+        if large {
+            let permit = self.prepare_slots.clone().acquire_owned().await;
+            tokio::task::spawn_blocking(move || {
+                let _permit = permit;
+                measure()
+            })
+            .await
+            .ok()
+            .flatten()
+        } else {
+            measure()
+        }
     }
 
     /// The client's original request compacted for a retry after an
@@ -739,59 +784,6 @@ impl Proxy {
         }
     }
 
-    /// What to do with the usage a response reports: count it, and
-    /// calibrate against condense's raw count of `sent`, the body that went
-    /// upstream. A body condense did not count on the way (the cheap path,
-    /// an opted-out request) is counted now, on the blocking pool, so every
-    /// response with usage calibrates without adding to any request's time
-    /// (and the next turn finds its messages counted).
-    fn usage_callback(&self, model: String, sent: Sent) -> UsageCallback {
-        let metrics = self.metrics.clone();
-        let tokens = self.tokens.clone();
-        let background = self.background.clone();
-        let upstream = self.upstream.base_url().to_string();
-        Box::new(move |usage| {
-            let label = metrics.model_label(&model);
-            metrics
-                .upstream_prompt_tokens_total
-                .with_label_values(&[&label])
-                .inc_by(usage.prompt_tokens);
-            metrics
-                .upstream_completion_tokens_total
-                .with_label_values(&[&label])
-                .inc_by(usage.completion_tokens);
-            let (counter, model_name, upstream_url) =
-                (tokens.clone(), model.clone(), upstream.clone());
-            // The gauge is set from the first usage on, whether or not this
-            // observation was large enough to count.
-            let calibrate = move |estimate: u64| {
-                let ratio = tokens
-                    .calibration
-                    .observe(&upstream, &model, usage.prompt_tokens, estimate)
-                    .map_or_else(
-                        || tokens.calibration.ratio(&upstream, &model),
-                        |r| r.observed,
-                    );
-                metrics
-                    .calibration_ratio
-                    .with_label_values(&[&label])
-                    .set(ratio);
-            };
-            match sent {
-                Sent::Counted(raw) => calibrate(raw),
-                Sent::Body(body) => {
-                    background.spawn(move || {
-                        let Ok(req) = ChatRequest::parse(&body) else {
-                            return;
-                        };
-                        let enc = counter.model_info(&upstream_url, &model_name).encoding;
-                        calibrate(counter.count(&req, enc).total);
-                    });
-                }
-            }
-        })
-    }
-
     /// Waits until the work started off the request path (counting bodies
     /// for calibration) is done: `condense replay` and tests use it to see
     /// each turn's effect before the next.
@@ -844,45 +836,5 @@ impl Proxy {
             .inc();
         tracing::warn!(route, error = %e, "request failed in condense");
         e.into_response()
-    }
-}
-
-/// Blocking work started off the request path, and a way to wait for it.
-#[derive(Clone, Default)]
-struct Background {
-    running: Arc<std::sync::atomic::AtomicUsize>,
-    idle: Arc<tokio::sync::Notify>,
-}
-
-impl Background {
-    /// Runs `work` on the blocking pool (or here, outside a runtime).
-    fn spawn(&self, work: impl FnOnce() + Send + 'static) {
-        use std::sync::atomic::Ordering;
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            work();
-            return;
-        };
-        self.running.fetch_add(1, Ordering::AcqRel);
-        let this = self.clone();
-        runtime.spawn_blocking(move || {
-            // A panic in the work must not leave `running` up.
-            let _ = std::panic::catch_unwind(AssertUnwindSafe(work));
-            if this.running.fetch_sub(1, Ordering::AcqRel) == 1 {
-                this.idle.notify_waiters();
-            }
-        });
-    }
-
-    async fn settled(&self) {
-        use std::sync::atomic::Ordering;
-        loop {
-            let idle = self.idle.notified();
-            tokio::pin!(idle);
-            idle.as_mut().enable();
-            if self.running.load(Ordering::Acquire) == 0 {
-                return;
-            }
-            idle.await;
-        }
     }
 }

@@ -98,7 +98,7 @@ struct Conn {
     /// Milliseconds since the registry's epoch at which `active` last
     /// changed (or the connection was accepted).
     since: AtomicU64,
-    /// Woken when `active` changes.
+    /// Woken when `active` changes, and when writes start or stop blocking.
     changed: Notify,
     /// Woken to ask the connection to close if it is idle.
     evict: Notify,
@@ -169,8 +169,12 @@ impl Registry {
 }
 
 impl Conn {
+    /// No request in flight and nothing left to write: hyper lets a
+    /// response body (and with it the request's count) go before its last
+    /// bytes are flushed, and a connection closed then would cut the
+    /// response short.
     fn idle(&self) -> bool {
-        self.active.load(Ordering::Acquire) == 0
+        self.active.load(Ordering::Acquire) == 0 && self.write_blocked.load(Ordering::Acquire) == 0
     }
 
     /// Resolves once the connection has had no request in flight for
@@ -203,15 +207,22 @@ impl Conn {
     /// without a byte going through.
     async fn write_stalled(&self, limit: Duration, registry: &Registry) {
         loop {
-            let since = self.write_blocked.load(Ordering::Relaxed);
-            let waited = match since {
-                0 => Duration::ZERO,
-                at => Duration::from_millis(registry.now().saturating_sub(at - 1)),
-            };
-            if since != 0 && waited >= limit {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let since = self.write_blocked.load(Ordering::Acquire);
+            if since == 0 {
+                changed.await;
+                continue;
+            }
+            let waited = Duration::from_millis(registry.now().saturating_sub(since - 1));
+            if waited >= limit {
                 return;
             }
-            tokio::time::sleep(limit.saturating_sub(waited)).await;
+            tokio::select! {
+                _ = tokio::time::sleep(limit - waited) => {}
+                _ = changed => {}
+            }
         }
     }
 }
@@ -225,19 +236,18 @@ struct Watched {
 }
 
 impl Watched {
+    /// Records whether writes block; the connection's watchdogs are woken
+    /// on each change (not on every write).
     fn note<T>(&self, poll: Poll<T>) -> Poll<T> {
         let blocked = &self.conn.write_blocked;
-        match &poll {
-            Poll::Pending => {
-                if blocked.load(Ordering::Relaxed) == 0 {
-                    blocked.store(self.registry.now() + 1, Ordering::Relaxed);
-                }
-            }
-            Poll::Ready(_) => {
-                if blocked.load(Ordering::Relaxed) != 0 {
-                    blocked.store(0, Ordering::Relaxed);
-                }
-            }
+        let was = blocked.load(Ordering::Acquire) != 0;
+        let now = poll.is_pending();
+        if now != was {
+            blocked.store(
+                if now { self.registry.now() + 1 } else { 0 },
+                Ordering::Release,
+            );
+            self.conn.changed.notify_waiters();
         }
         poll
     }

@@ -31,7 +31,7 @@ use crate::config::{Config, ModelProfile};
 use crate::metrics::Metrics;
 use cache::CountCache;
 use calibration::{Calibration, Ratios};
-use models::Listings;
+use models::{Bounds, Listings};
 
 /// Bytes of masked message forms remembered across requests.
 const MEMO_BYTES: usize = 16 * 1024 * 1024;
@@ -97,6 +97,8 @@ pub struct TokenService {
     pub listings: Listings,
     /// Windows learned from context-overflow errors.
     pub overflows: Listings,
+    /// Upper bounds on windows from overflow errors without numbers.
+    pub bounds: Bounds,
     profiles: Vec<ModelProfile>,
     config: Arc<Config>,
 }
@@ -113,6 +115,7 @@ impl TokenService {
             calibration: Calibration::default(),
             listings: Listings::default(),
             overflows: Listings::default(),
+            bounds: Bounds::default(),
             profiles: config.models.clone(),
             config,
         }
@@ -128,7 +131,14 @@ impl TokenService {
             (None, Some(p)) => (p.context_window, WindowSource::Profile),
             (None, None) => (self.config.default_context_window, WindowSource::Default),
         };
-        let (window, source) = match self.overflows.get(upstream, model) {
+        let learned = [
+            self.overflows.get(upstream, model),
+            self.bounds.get(upstream, model),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        let (window, source) = match learned {
             Some(learned) if learned < window => (learned, WindowSource::Overflow),
             _ => (window, source),
         };
@@ -269,7 +279,16 @@ impl TokenService {
         let (count, raw) = if cheap {
             (None, self.estimate_cached(req, info.encoding))
         } else {
-            let c = self.count(req, info.encoding);
+            let mut c = self.count(req, info.encoding);
+            // A retry's density floor (see `Correction::density`) counts
+            // here as in the compaction that follows.
+            if let Some(d) = correction.density {
+                let fixed = c.total - c.per_message.iter().sum::<u64>();
+                for (n, m) in c.per_message.iter_mut().zip(req.messages()) {
+                    *n = (*n).max((m.raw().len() as f64 * d).ceil() as u64);
+                }
+                c.total = fixed + c.per_message.iter().sum::<u64>();
+            }
             let t = c.total;
             (Some(c), t)
         };

@@ -20,6 +20,8 @@
 //! entry, so an entry appended to the table overrides a shipped one. A name
 //! (or last part) longer than 256 bytes matches no profile.
 
+use std::time::{Duration, Instant};
+
 use serde_json::Value;
 
 use super::encoding::Encoding;
@@ -51,8 +53,8 @@ pub struct Correction {
     /// The most the prompt may have (calibrated tokens), when the error gave
     /// no numbers to go by.
     pub prompt_budget: Option<u64>,
-    /// Raw tokens per byte of the rejected body: on the retry no message
-    /// counts less than its bytes at this density.
+    /// Raw tokens per byte: on the retry no message counts less than its
+    /// bytes at this density (see [`crate::overflow::Overflow::correction`]).
     pub density: Option<f64>,
 }
 
@@ -189,6 +191,40 @@ const WINDOW_FIELDS: &[&str] = &[
     "/max_input_tokens",
     "/top_provider/context_length",
 ];
+
+/// Upper bounds on windows from overflow errors that name no window: the
+/// prompt that was rejected. condense's estimate of it may be low (that is
+/// how it came to be sent), so such a bound is kept in process only and for
+/// [`Bounds::TTL`], not shared and not for good; a smaller one replaces a
+/// larger.
+pub struct Bounds {
+    windows: Bounded<u64, (u64, Instant), PreHashed>,
+}
+
+impl Default for Bounds {
+    fn default() -> Self {
+        Bounds {
+            windows: Bounded::hashed(4096, 4096, one),
+        }
+    }
+}
+
+impl Bounds {
+    pub const TTL: Duration = Duration::from_secs(600);
+
+    pub fn set(&self, upstream: &str, model: &str, window: u64) {
+        let window = self.get(upstream, model).map_or(window, |w| w.min(window));
+        self.windows
+            .insert(pair_key(upstream, model), (window, Instant::now()));
+    }
+
+    pub fn get(&self, upstream: &str, model: &str) -> Option<u64> {
+        self.windows
+            .get(&pair_key(upstream, model))
+            .filter(|(_, at)| at.elapsed() < Self::TTL)
+            .map(|(w, _)| w)
+    }
+}
 
 /// The key under which a single-model listing's window is kept (not a
 /// model name: names cannot contain a NUL).

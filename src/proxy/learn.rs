@@ -1,0 +1,199 @@
+//! Learning from responses: the usage a response reports is counted in the
+//! metrics and calibrates condense's estimate, set against condense's raw
+//! count of exactly the body that went upstream.
+//!
+//! A body condense did not count on the way (the cheap path, an opted-out
+//! request) is counted off the request path, on the blocking pool, as soon
+//! as it has been sent: the count and the usage meet whichever comes first,
+//! the body is let go once counted (long before a stream ends), and the next
+//! turn finds its messages counted. Such counting takes one of the slots
+//! the request path measures large bodies in, and only when one is free:
+//! under load some bodies go uncounted rather than queue, so this costs
+//! requests no time and holds no memory beyond those slots.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+
+use super::body::Held;
+use super::relay::UsageCallback;
+use crate::chat::ChatRequest;
+use crate::metrics::Metrics;
+use crate::tokens::TokenService;
+
+/// Where a response's usage is learned for.
+#[derive(Clone)]
+pub struct Learner {
+    pub metrics: Arc<Metrics>,
+    pub tokens: Arc<TokenService>,
+    pub upstream: String,
+    pub model: String,
+}
+
+/// condense's raw count of the body sent, as calibration gets it.
+pub enum Sent {
+    /// Counted on the way.
+    Counted(u64),
+    /// Being counted off the request path.
+    Counting(Arc<Meeting>),
+    /// Not counted (no slot was free): the usage is only shown.
+    Unknown,
+}
+
+/// Where a count made off the request path meets the usage of its response.
+#[derive(Default)]
+pub struct Meeting {
+    /// (raw count, reported prompt tokens), each once known.
+    halves: Mutex<(Option<u64>, Option<u64>)>,
+}
+
+impl Meeting {
+    /// Adds one half; the pair when this completed it.
+    fn meet(&self, raw: Option<u64>, reported: Option<u64>) -> Option<(u64, u64)> {
+        let mut h = self.halves.lock().ok()?;
+        h.0 = h.0.or(raw);
+        h.1 = h.1.or(reported);
+        match *h {
+            (Some(raw), Some(reported)) => {
+                // Consumed: the other side, coming later, finds nothing.
+                *h = (None, None);
+                Some((raw, reported))
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Learner {
+    /// Counts `body` off the request path when a slot is free; `held` (its
+    /// room in the body budget) goes when it is counted.
+    pub fn count_later(
+        &self,
+        body: Bytes,
+        held: Held,
+        slots: &Arc<Semaphore>,
+        background: &Background,
+    ) -> Sent {
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            return Sent::Unknown;
+        };
+        let meeting = Arc::new(Meeting::default());
+        let (learner, met) = (self.clone(), meeting.clone());
+        background.spawn(move || {
+            let _slot: OwnedSemaphorePermit = slot;
+            let _held = held;
+            let Ok(req) = ChatRequest::parse(&body) else {
+                return;
+            };
+            let encoding = learner
+                .tokens
+                .model_info(&learner.upstream, &learner.model)
+                .encoding;
+            let raw = learner.tokens.count(&req, encoding).total;
+            drop(body);
+            if let Some((raw, reported)) = met.meet(Some(raw), None) {
+                learner.calibrate(reported, raw);
+            }
+        });
+        Sent::Counting(meeting)
+    }
+
+    /// What to do with the usage the response reports.
+    pub fn on_usage(self, sent: Sent) -> UsageCallback {
+        Box::new(move |usage| {
+            let label = self.metrics.model_label(&self.model);
+            self.metrics
+                .upstream_prompt_tokens_total
+                .with_label_values(&[&label])
+                .inc_by(usage.prompt_tokens);
+            self.metrics
+                .upstream_completion_tokens_total
+                .with_label_values(&[&label])
+                .inc_by(usage.completion_tokens);
+            match sent {
+                Sent::Counted(raw) => self.calibrate(usage.prompt_tokens, raw),
+                Sent::Counting(meeting) => {
+                    if let Some((raw, reported)) = meeting.meet(None, Some(usage.prompt_tokens)) {
+                        self.calibrate(reported, raw);
+                    }
+                }
+                Sent::Unknown => self.show_ratio(),
+            }
+        })
+    }
+
+    /// One observation; the ratio gauge is set from the first usage on,
+    /// whether or not the observation was large enough to count.
+    fn calibrate(&self, reported: u64, raw: u64) {
+        self.tokens
+            .calibration
+            .observe(&self.upstream, &self.model, reported, raw);
+        self.show_ratio();
+    }
+
+    fn show_ratio(&self) {
+        let label = self.metrics.model_label(&self.model);
+        self.metrics
+            .calibration_ratio
+            .with_label_values(&[&label])
+            .set(self.tokens.calibration.ratio(&self.upstream, &self.model));
+    }
+}
+
+/// Blocking work started off the request path, and a way to wait for it.
+#[derive(Clone, Default)]
+pub struct Background {
+    running: Arc<AtomicUsize>,
+    idle: Arc<Notify>,
+}
+
+impl Background {
+    /// Runs `work` on the blocking pool (or here, outside a runtime).
+    pub fn spawn(&self, work: impl FnOnce() + Send + 'static) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            work();
+            return;
+        };
+        self.running.fetch_add(1, Ordering::AcqRel);
+        let this = self.clone();
+        runtime.spawn_blocking(move || {
+            // A panic in the work must not leave `running` up.
+            let _ = std::panic::catch_unwind(AssertUnwindSafe(work));
+            if this.running.fetch_sub(1, Ordering::AcqRel) == 1 {
+                this.idle.notify_waiters();
+            }
+        });
+    }
+
+    /// Resolves once no work is running.
+    pub async fn settled(&self) {
+        loop {
+            let idle = self.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.running.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_count_and_the_usage_meet_in_either_order_once() {
+        let m = Meeting::default();
+        assert_eq!(m.meet(Some(100), None), None);
+        assert_eq!(m.meet(None, Some(130)), Some((100, 130)));
+        assert_eq!(m.meet(None, Some(130)), None);
+        let m = Meeting::default();
+        assert_eq!(m.meet(None, Some(7)), None);
+        assert_eq!(m.meet(Some(5), None), Some((5, 7)));
+    }
+}
