@@ -130,6 +130,15 @@ impl<K: Eq + Hash, V: Clone, B: BuildHasher + Clone> Bounded<K, V, B> {
     }
 }
 
+impl<K: Eq + Hash, V: Clone, B: BuildHasher + Clone> std::fmt::Debug for Bounded<K, V, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bounded")
+            .field("entries", &self.len())
+            .field("weight", &self.weight())
+            .finish()
+    }
+}
+
 /// The hasher for [`PreHashed`] keys: the key is the hash.
 #[derive(Default)]
 pub struct IdentityHasher(u64);

@@ -550,8 +550,8 @@ fn served_model(full: &ChatRequest, options: &CompactOptions) -> String {
 }
 
 /// The configuration the replayed proxy runs with: `config`, pointed at the
-/// simulated provider, with `--window` as a profile for the model, and the
-/// summarizer at `summarizer` (or none).
+/// simulated provider, with `--window` as a profile for the model, the
+/// summarizer at `summarizer` (or none), and its state in process.
 fn proxy_config(
     config: &Config,
     model: &str,
@@ -560,6 +560,9 @@ fn proxy_config(
 ) -> Config {
     let mut c = config.clone();
     c.upstream.base_url = PROVIDER_URL.to_string();
+    // A replay keeps its state to itself: never a shared Redis, whose
+    // checkpoints and windows would leak into (and out of) production.
+    c.state.redis_url = None;
     if let Some(window) = options.window {
         // A profile that is the model's exact name is the most specific.
         c.models.push(crate::config::ModelProfile {

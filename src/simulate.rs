@@ -9,13 +9,13 @@
 //! provider. The test mock upstream answers with the same code, so a replay
 //! and a proxy in front of that mock can be compared byte for byte.
 
-use std::collections::HashMap;
 use std::sync::Mutex;
 
 use bytes::Bytes;
 use http::{Method, StatusCode, header};
 use serde_json::{Value, json};
 
+use crate::cache::{Bounded, PreHashed, one};
 use crate::chat::ChatRequest;
 use crate::tokens::Encoding;
 
@@ -171,8 +171,11 @@ pub struct Simulator {
     received: Mutex<Vec<(Bytes, bool)>>,
     /// Counts of messages and tool lists seen before (a replay re-sends its
     /// history every turn).
-    memo: Mutex<HashMap<u64, u64>>,
+    memo: Bounded<u64, u64, PreHashed>,
 }
+
+/// Message counts the simulator remembers.
+const MEMO_ENTRIES: usize = 100_000;
 
 /// The model name the simulated listing carries.
 const LISTED_MODEL: &str = "gpt-4o";
@@ -185,7 +188,7 @@ impl Simulator {
             overflow,
             lists_window: false,
             received: Mutex::new(Vec::new()),
-            memo: Mutex::new(HashMap::new()),
+            memo: Bounded::hashed(MEMO_ENTRIES, MEMO_ENTRIES as u64, one),
         }
     }
 
@@ -194,14 +197,7 @@ impl Simulator {
     pub fn count(&self, body: &Bytes) -> Option<u64> {
         self.rule.count_with(body, &mut |raw, tools, count| {
             let key = xxhash_rust::xxh3::xxh3_64(raw) ^ u64::from(tools);
-            if let Some(n) = self.memo.lock().ok().and_then(|m| m.get(&key).copied()) {
-                return n;
-            }
-            let n = count();
-            if let Ok(mut m) = self.memo.lock() {
-                m.insert(key, n);
-            }
-            n
+            self.memo.get_or_insert_with(key, count)
         })
     }
 

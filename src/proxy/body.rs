@@ -2,10 +2,11 @@
 //! upstream, has a size limit, and every client body a deadline.
 //!
 //! - A client body read whole (chat requests, to be measured and compacted)
-//!   must fit `server.max_body_bytes` (413), arrive within
-//!   `server.body_timeout_seconds` (408), and find room in the bytes of
-//!   bodies held at once, `server.max_buffered_bytes` (503). The room is
-//!   held until the handler lets the body go.
+//!   must fit `server.max_body_bytes` (413, at once when its
+//!   `Content-Length` says so), arrive within `server.body_timeout_seconds`
+//!   (408), and find room in the bytes of bodies held at once,
+//!   `server.max_buffered_bytes` (503), taken as its bytes arrive. The room
+//!   is held until the handler lets the body go.
 //! - A client body streamed upstream unread (passthrough routes) has the
 //!   same size limit and deadline; when it fails, the client learns whose
 //!   fault it was (413, 408, or 400 for a malformed body) rather than a 502.
@@ -87,6 +88,11 @@ pub fn content_length(headers: &HeaderMap) -> Option<u64> {
         .ok()
 }
 
+/// Bytes allocated for a body up front at most, whatever it declares.
+const PREALLOCATE: u64 = 1 << 20;
+/// The most room taken for a body beyond its bytes so far.
+const STEP: u64 = 1 << 20;
+
 /// Reads a whole client body within `limit` bytes, `timeout` and the
 /// `budget`; returns it with the room it holds.
 pub async fn read_request(
@@ -100,16 +106,13 @@ pub async fn read_request(
         return Err(ProxyError::BodyTooLarge(limit));
     }
     let mut held = Held(None);
-    let mut buf = match declared {
-        // Room for a declared length is taken before a byte is read, so
-        // bodies the client never sends cannot hold more than it.
-        Some(n) => {
-            budget.take(&mut held, n)?;
-            BytesMut::with_capacity(usize::try_from(n).unwrap_or(0))
-        }
-        None => BytesMut::new(),
-    };
-    let mut reserved = declared.unwrap_or(0);
+    // Room is taken as the bytes come, in doubling steps, never for bytes a
+    // client only announced: headers claiming 32 MiB that never send them
+    // would otherwise hold the whole budget for the body deadline.
+    let mut buf = BytesMut::with_capacity(
+        usize::try_from(declared.unwrap_or(0).min(PREALLOCATE)).unwrap_or(0),
+    );
+    let mut reserved = 0u64;
     let mut stream = body.into_data_stream();
     let read = async {
         while let Some(chunk) = stream.next().await {
@@ -119,9 +122,9 @@ pub async fn read_request(
                 return Err(ProxyError::BodyTooLarge(limit));
             }
             if len > reserved {
-                // Undeclared length: room is taken as the bytes come, in
-                // steps, so a growing body does not ask for each chunk.
-                let want = (len.max(reserved * 2)).min(limit).max(len);
+                // Doubling while small, then a step at a time: few turns on
+                // the semaphore, and at most a step held beyond the bytes.
+                let want = len.max((reserved * 2).min(len + STEP)).min(limit);
                 budget.take(&mut held, want - reserved)?;
                 reserved = want;
             }
@@ -211,28 +214,45 @@ pub fn streamed_request(
 pub enum Bounded {
     /// The whole body, within the limit.
     Whole(Bytes),
-    /// The body passed the limit: what was read, and the rest unread.
+    /// The body passed the limit (or stalled): what was read, and the rest
+    /// unread.
     Over {
         head: Bytes,
         rest: std::pin::Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
     },
 }
 
-/// Reads an upstream response body up to `limit` bytes.
-pub async fn read_upstream(resp: reqwest::Response, limit: usize) -> reqwest::Result<Bounded> {
+/// Reads an upstream response body up to `limit` bytes. With `idle`, a
+/// body that stalls longer than that between two chunks is not waited for:
+/// it comes back as [`Bounded::Over`], for a relay to pass on (under its own
+/// idle timeout).
+pub async fn read_upstream(
+    resp: reqwest::Response,
+    limit: usize,
+    idle: Option<Duration>,
+) -> reqwest::Result<Bounded> {
     let mut stream = Box::pin(resp.bytes_stream());
     let mut buf = BytesMut::new();
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk?;
-        buf.extend_from_slice(&chunk);
+    loop {
+        let next = match idle {
+            Some(idle) => match tokio::time::timeout(idle, stream.next()).await {
+                Ok(next) => next,
+                Err(_) => break,
+            },
+            None => stream.next().await,
+        };
+        let Some(chunk) = next else {
+            return Ok(Bounded::Whole(buf.freeze()));
+        };
+        buf.extend_from_slice(&chunk?);
         if buf.len() > limit {
-            return Ok(Bounded::Over {
-                head: buf.freeze(),
-                rest: stream,
-            });
+            break;
         }
     }
-    Ok(Bounded::Whole(buf.freeze()))
+    Ok(Bounded::Over {
+        head: buf.freeze(),
+        rest: stream,
+    })
 }
 
 /// Reads an upstream body whole when it fits `limit` bytes; None when it
@@ -241,7 +261,7 @@ pub async fn read_upstream_whole(resp: reqwest::Response, limit: usize) -> Optio
     if resp.content_length().is_some_and(|n| n > limit as u64) {
         return None;
     }
-    match read_upstream(resp, limit).await {
+    match read_upstream(resp, limit, None).await {
         Ok(Bounded::Whole(b)) => Some(b),
         _ => None,
     }

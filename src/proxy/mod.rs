@@ -463,7 +463,7 @@ impl Proxy {
         let status = resp.status();
         let version = resp.version();
         let resp_headers = resp.headers().clone();
-        let read = body::read_upstream(resp, MAX_ERROR_BODY)
+        let read = body::read_upstream(resp, MAX_ERROR_BODY, Some(self.upstream.idle_timeout))
             .await
             .map_err(|e| {
                 ProxyError::UpstreamUnreachable(format!(
@@ -473,8 +473,8 @@ impl Proxy {
             })?;
         let body = match read {
             body::Bounded::Whole(b) => b,
-            // Too long to be an overflow error: passed on as it is, the
-            // bytes read first and then the rest as it comes.
+            // Too long to be an overflow error (or stalled): passed on as it
+            // is, the bytes read first and then the rest as it comes.
             body::Bounded::Over { head, rest } => {
                 let whole = futures_util::stream::once(async move { Ok(head) }).chain(rest);
                 let mut r = http::Response::new(reqwest::Body::wrap_stream(whole));

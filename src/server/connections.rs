@@ -53,6 +53,8 @@ use crate::metrics::Metrics;
 /// File descriptors kept free for everything that is not a client
 /// connection (the listener, logs, Redis, the upstream pool's idle ones).
 const RESERVED_FDS: u64 = 64;
+/// Idle connections compared to pick one to evict.
+const EVICTION_SAMPLE: usize = 64;
 /// Connections being refused at once; beyond it they are dropped unanswered.
 const MAX_REFUSING: usize = 256;
 /// Time a refused connection gets to read its 503.
@@ -148,7 +150,10 @@ impl Registry {
         }
     }
 
-    /// Asks the connection idle longest to close; false when none is idle.
+    /// Asks the connection idle longest among a sample of idle ones to
+    /// close; false when none is idle. The sample bounds the work an accept
+    /// at the cap does (a flood of them would otherwise scan every open
+    /// connection each time), as Redis samples keys to evict.
     fn evict_idle(&self) -> bool {
         let Ok(conns) = self.conns.lock() else {
             return false;
@@ -156,6 +161,7 @@ impl Registry {
         let oldest = conns
             .values()
             .filter(|c| c.idle() && !c.evicting.load(Ordering::Relaxed))
+            .take(EVICTION_SAMPLE)
             .min_by_key(|c| c.since.load(Ordering::Relaxed));
         match oldest {
             Some(c) => {
@@ -200,9 +206,7 @@ impl Conn {
             }
         }
     }
-}
 
-impl Conn {
     /// Resolves once writes to the client have been blocked for `limit`
     /// without a byte going through.
     async fn write_stalled(&self, limit: Duration, registry: &Registry) {
@@ -427,6 +431,13 @@ pub async fn serve(
                 }
                 let (id, conn) = registry.add();
                 metrics.open_connections.inc();
+                // Leaves the registry (and the gauge) however the task
+                // ends, aborted before its first poll included.
+                let registered = Registered {
+                    registry: registry.clone(),
+                    metrics: metrics.clone(),
+                    id,
+                };
                 let service = Tracked {
                     router: router.clone(),
                     conn: conn.clone(),
@@ -439,7 +450,7 @@ pub async fn serve(
                     limits.idle,
                     for_connections.clone(),
                     metrics.clone(),
-                    id,
+                    registered,
                 ));
             }
         }
@@ -462,7 +473,7 @@ async fn connection(
     idle: Duration,
     mut stop: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
-    id: u64,
+    _registered: Registered,
 ) {
     let conn = service.conn.clone();
     let registry = service.registry.clone();
@@ -508,8 +519,20 @@ async fn connection(
             .with_label_values(&[reason])
             .inc();
     }
-    registry.remove(id);
-    metrics.open_connections.dec();
+}
+
+/// An open connection's place in the registry and the gauge.
+struct Registered {
+    registry: Arc<Registry>,
+    metrics: Arc<Metrics>,
+    id: u64,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.registry.remove(self.id);
+        self.metrics.open_connections.dec();
+    }
 }
 
 /// Answers a connection over the cap with a 503 and closes it (in the

@@ -9,15 +9,20 @@ use serde_json::{Value, json};
 use crate::config::Secret;
 use crate::proxy::auth::bearer;
 
-/// Headers that carry a client's credentials; they go to the summarizer only
-/// when it is the upstream's own host.
-const CREDENTIAL_HEADERS: &[&str] = &[
-    "authorization",
-    "api-key",
-    "x-api-key",
-    "openai-organization",
-    "openai-project",
+/// Headers that say whose account a call is for; with the client's keys
+/// (`proxy::auth::CREDENTIAL_HEADERS`) they go to the summarizer only when
+/// it is the upstream's own host.
+static ACCOUNT_HEADERS: [HeaderName; 2] = [
+    HeaderName::from_static("openai-organization"),
+    HeaderName::from_static("openai-project"),
 ];
+
+/// Every header of the client's that the summarizer may get.
+fn client_credentials() -> impl Iterator<Item = &'static HeaderName> {
+    crate::proxy::auth::CREDENTIAL_HEADERS
+        .iter()
+        .chain(ACCOUNT_HEADERS.iter())
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
@@ -80,12 +85,11 @@ impl Client {
         if let Some(key) = &self.api_key {
             h.insert(header::AUTHORIZATION, key.clone());
         } else if may_use_client && let Some(client) = client_headers {
-            for name in CREDENTIAL_HEADERS {
-                let name = HeaderName::from_static(name);
-                if let Some(v) = client.get(&name) {
+            for name in client_credentials() {
+                if let Some(v) = client.get(name) {
                     let mut v = v.clone();
                     v.set_sensitive(true);
-                    h.insert(name, v);
+                    h.insert(name.clone(), v);
                 }
             }
         }
@@ -110,7 +114,7 @@ impl Client {
         body[max_field] = json!(max_tokens);
         let secrets: Vec<String> = headers
             .iter()
-            .filter(|(name, _)| CREDENTIAL_HEADERS.contains(&name.as_str()))
+            .filter(|(name, _)| client_credentials().any(|c| c == *name))
             .filter_map(|(_, v)| v.to_str().ok())
             .map(|v| v.trim_start_matches("Bearer ").to_string())
             .filter(|v| v.len() >= 8)
@@ -126,7 +130,7 @@ impl Client {
         let status = resp.status();
         // A checkpoint is a few kilobytes; an answer far larger is not one,
         // and reading it whole would let the summarizer fill memory.
-        let bytes = match crate::proxy::body::read_upstream(resp, MAX_ANSWER_BYTES).await {
+        let bytes = match crate::proxy::body::read_upstream(resp, MAX_ANSWER_BYTES, None).await {
             Ok(crate::proxy::body::Bounded::Whole(b)) => b,
             Ok(crate::proxy::body::Bounded::Over { .. }) => {
                 return Err(CallError::Shape(format!(

@@ -40,9 +40,15 @@ const MEMO_BYTES: usize = 16 * 1024 * 1024;
 const TOOLS_DOMAIN: u64 = 0x5bd1_e995_0000_0001;
 
 /// The key of what condense learns per (upstream, model): a hash, so that
-/// a client-chosen model name of any length costs a fixed few bytes.
+/// a client-chosen model name of any length costs a fixed few bytes, with a
+/// seed drawn per process, so that no client can pick names that collide.
 pub fn pair_key(upstream: &str, model: &str) -> u64 {
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let seed = *SEED.get_or_init(|| {
+        use std::hash::BuildHasher;
+        std::collections::hash_map::RandomState::new().hash_one(0u8)
+    });
+    let mut h = xxhash_rust::xxh3::Xxh3::with_seed(seed);
     h.update(upstream.as_bytes());
     h.update(&[0]);
     h.update(model.as_bytes());

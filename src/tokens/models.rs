@@ -154,14 +154,14 @@ impl Listings {
     /// server, which serves it whatever name a request gives) also sets the
     /// window of every model name the listing does not know.
     pub fn learn(&self, upstream: &str, body: &[u8]) -> usize {
-        let found = parse_listing(body);
+        let (found, listed) = parse_listing_counted(body);
         for (id, window) in &found {
             self.windows.insert(pair_key(upstream, id), *window);
         }
         if let [(_, window)] = found.as_slice()
-            && listed_models(body) == 1
+            && listed == 1
         {
-            self.windows.insert(pair_key(upstream, ONLY_MODEL), *window);
+            self.windows.insert(only_model_key(upstream), *window);
         }
         found.len()
     }
@@ -169,7 +169,7 @@ impl Listings {
     /// The window for `model`: its own, or the only model's.
     pub fn window(&self, upstream: &str, model: &str) -> Option<u64> {
         self.get(upstream, model)
-            .or_else(|| self.get(upstream, ONLY_MODEL))
+            .or_else(|| self.windows.get(&only_model_key(upstream)))
     }
 }
 
@@ -226,26 +226,25 @@ impl Bounds {
     }
 }
 
-/// The key under which a single-model listing's window is kept (not a
-/// model name: names cannot contain a NUL).
-const ONLY_MODEL: &str = "\0only";
-
-/// How many models a listing names.
-fn listed_models(body: &[u8]) -> usize {
-    serde_json::from_slice::<Value>(body)
-        .ok()
-        .and_then(|v| v.get("data")?.as_array().map(Vec::len))
-        .unwrap_or(0)
+/// The key under which a single-model listing's window is kept: not the
+/// key of any model name (those hash a 0 byte after the upstream).
+fn only_model_key(upstream: &str) -> u64 {
+    pair_key(&format!("{upstream}\u{1}"), "only")
 }
 
 /// (model id, context window) for every model of a `/models` response that
 /// carries a window.
 pub fn parse_listing(body: &[u8]) -> Vec<(String, u64)> {
+    parse_listing_counted(body).0
+}
+
+/// [`parse_listing`], and how many models the listing names in all.
+fn parse_listing_counted(body: &[u8]) -> (Vec<(String, u64)>, usize) {
     let Ok(v) = serde_json::from_slice::<Value>(body) else {
-        return Vec::new();
+        return (Vec::new(), 0);
     };
     let Some(models) = v.get("data").and_then(Value::as_array) else {
-        return Vec::new();
+        return (Vec::new(), 0);
     };
     let window_of = |m: &Value| {
         WINDOW_FIELDS
@@ -253,10 +252,11 @@ pub fn parse_listing(body: &[u8]) -> Vec<(String, u64)> {
             .find_map(|pointer| m.pointer(pointer).and_then(Value::as_u64))
             .filter(|w| *w >= 256)
     };
-    models
+    let found = models
         .iter()
         .filter_map(|m| Some((m.get("id")?.as_str()?.to_string(), window_of(m)?)))
-        .collect()
+        .collect();
+    (found, models.len())
 }
 
 #[cfg(test)]
