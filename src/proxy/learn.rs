@@ -24,6 +24,10 @@ use crate::chat::ChatRequest;
 use crate::metrics::Metrics;
 use crate::tokens::TokenService;
 
+/// Bodies at least this long are counted on the blocking pool (as on the
+/// request path).
+const BLOCKING_BYTES: usize = super::BLOCKING_PREPARE_BYTES;
+
 /// Where a response's usage is learned for.
 #[derive(Clone)]
 pub struct Learner {
@@ -82,7 +86,7 @@ impl Learner {
         };
         let meeting = Arc::new(Meeting::default());
         let (learner, met) = (self.clone(), meeting.clone());
-        background.spawn(move || {
+        background.spawn(body.len() >= BLOCKING_BYTES, move || {
             let _slot: OwnedSemaphorePermit = slot;
             let _held = held;
             let Ok(req) = ChatRequest::parse(&body) else {
@@ -151,21 +155,28 @@ pub struct Background {
 }
 
 impl Background {
-    /// Runs `work` on the blocking pool (or here, outside a runtime).
-    pub fn spawn(&self, work: impl FnOnce() + Send + 'static) {
+    /// Runs `work` on the blocking pool when `blocking` (long work), as a
+    /// task otherwise (a thread handoff costs more than counting a small
+    /// body whose history is cached), or here, outside a runtime.
+    pub fn spawn(&self, blocking: bool, work: impl FnOnce() + Send + 'static) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             work();
             return;
         };
         self.running.fetch_add(1, Ordering::AcqRel);
         let this = self.clone();
-        runtime.spawn_blocking(move || {
+        let run = move || {
             // A panic in the work must not leave `running` up.
             let _ = std::panic::catch_unwind(AssertUnwindSafe(work));
             if this.running.fetch_sub(1, Ordering::AcqRel) == 1 {
                 this.idle.notify_waiters();
             }
-        });
+        };
+        if blocking {
+            runtime.spawn_blocking(run);
+        } else {
+            runtime.spawn(async move { run() });
+        }
     }
 
     /// Resolves once no work is running.

@@ -78,7 +78,7 @@ pub struct Assessment {
     /// The ratio compaction plans with (see `calibration`): `pressure` is
     /// the raw count times it over the budget.
     pub plan_ratio: f64,
-    /// The raw count; None when the request took the cheap path.
+    /// The raw count per part; None when the request took the cheap path.
     #[serde(skip)]
     pub count: Option<Count>,
     pub tokens_raw: Option<u64>,
@@ -197,7 +197,9 @@ impl TokenService {
     /// path, so on the next turn of a conversation only the new messages
     /// are not in the cache; they are estimated at the density (tokens per
     /// byte) of the messages that are, or at bytes / 4 when none are.
-    pub fn estimate_cached(&self, req: &ChatRequest, enc: Encoding) -> u64 {
+    /// The second value says whether every part was cached: the estimate
+    /// is then the exact count.
+    pub fn estimate_cached(&self, req: &ChatRequest, enc: Encoding) -> (u64, bool) {
         let parts = req.messages().iter().map(|m| (m.raw(), 0)).chain(
             ["tools", "functions"]
                 .iter()
@@ -219,7 +221,9 @@ impl TokenService {
         } else {
             0.25
         };
-        count::REPLY_PRIMING + known + (unknown_bytes as f64 * density).ceil() as u64
+        let estimate =
+            count::REPLY_PRIMING + known + (unknown_bytes as f64 * density).ceil() as u64;
+        (estimate, unknown_bytes == 0)
     }
 
     /// Tokens of one message, from the cache when it was seen before.
@@ -282,8 +286,9 @@ impl TokenService {
             && info.correction.is_none()
             && (upper_bound(body) as f64 * ratios.observed.max(ratios.plan))
                 < info.trigger * budget.prompt_budget as f64;
-        let (count, raw) = if cheap {
-            (None, self.estimate_cached(req, info.encoding))
+        let (count, raw, exact) = if cheap {
+            let (raw, exact) = self.estimate_cached(req, info.encoding);
+            (None, raw, exact)
         } else {
             let mut c = self.count(req, info.encoding);
             // A retry's density floor (see `Correction::density`) counts
@@ -296,7 +301,7 @@ impl TokenService {
                 c.total = fixed + c.per_message.iter().sum::<u64>();
             }
             let t = c.total;
-            (Some(c), t)
+            (Some(c), t, true)
         };
         Assessment {
             encoding: info.encoding.name(),
@@ -312,7 +317,9 @@ impl TokenService {
             target: info.target,
             calibration_ratio: ratios.observed,
             plan_ratio: ratios.plan,
-            tokens_raw: count.as_ref().map(|c| c.total),
+            // On the cheap path too when the cache held every message: the
+            // response then calibrates without counting anything again.
+            tokens_raw: exact.then_some(raw),
             count,
             pressure: budget.pressure((raw as f64 * ratios.plan).round() as u64),
             budget,
