@@ -109,15 +109,17 @@ pub async fn read_request(
     // Room is taken as the bytes come, in doubling steps, never for bytes a
     // client only announced: headers claiming 32 MiB that never send them
     // would otherwise hold the whole budget for the body deadline.
-    let mut buf = BytesMut::with_capacity(
-        usize::try_from(declared.unwrap_or(0).min(PREALLOCATE)).unwrap_or(0),
-    );
+    // A body that arrives in one chunk (most do) is kept as it came; only
+    // one in several chunks is copied together.
+    let mut first: Option<Bytes> = None;
+    let mut buf = BytesMut::new();
+    let mut len = 0u64;
     let mut reserved = 0u64;
     let mut stream = body.into_data_stream();
     let read = async {
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(|e| ProxyError::BadRequestBody(e.to_string()))?;
-            let len = (buf.len() + chunk.len()) as u64;
+            len += chunk.len() as u64;
             if len > limit {
                 return Err(ProxyError::BodyTooLarge(limit));
             }
@@ -128,12 +130,25 @@ pub async fn read_request(
                 budget.take(&mut held, want - reserved)?;
                 reserved = want;
             }
-            buf.extend_from_slice(&chunk);
+            match first.take() {
+                None if buf.is_empty() => first = Some(chunk),
+                earlier => {
+                    if let Some(earlier) = earlier {
+                        buf.reserve(
+                            usize::try_from(declared.unwrap_or(0).min(PREALLOCATE))
+                                .unwrap_or(0)
+                                .max(earlier.len() + chunk.len()),
+                        );
+                        buf.extend_from_slice(&earlier);
+                    }
+                    buf.extend_from_slice(&chunk);
+                }
+            }
         }
         Ok(())
     };
     match tokio::time::timeout(timeout, read).await {
-        Ok(Ok(())) => Ok((buf.freeze(), held)),
+        Ok(Ok(())) => Ok((first.unwrap_or_else(|| buf.freeze()), held)),
         Ok(Err(e)) => Err(e),
         Err(_) => Err(ProxyError::BodyTimeout(timeout.as_secs_f64())),
     }

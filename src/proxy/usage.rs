@@ -240,9 +240,26 @@ fn finishes(event: &[u8]) -> bool {
     all > null
 }
 
+/// Fields every chunk of an OpenAI-style stream carries: a usage chunk with
+/// no others has nothing to move, and the held chunk need not be parsed.
+const CHUNK_FIELDS: &[&str] = &[
+    "id",
+    "object",
+    "created",
+    "model",
+    "system_fingerprint",
+    "service_tier",
+    "obfuscation",
+    "choices",
+    "usage",
+];
+
 /// `held` with the top-level fields of `usage_chunk` it lacks added (not
 /// `usage`, not `choices`); unchanged when there are none.
 fn merge_extra_fields(held: Bytes, usage_chunk: &RawObject) -> Bytes {
+    if usage_chunk.keys().all(|k| CHUNK_FIELDS.contains(&k)) {
+        return held;
+    }
     let Some((text, mut obj)) = parse_event(&held) else {
         return held;
     };
