@@ -13,7 +13,8 @@
 //!   connection goes with it). A request in flight that is merely slow is
 //!   never cut by this: its body has its own deadline
 //!   (`server.body_timeout_seconds`, in the proxy) and its response the
-//!   upstream timeouts.
+//!   upstream timeouts. The deadline is checked every quarter of it, so a
+//!   connection closes between one and one and a quarter deadlines.
 //! - At most `max_connections` are open. A connection beyond that first
 //!   makes room by closing the longest-idle connection that has no request
 //!   in flight; when every connection is busy it is answered `503` (OpenAI
@@ -53,6 +54,8 @@ use crate::metrics::Metrics;
 /// File descriptors kept free for everything that is not a client
 /// connection (the listener, logs, Redis, the upstream pool's idle ones).
 const RESERVED_FDS: u64 = 64;
+/// The shortest interval between two checks of a connection's deadlines.
+const MIN_TICK: Duration = Duration::from_millis(10);
 /// Idle connections compared to pick one to evict.
 const EVICTION_SAMPLE: usize = 64;
 /// Connections being refused at once; beyond it they are dropped unanswered.
@@ -100,8 +103,6 @@ struct Conn {
     /// Milliseconds since the registry's epoch at which `active` last
     /// changed (or the connection was accepted).
     since: AtomicU64,
-    /// Woken when `active` changes, and when writes start or stop blocking.
-    changed: Notify,
     /// Woken to ask the connection to close if it is idle.
     evict: Notify,
     /// Set while an eviction is asked and not yet answered, so that a burst
@@ -132,7 +133,6 @@ impl Registry {
         let conn = Arc::new(Conn {
             active: AtomicUsize::new(0),
             since: AtomicU64::new(self.now()),
-            changed: Notify::new(),
             evict: Notify::new(),
             evicting: AtomicBool::new(false),
             write_blocked: AtomicU64::new(0),
@@ -183,51 +183,17 @@ impl Conn {
         self.active.load(Ordering::Acquire) == 0 && self.write_blocked.load(Ordering::Acquire) == 0
     }
 
-    /// Resolves once the connection has had no request in flight for
-    /// `idle`.
-    async fn idle_for(&self, idle: Duration, registry: &Registry) {
-        loop {
-            let changed = self.changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            if self.idle() {
-                let since = self.since.load(Ordering::Relaxed);
-                let waited = Duration::from_millis(registry.now().saturating_sub(since));
-                tokio::select! {
-                    _ = tokio::time::sleep(idle.saturating_sub(waited)) => {
-                        if self.idle() && self.since.load(Ordering::Relaxed) == since {
-                            return;
-                        }
-                    }
-                    _ = changed => {}
-                }
-            } else {
-                changed.await;
-            }
+    /// Why the connection should close now, if it should: nothing in
+    /// flight for `idle`, or writes blocked for that long.
+    fn overdue(&self, idle: Duration, registry: &Registry) -> Option<&'static str> {
+        let now = registry.now();
+        let limit = u64::try_from(idle.as_millis()).unwrap_or(u64::MAX);
+        let blocked = self.write_blocked.load(Ordering::Acquire);
+        if blocked != 0 && now.saturating_sub(blocked - 1) >= limit {
+            return Some("write_stalled");
         }
-    }
-
-    /// Resolves once writes to the client have been blocked for `limit`
-    /// without a byte going through.
-    async fn write_stalled(&self, limit: Duration, registry: &Registry) {
-        loop {
-            let changed = self.changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            let since = self.write_blocked.load(Ordering::Acquire);
-            if since == 0 {
-                changed.await;
-                continue;
-            }
-            let waited = Duration::from_millis(registry.now().saturating_sub(since - 1));
-            if waited >= limit {
-                return;
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(limit - waited) => {}
-                _ = changed => {}
-            }
-        }
+        let quiet = now.saturating_sub(self.since.load(Ordering::Relaxed));
+        (self.idle() && quiet >= limit).then_some("idle_timeout")
     }
 }
 
@@ -240,8 +206,7 @@ struct Watched {
 }
 
 impl Watched {
-    /// Records whether writes block; the connection's watchdogs are woken
-    /// on each change (not on every write).
+    /// Records when writes start to block, and that they go through again.
     fn note<T>(&self, poll: Poll<T>) -> Poll<T> {
         let blocked = &self.conn.write_blocked;
         let was = blocked.load(Ordering::Acquire) != 0;
@@ -251,7 +216,6 @@ impl Watched {
                 if now { self.registry.now() + 1 } else { 0 },
                 Ordering::Release,
             );
-            self.conn.changed.notify_waiters();
         }
         poll
     }
@@ -310,7 +274,6 @@ impl Active {
     fn new(conn: Arc<Conn>, registry: Arc<Registry>) -> Active {
         conn.active.fetch_add(1, Ordering::AcqRel);
         conn.since.store(registry.now(), Ordering::Relaxed);
-        conn.changed.notify_waiters();
         Active { conn, registry }
     }
 }
@@ -321,7 +284,6 @@ impl Drop for Active {
         self.conn
             .since
             .store(self.registry.now(), Ordering::Relaxed);
-        self.conn.changed.notify_waiters();
     }
 }
 
@@ -485,6 +447,11 @@ async fn connection(
     let served = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(service));
     tokio::pin!(served);
     let mut draining = false;
+    // The deadlines are checked on a coarse tick, a quarter of the idle
+    // deadline: a request costs its connection two atomic stores, no wakeup
+    // and no timer, and a connection closes within 1.25 deadlines.
+    let mut tick = tokio::time::interval((idle / 4).max(MIN_TICK));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let closed = loop {
         tokio::select! {
             result = served.as_mut() => {
@@ -509,8 +476,11 @@ async fn connection(
                 // It became busy meanwhile: it may be chosen again later.
                 conn.evicting.store(false, Ordering::Relaxed);
             }
-            _ = conn.idle_for(idle, &registry) => break Some("idle_timeout"),
-            _ = conn.write_stalled(idle, &registry) => break Some("write_stalled"),
+            _ = tick.tick() => {
+                if let Some(reason) = conn.overdue(idle, &registry) {
+                    break Some(reason);
+                }
+            }
         }
     };
     if let Some(reason) = closed {
