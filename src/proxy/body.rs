@@ -88,8 +88,6 @@ pub fn content_length(headers: &HeaderMap) -> Option<u64> {
         .ok()
 }
 
-/// Bytes allocated for a body up front at most, whatever it declares.
-const PREALLOCATE: u64 = 1 << 20;
 /// The most room taken for a body beyond its bytes so far.
 const STEP: u64 = 1 << 20;
 
@@ -112,7 +110,9 @@ pub async fn read_request(
     // A body that arrives in one chunk (most do) is kept as it came; only
     // one in several chunks is copied together.
     let mut first: Option<Bytes> = None;
-    let mut buf = BytesMut::new();
+    // Grown exactly to the room taken (never doubled), so what is held in
+    // memory stays within a step of the bytes received.
+    let mut buf: Vec<u8> = Vec::new();
     let mut len = 0u64;
     let mut reserved = 0u64;
     let mut stream = body.into_data_stream();
@@ -133,12 +133,9 @@ pub async fn read_request(
             match first.take() {
                 None if buf.is_empty() => first = Some(chunk),
                 earlier => {
+                    let room = usize::try_from(reserved).unwrap_or(usize::MAX);
+                    buf.reserve_exact(room.saturating_sub(buf.len()));
                     if let Some(earlier) = earlier {
-                        buf.reserve(
-                            usize::try_from(declared.unwrap_or(0).min(PREALLOCATE))
-                                .unwrap_or(0)
-                                .max(earlier.len() + chunk.len()),
-                        );
                         buf.extend_from_slice(&earlier);
                     }
                     buf.extend_from_slice(&chunk);
@@ -148,7 +145,7 @@ pub async fn read_request(
         Ok(())
     };
     match tokio::time::timeout(timeout, read).await {
-        Ok(Ok(())) => Ok((first.unwrap_or_else(|| buf.freeze()), held)),
+        Ok(Ok(())) => Ok((first.unwrap_or_else(|| Bytes::from(buf)), held)),
         Ok(Err(e)) => Err(e),
         Err(_) => Err(ProxyError::BodyTimeout(timeout.as_secs_f64())),
     }
