@@ -115,10 +115,7 @@ fn paired(messages: &[Message]) -> Vec<bool> {
 
 fn check(req: &ChatRequest, budget: f64, replacement: &Replacement, strict: bool) {
     let messages = req.messages();
-    let counter = CachedCounter {
-        tokens: service(),
-        encoding: Encoding::O200k,
-    };
+    let counter = CachedCounter::new(service(), Encoding::O200k);
     let limits = Limits {
         budget,
         window: budget * 1.3,
