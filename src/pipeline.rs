@@ -34,7 +34,7 @@ impl Counter for CachedCounter<'_> {
     fn message(&self, raw: &[u8]) -> u64 {
         let counted = self.tokens.message_tokens(raw, self.encoding);
         if self.density > 0.0 {
-            counted.max((raw.len() as f64 * self.density).ceil() as u64)
+            crate::tokens::floored(counted, raw.len(), self.density)
         } else {
             counted
         }

@@ -104,14 +104,13 @@ pub async fn read_request(
         return Err(ProxyError::BodyTooLarge(limit));
     }
     let mut held = Held(None);
-    // Room is taken as the bytes come, in doubling steps, never for bytes a
-    // client only announced: headers claiming 32 MiB that never send them
-    // would otherwise hold the whole budget for the body deadline.
-    // A body that arrives in one chunk (most do) is kept as it came; only
-    // one in several chunks is copied together.
+    // Room is taken as the bytes come, never for bytes a client only
+    // announced: headers claiming 32 MiB that never send them would
+    // otherwise hold the whole budget for the body deadline. A body that
+    // arrives in one chunk (most do) is kept as it came; one in several
+    // chunks is copied into a buffer grown exactly to the room taken (never
+    // doubled), so what is held stays within a step of the bytes received.
     let mut first: Option<Bytes> = None;
-    // Grown exactly to the room taken (never doubled), so what is held in
-    // memory stays within a step of the bytes received.
     let mut buf: Vec<u8> = Vec::new();
     let mut len = 0u64;
     let mut reserved = 0u64;
@@ -223,7 +222,7 @@ pub fn streamed_request(
 }
 
 /// What reading an upstream body up to a limit gave.
-pub enum Bounded {
+pub enum Limited {
     /// The whole body, within the limit.
     Whole(Bytes),
     /// The body passed the limit (or stalled): what was read, and the rest
@@ -236,13 +235,13 @@ pub enum Bounded {
 
 /// Reads an upstream response body up to `limit` bytes. With `idle`, a
 /// body that stalls longer than that between two chunks is not waited for:
-/// it comes back as [`Bounded::Over`], for a relay to pass on (under its own
+/// it comes back as [`Limited::Over`], for a relay to pass on (under its own
 /// idle timeout).
 pub async fn read_upstream(
     resp: reqwest::Response,
     limit: usize,
     idle: Option<Duration>,
-) -> reqwest::Result<Bounded> {
+) -> reqwest::Result<Limited> {
     let mut stream = Box::pin(resp.bytes_stream());
     let mut buf = BytesMut::new();
     loop {
@@ -254,14 +253,14 @@ pub async fn read_upstream(
             None => stream.next().await,
         };
         let Some(chunk) = next else {
-            return Ok(Bounded::Whole(buf.freeze()));
+            return Ok(Limited::Whole(buf.freeze()));
         };
         buf.extend_from_slice(&chunk?);
         if buf.len() > limit {
             break;
         }
     }
-    Ok(Bounded::Over {
+    Ok(Limited::Over {
         head: buf.freeze(),
         rest: stream,
     })
@@ -274,7 +273,7 @@ pub async fn read_upstream_whole(resp: reqwest::Response, limit: usize) -> Optio
         return None;
     }
     match read_upstream(resp, limit, None).await {
-        Ok(Bounded::Whole(b)) => Some(b),
+        Ok(Limited::Whole(b)) => Some(b),
         _ => None,
     }
 }

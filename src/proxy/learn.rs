@@ -99,7 +99,8 @@ impl Learner {
             let raw = learner.tokens.count(&req, encoding).total;
             drop(body);
             if let Some((raw, reported)) = met.meet(Some(raw), None) {
-                learner.calibrate(reported, raw);
+                let label = learner.metrics.model_label(&learner.model);
+                learner.calibrate(reported, raw, &label);
             }
         });
         Sent::Counting(meeting)
@@ -118,31 +119,30 @@ impl Learner {
                 .with_label_values(&[&label])
                 .inc_by(usage.completion_tokens);
             match sent {
-                Sent::Counted(raw) => self.calibrate(usage.prompt_tokens, raw),
+                Sent::Counted(raw) => self.calibrate(usage.prompt_tokens, raw, &label),
                 Sent::Counting(meeting) => {
                     if let Some((raw, reported)) = meeting.meet(None, Some(usage.prompt_tokens)) {
-                        self.calibrate(reported, raw);
+                        self.calibrate(reported, raw, &label);
                     }
                 }
-                Sent::Unknown => self.show_ratio(),
+                Sent::Unknown => self.show_ratio(&label),
             }
         })
     }
 
     /// One observation; the ratio gauge is set from the first usage on,
     /// whether or not the observation was large enough to count.
-    fn calibrate(&self, reported: u64, raw: u64) {
+    fn calibrate(&self, reported: u64, raw: u64, label: &str) {
         self.tokens
             .calibration
             .observe(&self.upstream, &self.model, reported, raw);
-        self.show_ratio();
+        self.show_ratio(label);
     }
 
-    fn show_ratio(&self) {
-        let label = self.metrics.model_label(&self.model);
+    fn show_ratio(&self, label: &str) {
         self.metrics
             .calibration_ratio
-            .with_label_values(&[&label])
+            .with_label_values(&[label])
             .set(self.tokens.calibration.ratio(&self.upstream, &self.model));
     }
 }

@@ -301,20 +301,10 @@ impl Proxy {
                 let measured = if bytes.len() >= BLOCKING_PREPARE_BYTES
                     && self.tokens.uncached_bytes(&chat, info.encoding) >= BLOCKING_PREPARE_BYTES
                 {
-                    // Counting a large history the cache has not seen takes
-                    // tens of milliseconds; keep it off the async workers,
-                    // and run at most one such job per core: a burst of new
-                    // conversations then queues instead of starting hundreds
-                    // of threads that all count the same messages at once
-                    // (the ones that wait find them cached).
-                    let permit = self.prepare_slots.clone().acquire_owned().await;
                     let (this, body, name) = (self.clone(), bytes.clone(), model.clone());
-                    let measured = tokio::task::spawn_blocking(move || {
-                        let _permit = permit;
-                        this.measure_or_forward(chat, &body, &name, info)
-                    })
-                    .await;
-                    measured.unwrap_or_else(|_| Err(Prepared::unchanged(bytes.clone(), None)))
+                    self.off_workers(move || this.measure_or_forward(chat, &body, &name, info))
+                        .await
+                        .unwrap_or_else(|| Err(Prepared::unchanged(bytes.clone(), None)))
                 } else {
                     self.measure_or_forward(chat, &bytes, &model, info)
                 };
@@ -426,12 +416,10 @@ impl Proxy {
             .window_checks
             .get(&key)
             .is_none_or(|at| now.duration_since(at) >= SHARED_WINDOW_CHECK);
-        if due {
-            self.window_checks.insert(key, now);
-        }
         if !due {
             return;
         }
+        self.window_checks.insert(key, now);
         if let Some(window) = self
             .state
             .get(&window_key(upstream, model))
@@ -448,7 +436,7 @@ impl Proxy {
     /// once. Returns the response for the client (the retry's, or the
     /// upstream's error unchanged) and what was sent.
     async fn recover(
-        self: &Arc<Self>,
+        &self,
         resp: reqwest::Response,
         prepared: Prepared,
         original: &Bytes,
@@ -472,10 +460,10 @@ impl Proxy {
                 ))
             })?;
         let body = match read {
-            body::Bounded::Whole(b) => b,
+            body::Limited::Whole(b) => b,
             // Too long to be an overflow error (or stalled): passed on as it
             // is, the bytes read first and then the rest as it comes.
-            body::Bounded::Over { head, rest } => {
+            body::Limited::Over { head, rest } => {
                 let whole = futures_util::stream::once(async move { Ok(head) }).chain(rest);
                 let mut r = http::Response::new(reqwest::Body::wrap_stream(whole));
                 *r.status_mut() = status;
@@ -575,7 +563,7 @@ impl Proxy {
     /// where the cheap path did not; off the async workers when it is
     /// large, as on the way in), and the completion it asked for.
     async fn measure_rejected(
-        self: &Arc<Self>,
+        &self,
         body: &Bytes,
         encoding: crate::tokens::Encoding,
         calibrated: u64,
@@ -594,17 +582,29 @@ impl Proxy {
             Some((rejected, req.max_completion_tokens()))
         };
         if large {
-            let permit = self.prepare_slots.clone().acquire_owned().await;
-            tokio::task::spawn_blocking(move || {
-                let _permit = permit;
-                measure()
-            })
-            .await
-            .ok()
-            .flatten()
+            self.off_workers(measure).await.flatten()
         } else {
             measure()
         }
+    }
+
+    /// Runs long counting work off the async workers, in one of the slots
+    /// (one per core). Counting a large history the cache has not seen
+    /// takes tens of milliseconds; with at most one such job per core, a
+    /// burst of new conversations queues instead of starting hundreds of
+    /// threads that all count the same messages at once (the ones that
+    /// wait find them cached). None when the work did not finish (a panic).
+    async fn off_workers<T: Send + 'static>(
+        &self,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Option<T> {
+        let permit = self.prepare_slots.clone().acquire_owned().await;
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            work()
+        })
+        .await
+        .ok()
     }
 
     /// The client's original request compacted for a retry after an

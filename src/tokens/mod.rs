@@ -55,6 +55,12 @@ pub fn pair_key(upstream: &str, model: &str) -> u64 {
     h.digest()
 }
 
+/// A message's count with a density floor: no less than its `bytes` at
+/// `density` raw tokens per byte (see `Correction::density`).
+pub fn floored(count: u64, bytes: usize, density: f64) -> u64 {
+    count.max((bytes as f64 * density).ceil() as u64)
+}
+
 /// A request's raw (uncalibrated) token count, per part.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Count {
@@ -83,7 +89,8 @@ pub struct Assessment {
     pub count: Option<Count>,
     pub tokens_raw: Option<u64>,
     /// The calibrated estimate (on the cheap path: cached counts of the
-    /// messages seen before, bytes / 4 for the others).
+    /// messages seen before, the others at the conversation's tokens per
+    /// byte; see [`TokenService::estimate_cached`]).
     pub tokens: u64,
     pub pressure: f64,
     /// True when the request was judged far below the trigger from its byte
@@ -273,8 +280,8 @@ impl TokenService {
         if let Some(cap) = correction.prompt_budget {
             budget.prompt_budget = budget.prompt_budget.min(cap.max(1));
         }
-        // A retry after an overflow measures with the provider's own count
-        // of the rejected prompt, for the report and the plan alike.
+        // A retry after an overflow measures with the ratio its correction
+        // gives, for the report and the plan alike.
         let ratios = match correction.ratio {
             Some(r) => Ratios {
                 observed: r,
@@ -296,7 +303,7 @@ impl TokenService {
             if let Some(d) = correction.density {
                 let fixed = c.total - c.per_message.iter().sum::<u64>();
                 for (n, m) in c.per_message.iter_mut().zip(req.messages()) {
-                    *n = (*n).max((m.raw().len() as f64 * d).ceil() as u64);
+                    *n = floored(*n, m.raw().len(), d);
                 }
                 c.total = fixed + c.per_message.iter().sum::<u64>();
             }
