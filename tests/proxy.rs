@@ -268,6 +268,18 @@ async fn unreachable_upstream_is_a_502_in_openai_shape() {
     let resp = post_chat(&h, &chat_body(false)).await;
     assert_eq!(resp.status(), 502);
     assert_eq!(resp.headers()["content-type"], "application/json");
+    // condense's own error still says what it measured and did.
+    assert_eq!(resp.headers()["x-condense-actions"], "none");
+    let before: u64 = resp.headers()["x-condense-tokens-before"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(before > 0);
+    assert_eq!(
+        resp.headers()["x-condense-tokens-after"],
+        resp.headers()["x-condense-tokens-before"]
+    );
     let v: Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
     assert_eq!(v["error"]["code"], "upstream_unreachable");
     assert_eq!(v["error"]["type"], "api_error");
@@ -296,6 +308,8 @@ async fn slow_upstream_is_a_504() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 504);
+    assert_eq!(resp.headers()["x-condense-actions"], "none");
+    assert!(resp.headers().contains_key("x-condense-tokens-before"));
     let v: Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
     assert_eq!(v["error"]["code"], "upstream_timeout");
 }
@@ -352,6 +366,10 @@ async fn bodies_over_the_limit_get_a_413() {
             .await
             .unwrap();
         assert_eq!(resp.status(), 413, "{path}");
+        // Not measured: the chat route says it did nothing.
+        let chat = path == "/v1/chat/completions";
+        assert_eq!(resp.headers().contains_key("x-condense-actions"), chat);
+        assert!(!resp.headers().contains_key("x-condense-tokens-before"));
         let v: Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
         assert_eq!(v["error"]["code"], "request_too_large");
     }

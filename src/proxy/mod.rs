@@ -119,6 +119,7 @@ struct Prepared {
 }
 
 /// What condense measured and did, for the response headers.
+#[derive(Clone)]
 struct Report {
     tokens_before: u64,
     tokens_after: u64,
@@ -251,15 +252,35 @@ impl Proxy {
     /// `POST /v1/chat/completions`.
     pub async fn chat(self: Arc<Self>, req: Request<Body>) -> Response {
         let start = Instant::now();
-        self.chat_inner(req, start)
+        // What condense measured, kept for the response headers even when
+        // sending fails: condense's own errors say what it did too.
+        let mut report = None;
+        let mut response = self
+            .chat_inner(req, start, &mut report)
             .await
-            .unwrap_or_else(|e| self.fail(ROUTE_CHAT, e))
+            .unwrap_or_else(|e| self.fail(ROUTE_CHAT, e));
+        let h = response.headers_mut();
+        match report {
+            Some(r) => {
+                h.insert(X_TOKENS_BEFORE, HeaderValue::from(r.tokens_before));
+                h.insert(X_TOKENS_AFTER, HeaderValue::from(r.tokens_after));
+                h.insert(
+                    X_ACTIONS,
+                    HeaderValue::from_str(&r.actions).unwrap_or(HeaderValue::from_static("none")),
+                );
+            }
+            None => {
+                h.insert(X_ACTIONS, HeaderValue::from_static("none"));
+            }
+        }
+        response
     }
 
     async fn chat_inner(
         self: &Arc<Self>,
         req: Request<Body>,
         start: Instant,
+        report: &mut Option<Report>,
     ) -> Result<Response, ProxyError> {
         let (parts, body) = req.into_parts();
         let url = self.upstream.url_for(parts.uri.path(), parts.uri.query())?;
@@ -321,6 +342,7 @@ impl Proxy {
             }
         };
 
+        report.clone_from(&prepared.report);
         let guard = InflightGuard::new(self.metrics.clone());
         let sent = Instant::now();
         // A request condense measured can be recovered from an overflow.
@@ -337,12 +359,13 @@ impl Proxy {
                 Some(reqwest::Body::from(prepared.body.clone())),
             )
             .await?;
-        let (resp, prepared) = match retry {
+        let (resp, mut prepared) = match retry {
             Some(retry) if OVERFLOW_STATUSES.contains(&resp.status().as_u16()) => {
                 self.recover(resp, prepared, &bytes, retry).await?
             }
             _ => (resp, prepared),
         };
+        *report = prepared.report.take();
 
         let is_sse = resp
             .headers()
@@ -360,7 +383,7 @@ impl Proxy {
             upstream: self.upstream.base_url().to_string(),
             model,
         });
-        let counted = match (&learner, prepared.report.as_ref().and_then(|r| r.raw_after)) {
+        let counted = match (&learner, report.as_ref().and_then(|r| r.raw_after)) {
             (_, Some(raw)) => Sent::Counted(raw),
             (Some(l), None) if resp.status().is_success() => l.count_later(
                 prepared.body.clone(),
@@ -386,19 +409,6 @@ impl Proxy {
         let h = response.headers_mut();
         if prepared.strip_usage {
             h.remove(header::CONTENT_LENGTH);
-        }
-        match &prepared.report {
-            Some(r) => {
-                h.insert(X_TOKENS_BEFORE, HeaderValue::from(r.tokens_before));
-                h.insert(X_TOKENS_AFTER, HeaderValue::from(r.tokens_after));
-                h.insert(
-                    X_ACTIONS,
-                    HeaderValue::from_str(&r.actions).unwrap_or(HeaderValue::from_static("none")),
-                );
-            }
-            None => {
-                h.insert(X_ACTIONS, HeaderValue::from_static("none"));
-            }
         }
         Ok(response)
     }
