@@ -397,10 +397,9 @@ async fn replicas_sharing(redis: &Redis) -> (Harness, condense::server::Server) 
 }
 
 #[tokio::test]
+#[ignore = "needs redis-server; run with `cargo test -- --ignored redis`"]
 async fn replicas_sharing_a_redis_share_checkpoints() {
-    let Some(redis) = Redis::start() else {
-        return;
-    };
+    let redis = Redis::start();
     let (a, b) = replicas_sharing(&redis).await;
 
     let body = session_with(12, 5, 8);
@@ -423,10 +422,9 @@ async fn replicas_sharing_a_redis_share_checkpoints() {
 }
 
 #[tokio::test]
+#[ignore = "needs redis-server; run with `cargo test -- --ignored redis`"]
 async fn a_redis_that_goes_away_is_a_miss_and_comes_back() {
-    let Some(mut redis) = Redis::start() else {
-        return;
-    };
+    let mut redis = Redis::start();
     let port = redis.port;
     let h = Harness::with(|c| {
         by_messages(20.0)(c);
@@ -467,10 +465,9 @@ async fn a_redis_that_goes_away_is_a_miss_and_comes_back() {
 }
 
 #[tokio::test]
+#[ignore = "needs redis-server; run with `cargo test -- --ignored redis`"]
 async fn concurrent_requests_on_two_replicas_share_one_call_through_redis() {
-    let Some(redis) = Redis::start() else {
-        return;
-    };
+    let redis = Redis::start();
     let (a, b) = replicas_sharing(&redis).await;
     a.mock.state.summary_delay_ms.store(400, Ordering::SeqCst);
 
