@@ -22,3 +22,4 @@ pub mod simulate;
 pub mod state;
 pub mod summary;
 pub mod tokens;
+pub mod wire;

@@ -7,7 +7,7 @@
 //! sets a variable for the commands after it. A command of another shape
 //! fails the test until this file learns to run it.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;

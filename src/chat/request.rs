@@ -40,6 +40,18 @@ impl ChatRequest {
         })
     }
 
+    /// A request assembled from its top-level fields and messages (a wire
+    /// format's conversation as the pipeline sees it); its bytes are always
+    /// serialized from them.
+    pub fn assembled(fields: RawObject, messages: Vec<Message>) -> ChatRequest {
+        ChatRequest {
+            source: Bytes::new(),
+            fields,
+            messages,
+            changed: true,
+        }
+    }
+
     pub fn messages(&self) -> &[Message] {
         &self.messages
     }

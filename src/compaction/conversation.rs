@@ -61,8 +61,8 @@ pub struct Analysis {
     pub roles: Vec<Role>,
     /// Index of the first message after the leading system/developer ones.
     pub base: usize,
-    /// User messages before the first assistant message: the task and any
-    /// instructions or context the client put before it.
+    /// User (and system) messages before the first assistant message: the
+    /// task and any instructions or context the client put before it.
     pub pinned: Vec<bool>,
     /// The last user message.
     pub last_user: Option<usize>,
@@ -97,8 +97,14 @@ impl Analysis {
             .iter()
             .position(|r| *r == Role::Assistant)
             .unwrap_or(n);
+        // System and developer messages between the task and the first
+        // step are context the client set up too (Claude Code's
+        // environment).
         let pinned: Vec<bool> = (0..n)
-            .map(|i| i < first_assistant && roles[i] == Role::User)
+            .map(|i| {
+                i < first_assistant
+                    && matches!(roles[i], Role::User | Role::System | Role::Developer)
+            })
             .collect();
         let last_user = roles.iter().rposition(|r| *r == Role::User);
         let assistants: Vec<usize> = (0..n).filter(|&i| roles[i] == Role::Assistant).collect();

@@ -163,6 +163,9 @@ pub struct Span {
 pub struct Outcome {
     /// The new message list, or None when nothing changed.
     pub messages: Option<Vec<Message>>,
+    /// The same decisions message by message (None when nothing changed),
+    /// for a wire format that writes them back into its own body.
+    pub fates: Option<Fates>,
     pub stages: Vec<StageReport>,
     pub tokens_before: u64,
     pub tokens_after: u64,
@@ -186,6 +189,18 @@ impl Outcome {
                 .join(",")
         }
     }
+}
+
+/// What compaction did to each message of the conversation it was given.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fates {
+    /// Per message: its new bytes, when a stage rewrote it.
+    pub rewritten: Vec<Option<Bytes>>,
+    /// Per message: whether it was dropped.
+    pub dropped: Vec<bool>,
+    /// The digest or checkpoint message that stands where the first
+    /// dropped message stood.
+    pub replacement: Option<Bytes>,
 }
 
 /// The working copy: the current bytes and cost of every message.
@@ -244,7 +259,7 @@ impl Work<'_> {
         }
     }
 
-    fn into_messages(self) -> Vec<Message> {
+    fn into_messages(self) -> (Vec<Message>, Fates) {
         let mut out = Vec::with_capacity(self.src.len());
         let mut digest = self.digest.as_ref().map(|d| d.0.clone());
         for i in 0..self.src.len() {
@@ -256,7 +271,12 @@ impl Work<'_> {
             }
             out.push(self.current(i));
         }
-        out
+        let fates = Fates {
+            rewritten: self.bytes,
+            dropped: self.dropped,
+            replacement: self.digest.map(|d| d.0),
+        };
+        (out, fates)
     }
 }
 
@@ -284,6 +304,7 @@ pub fn compact_with(
     let before = limits.fixed + full.iter().sum::<u64>();
     let unchanged = |fits| Outcome {
         messages: None,
+        fates: None,
         stages: Vec::new(),
         tokens_before: before,
         tokens_after: before,
@@ -446,8 +467,10 @@ pub fn compact_with(
     }
     let fits = (after as f64) <= limits.budget;
     let stages = std::mem::take(&mut w.stages);
+    let (messages, fates) = w.into_messages();
     Outcome {
-        messages: Some(w.into_messages()),
+        messages: Some(messages),
+        fates: Some(fates),
         stages,
         tokens_before: before,
         tokens_after: after,

@@ -520,6 +520,7 @@ impl Redis {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         let _ = child.kill();
+        let _ = child.wait();
         panic!("redis-server did not start");
     }
 
