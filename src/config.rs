@@ -390,6 +390,13 @@ pub struct UpstreamConfig {
     /// `auth.client_keys` is set.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub api_key: Option<Secret>,
+    /// Where Anthropic Messages requests go (`/v1/messages` and its
+    /// sub-routes, and any request carrying `anthropic-version`).
+    pub anthropic_base_url: String,
+    /// Key sent to the Anthropic upstream as `x-api-key` when the client
+    /// sends none, or always when `auth.client_keys` is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub anthropic_api_key: Option<Secret>,
     /// Time allowed to open the TCP/TLS connection.
     pub connect_timeout_seconds: f64,
     /// Time allowed from sending the request to the response headers. A
@@ -414,6 +421,8 @@ impl Default for UpstreamConfig {
         UpstreamConfig {
             base_url: "https://api.openai.com/v1".to_string(),
             api_key: None,
+            anthropic_base_url: "https://api.anthropic.com/v1".to_string(),
+            anthropic_api_key: None,
             connect_timeout_seconds: 10.0,
             first_byte_timeout_seconds: 600.0,
             idle_timeout_seconds: 300.0,
@@ -508,6 +517,7 @@ impl Config {
             }
         };
         secret(&mut self.upstream.api_key);
+        secret(&mut self.upstream.anthropic_api_key);
         secret(&mut self.summary.api_key);
         secret(&mut self.state.redis_url);
         for s in [&mut self.summary.base_url, &mut self.summary.model] {
@@ -523,6 +533,10 @@ impl Config {
             reason: reason.to_string(),
         };
         check_http_url("upstream.base_url", &self.upstream.base_url)?;
+        check_http_url(
+            "upstream.anthropic_base_url",
+            &self.upstream.anthropic_base_url,
+        )?;
         for (key, v) in [
             (
                 "upstream.connect_timeout_seconds",
@@ -580,6 +594,10 @@ impl Config {
         }
         for (key, secret) in [
             ("upstream.api_key", &self.upstream.api_key),
+            (
+                "upstream.anthropic_api_key",
+                &self.upstream.anthropic_api_key,
+            ),
             ("summary.api_key", &self.summary.api_key),
         ] {
             if secret.as_ref().is_some_and(|k| k.expose().is_empty()) {
@@ -688,6 +706,7 @@ impl Config {
     pub fn to_redacted_toml(&self) -> String {
         let mut shown = self.clone();
         shown.upstream.base_url = redact_url(&self.upstream.base_url);
+        shown.upstream.anthropic_base_url = redact_url(&self.upstream.anthropic_base_url);
         shown.summary.base_url = self.summary.base_url.as_deref().map(redact_url);
         toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
     }

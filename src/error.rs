@@ -8,6 +8,8 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
+use crate::wire::Format;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
     #[error("the upstream could not be reached: {0}")]
@@ -89,10 +91,41 @@ pub fn openai_error_body(message: &str, kind: &str, code: &str) -> String {
     json!({"error": {"message": message, "type": kind, "param": null, "code": code}}).to_string()
 }
 
-impl IntoResponse for ProxyError {
-    fn into_response(self) -> Response {
-        let (kind, code) = self.kind();
-        let body = openai_error_body(&format!("condense: {self}"), kind, code);
+impl ProxyError {
+    /// Anthropic's error type for this failure.
+    fn anthropic_kind(&self) -> &'static str {
+        match self {
+            ProxyError::UpstreamUnreachable(_) | ProxyError::ShuttingDown => "api_error",
+            ProxyError::UpstreamTimeout(_) => "timeout_error",
+            ProxyError::BodyTooLarge(_) => "request_too_large",
+            ProxyError::Overloaded(_) => "overloaded_error",
+            ProxyError::Unauthorized => "authentication_error",
+            ProxyError::BadRequestBody(_)
+            | ProxyError::BodyTimeout(_)
+            | ProxyError::InvalidPath(_)
+            | ProxyError::MethodNotAllowed(_) => "invalid_request_error",
+        }
+    }
+
+    /// The response in the shape of the API the client speaks, so its SDK
+    /// raises its usual exception: Anthropic's
+    /// `{"type":"error","error":{"type","message"}}` for Messages, OpenAI's
+    /// otherwise.
+    pub fn response_for(self, format: Format) -> Response {
+        match format {
+            Format::Chat => self.into_response(),
+            Format::Messages => {
+                let body = json!({"type": "error", "error": {
+                    "type": self.anthropic_kind(),
+                    "message": format!("condense: {self} ({})", self.metric_label()),
+                }})
+                .to_string();
+                self.finish(body)
+            }
+        }
+    }
+
+    fn finish(self, body: String) -> Response {
         let mut resp = (self.status(), body).into_response();
         resp.headers_mut().insert(
             header::CONTENT_TYPE,
@@ -114,6 +147,14 @@ impl IntoResponse for ProxyError {
             _ => {}
         }
         resp
+    }
+}
+
+impl IntoResponse for ProxyError {
+    fn into_response(self) -> Response {
+        let (kind, code) = self.kind();
+        let body = openai_error_body(&format!("condense: {self}"), kind, code);
+        self.finish(body)
     }
 }
 

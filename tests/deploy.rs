@@ -232,6 +232,7 @@ fn the_kubernetes_sidecar_points_the_agent_at_condense_with_probes_and_scraping(
 fn schema_keys() -> BTreeSet<String> {
     let mut c = Config::default();
     c.upstream.api_key = Some(Secret::new("x"));
+    c.upstream.anthropic_api_key = Some(Secret::new("x"));
     c.summary.api_key = Some(Secret::new("x"));
     c.summary.base_url = Some("http://x".into());
     c.summary.model = Some("x".into());

@@ -23,14 +23,36 @@ pub static CREDENTIAL_HEADERS: [HeaderName; 3] = [
 #[derive(Clone)]
 pub struct Credentials {
     client_keys: Vec<Secret>,
-    upstream_key: Option<HeaderValue>,
+    /// The header and value that carry the operator's key upstream.
+    upstream_key: Option<(HeaderName, HeaderValue)>,
+    /// The headers by which a client brings its own key to this upstream.
+    own_key_headers: &'static [HeaderName],
 }
 
 impl Credentials {
+    /// For an OpenAI-compatible upstream: the key as a bearer token.
     pub fn new(auth: &AuthConfig, upstream_key: Option<&Secret>) -> Credentials {
         Credentials {
             client_keys: auth.client_keys.clone(),
-            upstream_key: upstream_key.and_then(bearer),
+            upstream_key: upstream_key
+                .and_then(bearer)
+                .map(|v| (header::AUTHORIZATION, v)),
+            own_key_headers: &CREDENTIAL_HEADERS[..1],
+        }
+    }
+
+    /// For Anthropic's API: the key in `x-api-key`; a client's own key
+    /// comes in `x-api-key` or as a bearer token.
+    pub fn anthropic(auth: &AuthConfig, upstream_key: Option<&Secret>) -> Credentials {
+        let key = upstream_key.and_then(|k| {
+            let mut v = HeaderValue::from_str(k.expose()).ok()?;
+            v.set_sensitive(true);
+            Some((CREDENTIAL_HEADERS[1].clone(), v))
+        });
+        Credentials {
+            client_keys: auth.client_keys.clone(),
+            upstream_key: key,
+            own_key_headers: &CREDENTIAL_HEADERS[..2],
         }
     }
 
@@ -76,13 +98,15 @@ impl Credentials {
                 headers.remove(name);
             }
         }
-        if !headers.contains_key(header::AUTHORIZATION)
-            && let Some(key) = &self.upstream_key
+        if !self.own_key_headers.iter().any(|h| headers.contains_key(h))
+            && let Some((name, key)) = &self.upstream_key
         {
-            headers.insert(header::AUTHORIZATION, key.clone());
+            headers.insert(name.clone(), key.clone());
         }
-        if let Some(v) = headers.get_mut(header::AUTHORIZATION) {
-            v.set_sensitive(true);
+        for name in &CREDENTIAL_HEADERS {
+            if let Some(v) = headers.get_mut(name) {
+                v.set_sensitive(true);
+            }
         }
     }
 }
@@ -178,5 +202,36 @@ mod tests {
             assert!(!h.contains_key("x-api-key") && !h.contains_key("api-key"));
             assert_eq!(h[header::AUTHORIZATION], "Bearer sk-up");
         }
+    }
+
+    #[test]
+    fn anthropic_keys_travel_in_x_api_key() {
+        let auth = AuthConfig::default();
+        let c = Credentials::anthropic(&auth, Some(&Secret::new("sk-ant-up")));
+        // The client's own key, either way it sends it, goes on alone.
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", HeaderValue::from_static("sk-ant-client"));
+        c.apply(&mut h);
+        assert_eq!(h["x-api-key"], "sk-ant-client");
+        assert!(!h.contains_key(header::AUTHORIZATION));
+        let mut h = with_auth("Bearer sk-ant-client");
+        c.apply(&mut h);
+        assert!(!h.contains_key("x-api-key"));
+        // None: the operator's fills in.
+        let mut h = HeaderMap::new();
+        c.apply(&mut h);
+        assert_eq!(h["x-api-key"], "sk-ant-up");
+        assert!(h["x-api-key"].is_sensitive());
+        // Gated: every client credential replaced.
+        let gated = AuthConfig {
+            client_keys: vec![Secret::new("ck-1")],
+            ..AuthConfig::default()
+        };
+        let c = Credentials::anthropic(&gated, Some(&Secret::new("sk-ant-up")));
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", HeaderValue::from_static("ck-1"));
+        c.check(&h).unwrap();
+        c.apply(&mut h);
+        assert_eq!(h["x-api-key"], "sk-ant-up");
     }
 }

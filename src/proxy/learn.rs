@@ -20,9 +20,9 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 use super::body::Held;
 use super::relay::UsageCallback;
-use crate::chat::ChatRequest;
 use crate::metrics::Metrics;
 use crate::tokens::TokenService;
+use crate::wire::Format;
 
 /// Bodies at least this long are counted on the blocking pool (as on the
 /// request path).
@@ -35,6 +35,8 @@ pub struct Learner {
     pub tokens: Arc<TokenService>,
     pub upstream: String,
     pub model: String,
+    /// The format of the bodies sent.
+    pub format: Format,
 }
 
 /// condense's raw count of the body sent, as calibration gets it.
@@ -89,7 +91,7 @@ impl Learner {
         background.spawn(body.len() >= BLOCKING_BYTES, move || {
             let _slot: OwnedSemaphorePermit = slot;
             let _held = held;
-            let Ok(req) = ChatRequest::parse(&body) else {
+            let Some(req) = crate::wire::conversation_of(learner.format, &body) else {
                 return;
             };
             let encoding = learner

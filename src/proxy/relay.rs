@@ -14,6 +14,7 @@ use futures_util::{Stream, StreamExt};
 
 use super::usage::{JsonTap, SseTap, Usage};
 use crate::metrics::Metrics;
+use crate::wire::Format;
 
 /// Time between a stream's error event and the body failing.
 const FLUSH_BEFORE_ABORT: Duration = Duration::from_millis(20);
@@ -73,12 +74,23 @@ impl Tap {
         let Tap::Sse(t) = self else {
             return None;
         };
-        let error = serde_json::json!({"error": {
-            "message": message, "type": "api_error", "param": null, "code": code}});
         let lead = if t.at_event_boundary() { "" } else { "\n\n" };
         // A finishing chunk held back goes first.
         let mut out = t.take_held().map(Vec::from).unwrap_or_default();
-        out.extend_from_slice(format!("{lead}data: {error}\n\n").as_bytes());
+        let event = match t.format() {
+            Format::Chat => {
+                let error = serde_json::json!({"error": {
+                    "message": message, "type": "api_error", "param": null, "code": code}});
+                format!("{lead}data: {error}\n\n")
+            }
+            // Anthropic's SDKs raise an `error` event as an API error.
+            Format::Messages => {
+                let error = serde_json::json!({"type": "error", "error": {
+                    "type": "api_error", "message": format!("{message} ({code})")}});
+                format!("{lead}event: error\ndata: {error}\n\n")
+            }
+        };
+        out.extend_from_slice(event.as_bytes());
         Some(Bytes::from(out))
     }
 

@@ -73,6 +73,22 @@ impl Upstream {
         Ok(u)
     }
 
+    /// The same client (and simulator) in front of another base URL.
+    pub fn rebased(&self, base_url: &str) -> Result<Upstream, UpstreamError> {
+        let parsed = Url::parse(base_url)?;
+        Ok(Upstream {
+            client: self.client.clone(),
+            simulator: self.simulator.clone(),
+            base: base_url.trim_end_matches('/').to_string(),
+            base_path: parsed.path().trim_end_matches('/').to_string(),
+            host: parsed.host_str().map(str::to_string),
+            port: parsed.port_or_known_default(),
+            first_byte_timeout: self.first_byte_timeout,
+            idle_timeout: self.idle_timeout,
+            connect_timeout: self.connect_timeout,
+        })
+    }
+
     /// The configured base URL (also the calibration key for this upstream).
     pub fn base_url(&self) -> &str {
         &self.base

@@ -19,6 +19,7 @@ use bytes::{Bytes, BytesMut};
 use serde::Deserialize;
 
 use crate::chat::RawObject;
+use crate::wire::Format;
 
 /// Token usage as the upstream reported it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -31,15 +32,81 @@ pub struct Usage {
     pub total_tokens: u64,
 }
 
+/// Anthropic's usage object: the prompt is split into uncached, cache-read
+/// and cache-written parts, which together are what the window holds.
+#[derive(Debug, Default, Deserialize)]
+struct AnthropicUsage {
+    #[serde(default)]
+    input_tokens: Option<u64>,
+    #[serde(default)]
+    cache_creation_input_tokens: Option<u64>,
+    #[serde(default)]
+    cache_read_input_tokens: Option<u64>,
+    #[serde(default)]
+    output_tokens: Option<u64>,
+}
+
+impl AnthropicUsage {
+    fn prompt(&self) -> Option<u64> {
+        let parts = [
+            self.input_tokens,
+            self.cache_creation_input_tokens,
+            self.cache_read_input_tokens,
+        ];
+        parts
+            .iter()
+            .any(Option::is_some)
+            .then(|| parts.iter().flatten().sum())
+    }
+}
+
 impl Usage {
     /// Reads `usage` from a response object, when present and not null.
     fn from_object(obj: &RawObject) -> Option<Usage> {
         serde_json::from_slice::<Option<Usage>>(obj.get("usage")?).ok()?
     }
 
+    /// Reads Anthropic's `usage` from a message object.
+    fn from_anthropic(obj: &RawObject) -> Option<Usage> {
+        let u: AnthropicUsage = serde_json::from_slice(obj.get("usage")?).ok()?;
+        let prompt = u.prompt()?;
+        let completion = u.output_tokens.unwrap_or(0);
+        Some(Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+        })
+    }
+
+    fn from_object_as(format: Format, obj: &RawObject) -> Option<Usage> {
+        match format {
+            Format::Chat => Usage::from_object(obj),
+            Format::Messages => Usage::from_anthropic(obj),
+        }
+    }
+
     /// Reads `usage` from a complete non-streamed JSON response body.
     pub fn from_json_body(body: &Bytes) -> Option<Usage> {
         Usage::from_object(&RawObject::parse(body).ok()?)
+    }
+
+    /// A streamed Anthropic event's usage: `message_start` carries the
+    /// prompt's in its message, `message_delta` the completion's (and, from
+    /// some servers, the prompt's again); `seen` is what came before.
+    fn from_anthropic_event(obj: &RawObject, seen: Option<Usage>) -> Option<Usage> {
+        if let Some(message) = obj.get("message") {
+            let message = RawObject::parse(&Bytes::copy_from_slice(message)).ok()?;
+            return Usage::from_anthropic(&message);
+        }
+        let u: AnthropicUsage = serde_json::from_slice(obj.get("usage")?).ok()?;
+        let before = seen.unwrap_or_default();
+        let prompt = u.prompt().unwrap_or(before.prompt_tokens);
+        let completion = u.output_tokens.unwrap_or(before.completion_tokens);
+        Some(Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+        })
     }
 }
 
@@ -51,6 +118,7 @@ impl Usage {
 /// ends the tap. What it holds is passed on, the rest of the stream is
 /// relayed untouched, and its usage goes unread.
 pub struct SseTap {
+    format: Format,
     strip: bool,
     pending: BytesMut,
     /// Bytes of `pending` already scanned for an event end.
@@ -69,8 +137,15 @@ pub struct SseTap {
 pub const MAX_EVENT_BYTES: usize = 4 << 20;
 
 impl SseTap {
+    /// A chat stream's tap; with `strip`, the usage condense asked for is
+    /// taken out again.
     pub fn new(strip: bool) -> SseTap {
+        SseTap::for_format(Format::Chat, strip)
+    }
+
+    pub fn for_format(format: Format, strip: bool) -> SseTap {
         SseTap {
+            format,
             strip,
             pending: BytesMut::new(),
             scanned: 0,
@@ -81,7 +156,12 @@ impl SseTap {
         }
     }
 
-    /// Whether the stream ended properly, with `data: [DONE]`.
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    /// Whether the stream ended properly, with `data: [DONE]` (Anthropic:
+    /// `message_stop`).
     pub fn saw_done(&self) -> bool {
         self.done
     }
@@ -165,6 +245,20 @@ impl SseTap {
     /// Reads one complete event and, when stripping, appends to `out` what
     /// the client gets for it.
     fn process(&mut self, event: &[u8], out: &mut BytesMut) {
+        if self.format == Format::Messages {
+            // Nothing is stripped from an Anthropic stream: it always
+            // reports usage.
+            if memchr::memmem::find(event, b"message_stop").is_some() {
+                self.done = true;
+            }
+            if memchr::memmem::find(event, b"\"usage\"").is_some()
+                && let Some((_, obj)) = parse_event(event)
+                && let Some(u) = Usage::from_anthropic_event(&obj, self.usage)
+            {
+                self.usage = Some(u);
+            }
+            return;
+        }
         if memchr::memmem::find(event, b"data: [DONE]").is_some()
             || memchr::memmem::find(event, b"data:[DONE]").is_some()
         {
@@ -315,6 +409,7 @@ fn find_event_end(buf: &[u8], from: usize) -> Option<usize> {
 
 /// Keeps a bounded copy of a JSON response body to read its usage at the end.
 pub struct JsonTap {
+    format: Format,
     buf: BytesMut,
     overflowed: bool,
     usage: Option<Usage>,
@@ -333,7 +428,12 @@ impl JsonTap {
     const MAX_BYTES: usize = 8 * 1024 * 1024;
 
     pub fn new(expected_len: Option<u64>) -> JsonTap {
+        JsonTap::for_format(Format::Chat, expected_len)
+    }
+
+    pub fn for_format(format: Format, expected_len: Option<u64>) -> JsonTap {
         JsonTap {
+            format,
             buf: BytesMut::new(),
             overflowed: false,
             usage: None,
@@ -364,7 +464,7 @@ impl JsonTap {
         }
         self.finished = true;
         match RawObject::parse(&self.buf.split().freeze()) {
-            Ok(obj) => self.usage = Usage::from_object(&obj),
+            Ok(obj) => self.usage = Usage::from_object_as(self.format, &obj),
             Err(_) => self.invalid = true,
         }
     }
@@ -394,6 +494,30 @@ mod tests {
         }
         out.extend_from_slice(&tap.finish());
         String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn anthropic_usage_counts_cache_reads_and_writes_as_prompt() {
+        let body = Bytes::from_static(br#"{"id":"msg_1","type":"message","usage":{"input_tokens":12,"cache_creation_input_tokens":100,"cache_read_input_tokens":3000,"output_tokens":7}}"#);
+        let mut t = JsonTap::for_format(Format::Messages, Some(body.len() as u64));
+        t.push(&body);
+        let u = t.usage().unwrap();
+        assert_eq!((u.prompt_tokens, u.completion_tokens), (3112, 7));
+
+        let stream = concat!(
+            "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"usage\":{\"input_tokens\":20,\"cache_read_input_tokens\":500,\"cache_creation_input_tokens\":null,\"output_tokens\":1}}}\n\n",
+            "event: ping\ndata: {\"type\":\"ping\"}\n\n",
+            "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"usage\"}}\n\n",
+            "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":42}}\n\n",
+            "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+        );
+        let mut tap = SseTap::for_format(Format::Messages, false);
+        let (a, b) = stream.split_at(100);
+        // The client gets the stream byte for byte.
+        assert_eq!(run(&mut tap, &[a, b]), stream);
+        let u = tap.usage().unwrap();
+        assert_eq!((u.prompt_tokens, u.completion_tokens), (520, 42));
+        assert!(tap.saw_done());
     }
 
     #[test]

@@ -27,7 +27,7 @@ use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
 use crate::config::Config;
 use crate::error::openai_error_body;
 use crate::metrics::{Metrics, MetricsError, status_class};
-use crate::proxy::{Proxy, ROUTE_CHAT, ROUTE_PASSTHROUGH};
+use crate::proxy::{Proxy, ROUTE_CHAT, ROUTE_MESSAGES, ROUTE_PASSTHROUGH};
 use crate::tokens::Encoding;
 
 #[derive(Debug, thiserror::Error)]
@@ -81,8 +81,9 @@ impl AppState {
 ///    and the logs; the response carries the upstream's id, else ours.
 /// 5. `observe`: one access-log line and `condense_requests_total` per request.
 /// 6. `authorize`: client keys, when `auth.client_keys` is set.
-/// 7. The router: condense's own endpoints, chat completions, and everything
-///    else forwarded as it is.
+/// 7. The router: condense's own endpoints, the conversation routes (chat
+///    completions, Anthropic Messages), and everything else forwarded as it
+///    is.
 pub fn app(state: AppState) -> Router {
     let router = Router::new()
         .route("/healthz", get(healthz))
@@ -90,6 +91,8 @@ pub fn app(state: AppState) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/chat/completions", post(chat).fallback(passthrough))
         .route("/chat/completions", post(chat).fallback(passthrough))
+        .route("/v1/messages", post(messages).fallback(passthrough))
+        .route("/messages", post(messages).fallback(passthrough))
         .fallback(passthrough)
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .layer(middleware::from_fn_with_state(state.clone(), observe))
@@ -135,6 +138,10 @@ async fn chat(State(s): State<AppState>, req: Request) -> Response {
     s.proxy.clone().chat(req).await
 }
 
+async fn messages(State(s): State<AppState>, req: Request) -> Response {
+    s.proxy.clone().messages(req).await
+}
+
 async fn passthrough(State(s): State<AppState>, req: Request) -> Response {
     s.proxy.passthrough(req).await
 }
@@ -169,6 +176,7 @@ fn route_of(req: &Request) -> &'static str {
         "/v1/chat/completions" | "/chat/completions" if req.method() == http::Method::POST => {
             ROUTE_CHAT
         }
+        "/v1/messages" | "/messages" if req.method() == http::Method::POST => ROUTE_MESSAGES,
         _ => ROUTE_PASSTHROUGH,
     }
 }
@@ -184,7 +192,12 @@ async fn authorize(State(s): State<AppState>, req: Request, next: Next) -> Respo
             .proxy_errors_total
             .with_label_values(&[e.metric_label()])
             .inc();
-        return e.into_response();
+        let format = if crate::wire::is_anthropic(req.uri().path(), req.headers()) {
+            crate::wire::Format::Messages
+        } else {
+            crate::wire::Format::Chat
+        };
+        return e.response_for(format);
     }
     next.run(req).await
 }
@@ -206,7 +219,7 @@ async fn observe(State(s): State<AppState>, req: Request, next: Next) -> Respons
         .requests_total
         .with_label_values(&[route, status_class(status)])
         .inc();
-    if matches!(route, ROUTE_CHAT | ROUTE_PASSTHROUGH) {
+    if matches!(route, ROUTE_CHAT | ROUTE_MESSAGES | ROUTE_PASSTHROUGH) {
         tracing::info!(
             %method,
             path = crate::logging::clip(&path),

@@ -3,5 +3,176 @@
 //! (the view the stages, the plan, the budget and the stores work on), and
 //! writes the pipeline's decisions back into its own body, rewriting only
 //! the parts that changed. Chat completions is the view itself.
+//!
+//! What else differs by format (the usage a response reports, the shape of
+//! condense's own errors) is told by [`Format`].
 
 pub mod anthropic;
+
+use bytes::Bytes;
+
+use crate::chat::ChatRequest;
+use crate::compaction::Fates;
+use anthropic::{MessagesRequest, Origins};
+
+/// The API a conversation request speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// OpenAI chat completions (`/v1/chat/completions`).
+    Chat,
+    /// Anthropic Messages (`/v1/messages`).
+    Messages,
+}
+
+impl Format {
+    /// The `route` label of the metrics.
+    pub const fn route(self) -> &'static str {
+        match self {
+            Format::Chat => "chat_completions",
+            Format::Messages => "messages",
+        }
+    }
+
+    /// The format of a request body read from a file (the offline tools):
+    /// Messages when it has a top-level `system` or content blocks only
+    /// Anthropic has; chat otherwise.
+    pub fn detect(body: &[u8]) -> Format {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else {
+            return Format::Chat;
+        };
+        let anthropic_block = |b: &serde_json::Value| {
+            matches!(
+                b.get("type").and_then(serde_json::Value::as_str),
+                Some("tool_use" | "tool_result" | "thinking" | "redacted_thinking")
+            )
+        };
+        let blocks = v
+            .get("messages")
+            .and_then(serde_json::Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(|m| m.get("content")?.as_array())
+            .flatten();
+        if v.get("system").is_some() || blocks.into_iter().any(anthropic_block) {
+            Format::Messages
+        } else {
+            Format::Chat
+        }
+    }
+}
+
+/// Whether a request belongs to Anthropic's API: its Messages routes
+/// (`/v1/messages...`, also without `/v1`), or anything an Anthropic client
+/// sends (it always sends `anthropic-version`).
+pub fn is_anthropic(path: &str, headers: &http::HeaderMap) -> bool {
+    let path = path.strip_prefix("/v1").unwrap_or(path);
+    path == "/messages"
+        || path.starts_with("/messages/")
+        || headers.contains_key("anthropic-version")
+}
+
+/// Why a body is not a conversation condense works on (it goes upstream
+/// unchanged).
+#[derive(Debug, thiserror::Error)]
+pub enum NotUnderstood {
+    #[error(transparent)]
+    Chat(#[from] crate::chat::ParseError),
+    #[error(transparent)]
+    Messages(#[from] anthropic::ParseError),
+    #[error("the conversation does not keep the Messages API's rules")]
+    IllFormed,
+}
+
+/// A request body parsed in its format: the conversation the pipeline works
+/// on, and how its decisions go back into the body.
+pub struct Parsed {
+    pub conversation: ChatRequest,
+    pub writer: Writer,
+}
+
+/// How the pipeline's result becomes the body sent upstream.
+pub enum Writer {
+    /// The conversation is the body.
+    Chat,
+    Messages(MessagesRequest, Origins),
+}
+
+impl Parsed {
+    pub fn parse(format: Format, body: &Bytes) -> Result<Parsed, NotUnderstood> {
+        match format {
+            Format::Chat => Ok(Parsed {
+                conversation: ChatRequest::parse(body)?,
+                writer: Writer::Chat,
+            }),
+            Format::Messages => {
+                let req = MessagesRequest::parse(body)?;
+                if !req.well_formed() {
+                    return Err(NotUnderstood::IllFormed);
+                }
+                let (conversation, origins) = req.view();
+                Ok(Parsed {
+                    conversation,
+                    writer: Writer::Messages(req, origins),
+                })
+            }
+        }
+    }
+
+    /// The requested model, when it is a string.
+    pub fn model(&self) -> Option<String> {
+        self.conversation.model()
+    }
+
+    /// `stream: true`.
+    pub fn is_stream(&self) -> bool {
+        match &self.writer {
+            Writer::Chat => self.conversation.is_stream(),
+            Writer::Messages(r, _) => r.is_stream(),
+        }
+    }
+
+    /// `max_tokens` (or chat's `max_completion_tokens`).
+    pub fn max_completion_tokens(&self) -> Option<u64> {
+        self.conversation.max_completion_tokens()
+    }
+}
+
+impl Writer {
+    /// The body to send: for chat, `conversation` itself; for another
+    /// format, its request with `fates` written back (its own bytes when
+    /// nothing changed).
+    pub fn body(
+        &self,
+        conversation: &ChatRequest,
+        fates: Option<&Fates>,
+    ) -> Result<Bytes, anthropic::WriteError> {
+        match self {
+            Writer::Chat => Ok(conversation.to_bytes()),
+            Writer::Messages(req, origins) => match fates {
+                Some(f) => req.write_back(origins, f),
+                None => Ok(req.source().clone()),
+            },
+        }
+    }
+}
+
+/// The conversation in a body of `format`, for counting what was sent.
+pub fn conversation_of(format: Format, body: &Bytes) -> Option<ChatRequest> {
+    Parsed::parse(format, body).ok().map(|p| p.conversation)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_are_told_apart_by_their_own_fields() {
+        let chat = br#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"hi"}]}"#;
+        assert_eq!(Format::detect(chat), Format::Chat);
+        let messages = br#"{"model":"m","system":"s","messages":[{"role":"user","content":"hi"}]}"#;
+        assert_eq!(Format::detect(messages), Format::Messages);
+        let tools = br#"{"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"a","content":"x"}]}]}"#;
+        assert_eq!(Format::detect(tools), Format::Messages);
+        assert_eq!(Format::detect(b"nonsense"), Format::Chat);
+    }
+}

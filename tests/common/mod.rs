@@ -27,6 +27,10 @@
 //!   `/v1/models` lists `gpt-4o` (no window, like OpenAI) and `vllm-small`
 //!   with `max_model_len` 16384 (like vLLM). Any other path echoes the
 //!   request back as JSON.
+//! - `/v1/messages` answers like Anthropic (JSON, or its SSE events), with
+//!   `input_tokens` plus `cache_read_input_tokens` the body's length / 4;
+//!   `x-mock-window` rejects it with "prompt is too long: M tokens > N
+//!   maximum".
 //! - With a provider set (`MockUpstream::set_provider`), chat requests that
 //!   are not summarizer calls and `/v1/models` are answered by that
 //!   `condense::simulate::Simulator` (its counting rule, window and overflow
@@ -186,12 +190,16 @@ async fn handle(State(state): State<Arc<MockState>>, req: Request) -> Response {
     let provider = state.provider.lock().unwrap().clone();
     if let Some(sim) = provider
         && (parts.uri.path() == "/v1/models"
+            || parts.uri.path() == "/v1/messages"
             || (parts.uri.path() == "/v1/chat/completions" && !is_summary_call(&body)))
     {
         return sim
             .respond(&parts.method, parts.uri.path(), &body)
             .map(Body::from)
             .into_response();
+    }
+    if parts.uri.path() == "/v1/messages" && parts.method == "POST" {
+        return messages(state, h, &body);
     }
     if parts.uri.path() == "/v1/chat/completions" && parts.method == "POST" {
         if is_summary_call(&body) {
@@ -356,6 +364,74 @@ fn chat(state: Arc<MockState>, h: &HeaderMap, body: &Bytes) -> Response {
     r
 }
 
+/// Anthropic's Messages API: usage with the prompt split into uncached and
+/// cache-read parts, `x-mock-window` enforced with Anthropic's wording, and
+/// a stream in Anthropic's events.
+fn messages(state: Arc<MockState>, h: &HeaderMap, body: &Bytes) -> Response {
+    let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let prompt_tokens = body.len() as u64 / 4;
+    let max_tokens = req["max_tokens"].as_u64().unwrap_or(0);
+    if let Some(window) = header_u64(h, "x-mock-window").filter(|w| prompt_tokens + max_tokens > *w)
+    {
+        state.overflows.fetch_add(1, Ordering::SeqCst);
+        let body = json!({"type": "error", "error": {"type": "invalid_request_error",
+            "message": format!("prompt is too long: {prompt_tokens} tokens > {window} maximum")},
+            "request_id": "req_mock"});
+        let mut r = (StatusCode::BAD_REQUEST, body.to_string()).into_response();
+        r.headers_mut()
+            .insert("content-type", "application/json".parse().unwrap());
+        return r;
+    }
+    // A tenth of the prompt "read from the cache".
+    let cached = prompt_tokens / 10;
+    let usage = json!({"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0, "output_tokens": 3});
+    let model = req["model"].as_str().unwrap_or("unknown").to_string();
+    if req["stream"] != json!(true) {
+        return json_response(
+            json!({"id": "msg_mock", "type": "message", "role": "assistant",
+            "model": model, "content": [{"type": "text", "text": "Hello there!"}],
+            "stop_reason": "end_turn", "stop_sequence": null, "usage": usage}),
+        )
+        .into_response();
+    }
+    let mut start_usage = usage.clone();
+    start_usage["output_tokens"] = json!(1);
+    let events = [
+        (
+            "message_start",
+            json!({"type": "message_start", "message": {"id": "msg_mock", "type": "message",
+            "role": "assistant", "model": model, "content": [], "stop_reason": null, "usage": start_usage}}),
+        ),
+        (
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        ),
+        ("ping", json!({"type": "ping"})),
+        (
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hello there!"}}),
+        ),
+        (
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": 0}),
+        ),
+        (
+            "message_delta",
+            json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 3}}),
+        ),
+        ("message_stop", json!({"type": "message_stop"})),
+    ];
+    let text: String = events
+        .iter()
+        .map(|(name, data)| format!("event: {name}\ndata: {data}\n\n"))
+        .collect();
+    let mut r = Response::new(Body::from(text));
+    r.headers_mut()
+        .insert("content-type", "text/event-stream".parse().unwrap());
+    r
+}
+
 struct DropCounter {
     state: Arc<MockState>,
     finished: bool,
@@ -375,6 +451,7 @@ async fn start_server(mock: &MockUpstream, tweak: impl FnOnce(&mut Config)) -> S
     let mut config = Config::default();
     config.server.listen = "127.0.0.1:0".parse().unwrap();
     config.upstream.base_url = mock.base_url();
+    config.upstream.anthropic_base_url = mock.base_url();
     tweak(&mut config);
     config.validate().unwrap();
     Server::start(&config).await.unwrap()

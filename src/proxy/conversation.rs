@@ -1,0 +1,172 @@
+//! The request path of the conversation routes (`/v1/chat/completions`,
+//! `/v1/messages`), as its phases: read the request, prepare it (measure,
+//! compact, summarize: `prepare.rs`), send it, recover from a context
+//! overflow (`recover.rs`), respond with the usage tap. The format decides
+//! only where the request goes and how its body is read and written back.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::response::Response;
+use http::{HeaderValue, Request, header};
+
+use super::body;
+use super::headers;
+use super::learn::{Learner, Sent};
+use super::prepare::Report;
+use super::recover::OVERFLOW_STATUSES;
+use super::relay::{InflightGuard, Tap};
+use super::usage::{JsonTap, SseTap};
+use super::{Proxy, Timing, X_ACTIONS, X_TOKENS_AFTER, X_TOKENS_BEFORE};
+use crate::error::ProxyError;
+use crate::wire::Format;
+
+impl Proxy {
+    /// `POST /v1/chat/completions`.
+    pub async fn chat(self: Arc<Self>, req: Request<Body>) -> Response {
+        self.conversation(Format::Chat, req).await
+    }
+
+    /// `POST /v1/messages`.
+    pub async fn messages(self: Arc<Self>, req: Request<Body>) -> Response {
+        self.conversation(Format::Messages, req).await
+    }
+
+    async fn conversation(self: Arc<Self>, format: Format, req: Request<Body>) -> Response {
+        let start = Instant::now();
+        // What condense measured, kept for the response headers even when
+        // sending fails: condense's own errors say what it did too.
+        let mut report = None;
+        let mut response = self
+            .phases(format, req, start, &mut report)
+            .await
+            .unwrap_or_else(|e| self.fail(format.route(), format, e));
+        let h = response.headers_mut();
+        match report {
+            Some(r) => {
+                h.insert(X_TOKENS_BEFORE, HeaderValue::from(r.tokens_before));
+                h.insert(X_TOKENS_AFTER, HeaderValue::from(r.tokens_after));
+                h.insert(
+                    X_ACTIONS,
+                    HeaderValue::from_str(&r.actions).unwrap_or(HeaderValue::from_static("none")),
+                );
+            }
+            None => {
+                h.insert(X_ACTIONS, HeaderValue::from_static("none"));
+            }
+        }
+        response
+    }
+
+    async fn phases(
+        self: &Arc<Self>,
+        format: Format,
+        req: Request<Body>,
+        start: Instant,
+        report: &mut Option<Report>,
+    ) -> Result<Response, ProxyError> {
+        let (upstream, credentials) = self.endpoint(format);
+        // Read.
+        let (parts, body) = req.into_parts();
+        let url = upstream.url_for(parts.uri.path(), parts.uri.query())?;
+        // `held` keeps the body's room in the budget until the response is
+        // on its way (or, when it is counted after it, until counted).
+        let (bytes, held) = body::read_request(
+            body,
+            body::content_length(&parts.headers),
+            self.max_body_bytes,
+            self.body_timeout,
+            &self.bodies,
+        )
+        .await?;
+        let opt_out = parts
+            .headers
+            .get(headers::X_CONDENSE)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"off"));
+        let mut headers = headers::to_upstream(&parts.headers, false);
+        credentials.apply(&mut headers);
+        // The usage tap reads the response, so ask for it uncompressed.
+        headers.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+
+        // Prepare.
+        let (prepared, upstream_wait) = self.prepare(format, &bytes, opt_out, &headers).await;
+        report.clone_from(&prepared.report);
+
+        // Send.
+        let guard = InflightGuard::new(self.metrics.clone());
+        let sent = Instant::now();
+        // A request condense measured can be recovered from an overflow.
+        let retry = prepared
+            .report
+            .is_some()
+            .then(|| (parts.method.clone(), url.clone(), headers.clone()));
+        let resp = upstream
+            .send(
+                parts.method,
+                url,
+                headers,
+                Some(reqwest::Body::from(prepared.body.clone())),
+            )
+            .await?;
+
+        // Recover.
+        let (resp, mut prepared) = match retry {
+            Some(retry) if OVERFLOW_STATUSES.contains(&resp.status().as_u16()) => {
+                self.recover(format, resp, prepared, &bytes, retry).await?
+            }
+            _ => (resp, prepared),
+        };
+        *report = prepared.report.take();
+
+        // Respond.
+        let is_sse = resp
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let tap = match (resp.status().is_success(), is_sse) {
+            (false, _) => Tap::None,
+            (true, true) => Tap::Sse(SseTap::for_format(format, prepared.strip_usage)),
+            (true, false) => Tap::Json(JsonTap::for_format(format, resp.content_length())),
+        };
+        let learner = prepared.model.map(|model| Learner {
+            metrics: self.metrics.clone(),
+            tokens: self.tokens.clone(),
+            upstream: upstream.base_url().to_string(),
+            model,
+            format,
+        });
+        let counted = match (&learner, report.as_ref().and_then(|r| r.raw_after)) {
+            (_, Some(raw)) => Sent::Counted(raw),
+            (Some(l), None) if resp.status().is_success() => l.count_later(
+                prepared.body.clone(),
+                held,
+                &self.prepare_slots,
+                &self.background,
+            ),
+            _ => Sent::Unknown,
+        };
+        let on_usage = learner.map(|l| l.on_usage(counted));
+        let mut response = self.respond(
+            format.route(),
+            upstream,
+            resp,
+            tap,
+            on_usage,
+            guard,
+            Timing {
+                start,
+                sent,
+                upstream_wait,
+            },
+        );
+        if prepared.strip_usage {
+            response.headers_mut().remove(header::CONTENT_LENGTH);
+        }
+        Ok(response)
+    }
+}

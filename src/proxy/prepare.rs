@@ -1,0 +1,294 @@
+//! Prepare: a conversation request measured, compacted when it is under
+//! pressure, its checkpoint fetched when the plan needs one, and written
+//! back in its own format. Fails open: whatever goes wrong here, the
+//! client's request goes upstream exactly as it came, and the failure is
+//! counted. A bug in condense must never become the client's error.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::HeaderMap;
+
+use super::{BLOCKING_PREPARE_BYTES, Proxy};
+use crate::compaction::Replacement;
+use crate::pipeline;
+use crate::summary::Summarizer;
+use crate::tokens::ModelInfo;
+use crate::wire::{Format, Parsed, Writer};
+
+/// A conversation request ready to forward.
+pub struct Prepared {
+    pub body: Bytes,
+    pub model: Option<String>,
+    pub strip_usage: bool,
+    /// What the response headers report; None when condense did not measure.
+    pub report: Option<Report>,
+}
+
+/// What condense measured and did, for the response headers.
+#[derive(Clone)]
+pub struct Report {
+    pub tokens_before: u64,
+    pub tokens_after: u64,
+    pub actions: String,
+    /// The raw count of the body sent, for calibration (None on the cheap
+    /// path).
+    pub raw_after: Option<u64>,
+}
+
+impl Prepared {
+    pub fn unchanged(body: Bytes, model: Option<String>) -> Prepared {
+        Prepared {
+            body,
+            model,
+            strip_usage: false,
+            report: None,
+        }
+    }
+}
+
+/// A measured request on its way: the pipeline's result and how it is
+/// written back.
+pub type Measured = (pipeline::Processed, Writer);
+
+impl Proxy {
+    /// The request to send for the client's `bytes`, and how long condense
+    /// waited on the upstream meanwhile (for the `/models` listing).
+    pub(super) async fn prepare(
+        self: &Arc<Self>,
+        format: Format,
+        bytes: &Bytes,
+        opt_out: bool,
+        headers: &HeaderMap,
+    ) -> (Prepared, Duration) {
+        let parsed = match Parsed::parse(format, bytes) {
+            Ok(p) => p,
+            // Not a request condense understands: the upstream judges it.
+            Err(e) => {
+                tracing::debug!(error = %e, "conversation body not understood; forwarding unchanged");
+                return (Prepared::unchanged(bytes.clone(), None), Duration::ZERO);
+            }
+        };
+        let model = parsed.model().unwrap_or_default();
+        if opt_out {
+            return (
+                Prepared::unchanged(bytes.clone(), Some(model).filter(|m| !m.is_empty())),
+                Duration::ZERO,
+            );
+        }
+        let (upstream, _) = self.endpoint(format);
+        let mut waited = Duration::ZERO;
+        // Anthropic's listing names no windows.
+        if self.learn_windows && format == Format::Chat && !model.is_empty() {
+            waited = self
+                .listing
+                .ensure(upstream, &self.tokens.listings, &model, headers)
+                .await;
+        }
+        self.shared_window(upstream.base_url(), &model).await;
+        let info = self.tokens.model_info(upstream.base_url(), &model);
+        let measured = if bytes.len() >= BLOCKING_PREPARE_BYTES
+            && self
+                .tokens
+                .uncached_bytes(&parsed.conversation, info.encoding)
+                >= BLOCKING_PREPARE_BYTES
+        {
+            let (this, body, name) = (self.clone(), bytes.clone(), model.clone());
+            self.off_workers(move || this.measure_or_forward(format, parsed, &body, &name, info))
+                .await
+                .unwrap_or_else(|| Err(Prepared::unchanged(bytes.clone(), None)))
+        } else {
+            self.measure_or_forward(format, parsed, bytes, &model, info)
+        };
+        let prepared = match measured {
+            Ok(m) => self.complete(format, m, bytes, model, headers).await,
+            Err(unchanged) => unchanged,
+        };
+        (prepared, waited)
+    }
+
+    /// Measures a parsed request and compacts it when it is under pressure
+    /// (a checkpoint it needs is left pending). If anything in it panics,
+    /// the client's request goes out as it came.
+    pub(super) fn measure_or_forward(
+        &self,
+        format: Format,
+        parsed: Parsed,
+        body: &Bytes,
+        model: &str,
+        info: ModelInfo,
+    ) -> Result<Measured, Prepared> {
+        let replacement = self
+            .summarizer
+            .as_ref()
+            .map_or(Replacement::Digest, Summarizer::replacement);
+        let (upstream, _) = self.endpoint(format);
+        let subject = pipeline::Subject {
+            upstream: upstream.base_url(),
+            model,
+            info,
+        };
+        let Parsed {
+            conversation,
+            writer,
+        } = parsed;
+        std::panic::catch_unwind(AssertUnwindSafe(|| {
+            pipeline::process(
+                &self.tokens,
+                &self.compaction,
+                subject,
+                conversation,
+                body,
+                true,
+                &replacement,
+            )
+        }))
+        .map(|p| (p, writer))
+        .map_err(|_| self.forward_unchanged(body, model))
+    }
+
+    /// Counts a failure inside condense; the request goes out as it came.
+    pub(super) fn forward_unchanged(&self, body: &Bytes, model: &str) -> Prepared {
+        self.metrics.compaction_failures_total.inc();
+        tracing::error!("preparing a request failed; forwarding it unchanged");
+        Prepared::unchanged(
+            body.clone(),
+            Some(model.to_string()).filter(|m| !m.is_empty()),
+        )
+    }
+
+    /// Gets a pending checkpoint, then readies the request for the upstream.
+    async fn complete(
+        &self,
+        format: Format,
+        (p, writer): Measured,
+        body: &Bytes,
+        model: String,
+        headers: &HeaderMap,
+    ) -> Prepared {
+        let Some(p) = self.checkpointed(format, p, &model, headers, true).await else {
+            return self.forward_unchanged(body, &model);
+        };
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.ready(p, &writer, &model))) {
+            Ok(Some(prepared)) => prepared,
+            Ok(None) | Err(_) => self.forward_unchanged(body, &model),
+        }
+    }
+
+    /// Finishes a request whose plan needs a checkpoint: with one from the
+    /// summarizer, or (with `mechanical_fallback`) with the mechanical plan
+    /// when none comes. None when it cannot be finished (no checkpoint and
+    /// no fallback, or a panic). The summarizer speaks chat completions:
+    /// the client's own key goes along only to the chat upstream it was
+    /// meant for, never an Anthropic key to it.
+    pub(super) async fn checkpointed(
+        &self,
+        format: Format,
+        p: pipeline::Processed,
+        model: &str,
+        headers: &HeaderMap,
+        mechanical_fallback: bool,
+    ) -> Option<pipeline::Processed> {
+        match (&p.pending, &self.summarizer) {
+            (None, _) => Some(p),
+            (Some(_), None) => Some(pipeline::finish(&self.tokens, p, None)),
+            (Some(_), Some(summarizer)) => {
+                let (upstream, _) = self.endpoint(format);
+                let client_headers = (format == Format::Chat).then_some(headers);
+                let work = pipeline::summarize(
+                    &self.tokens,
+                    summarizer,
+                    upstream.base_url(),
+                    model,
+                    client_headers,
+                    p,
+                );
+                match AssertUnwindSafe(work).catch_unwind().await {
+                    Ok((_, Some(Err(_)))) if !mechanical_fallback => None,
+                    Ok((p, _)) => Some(p),
+                    Err(_) => None,
+                }
+            }
+        }
+    }
+
+    /// Counts what compaction did and writes the request for the upstream;
+    /// None when its format cannot take the result (it then goes out as the
+    /// client sent it).
+    pub(super) fn ready(
+        &self,
+        p: pipeline::Processed,
+        writer: &Writer,
+        model: &str,
+    ) -> Option<Prepared> {
+        // Another format writes the decisions back into its own body first:
+        // when that fails, nothing was done.
+        let written = match writer {
+            Writer::Chat => None,
+            other => {
+                let fates = p.outcome.as_ref().and_then(|o| o.fates.as_ref());
+                match other.body(&p.request, fates) {
+                    Ok(b) => Some(b),
+                    Err(e) => {
+                        tracing::error!(error = %e, "writing the compacted request back failed");
+                        return None;
+                    }
+                }
+            }
+        };
+        let m = &self.metrics;
+        m.pressure_ratio.observe(p.assessment.pressure);
+        let label = m.model_label(model);
+        m.context_window_tokens
+            .with_label_values(&[&label])
+            .set(i64::try_from(p.assessment.budget.window).unwrap_or(i64::MAX));
+        m.prompt_tokens_received_total.inc_by(p.assessment.tokens);
+        m.prompt_tokens_forwarded_total.inc_by(p.tokens_after);
+        if let Some(outcome) = &p.outcome {
+            let ratio = p.assessment.calibration_ratio;
+            for stage in &outcome.stages {
+                m.compactions_total.with_label_values(&[stage.stage]).inc();
+                m.tokens_saved_total
+                    .with_label_values(&[stage.stage])
+                    .inc_by((stage.tokens_saved as f64 * ratio).round() as u64);
+            }
+            if !outcome.stages.is_empty() {
+                tracing::debug!(
+                    model = crate::logging::clip(model),
+                    before = p.assessment.tokens,
+                    after = p.tokens_after,
+                    actions = %outcome.actions(),
+                    fits = outcome.fits,
+                    "compacted"
+                );
+            }
+        }
+        let report = Report {
+            tokens_before: p.assessment.tokens,
+            tokens_after: p.tokens_after,
+            actions: p.actions(),
+            raw_after: p.raw_after,
+        };
+        let (body, strip_usage) = match written {
+            Some(body) => (body, false),
+            None => {
+                let mut chat = p.request;
+                let strip =
+                    self.stream_usage && chat.is_stream() && !chat.client_wants_stream_usage();
+                if strip {
+                    chat.request_stream_usage();
+                }
+                (chat.to_bytes(), strip)
+            }
+        };
+        Some(Prepared {
+            body,
+            model: Some(model.to_string()).filter(|m| !m.is_empty()),
+            strip_usage,
+            report: Some(report),
+        })
+    }
+}

@@ -1,0 +1,260 @@
+//! Recover: a measured request the upstream rejected for its length is
+//! compacted again against the window the error names (or, without one,
+//! against what was just rejected) and sent once more. The window learned
+//! is shared with the other replicas through the state store.
+
+use std::panic::AssertUnwindSafe;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http::HeaderMap;
+
+use super::prepare::Prepared;
+use super::{BLOCKING_PREPARE_BYTES, Proxy, body};
+use crate::error::ProxyError;
+use crate::overflow;
+use crate::tokens::{ModelInfo, pair_key};
+use crate::wire::{Format, Parsed};
+
+/// Statuses an overflow error can come with.
+pub(super) const OVERFLOW_STATUSES: &[u16] = &[400, 413, 429];
+/// How often a replica looks for a window another one learned.
+const SHARED_WINDOW_CHECK: Duration = Duration::from_secs(60);
+/// Error bodies larger than this are not read for overflow detection.
+const MAX_ERROR_BODY: usize = 1 << 20;
+
+/// The state-store key of a window learned from an overflow.
+fn window_key(upstream: &str, model: &str) -> String {
+    let h = xxhash_rust::xxh3::xxh3_128(format!("{upstream}\0{model}").as_bytes());
+    format!("window:{h:032x}")
+}
+
+impl Proxy {
+    /// Picks up a window another replica learned from an overflow (through
+    /// Redis), checking each model at most once a minute.
+    pub(super) async fn shared_window(&self, upstream: &str, model: &str) {
+        if self.state.kind() != "redis" || model.is_empty() {
+            return;
+        }
+        let key = pair_key(upstream, model);
+        let now = Instant::now();
+        let due = self
+            .window_checks
+            .get(&key)
+            .is_none_or(|at| now.duration_since(at) >= SHARED_WINDOW_CHECK);
+        if !due {
+            return;
+        }
+        self.window_checks.insert(key, now);
+        if let Some(window) = self
+            .state
+            .get(&window_key(upstream, model))
+            .await
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            self.tokens.overflows.set(upstream, model, window);
+        }
+    }
+
+    /// Handles an error response to a measured chat request: when it says
+    /// the context overflowed, learns the window (and the provider's count),
+    /// compacts the client's original request against it, and sends that
+    /// once. Returns the response for the client (the retry's, or the
+    /// upstream's error unchanged) and what was sent.
+    pub(super) async fn recover(
+        &self,
+        format: Format,
+        resp: reqwest::Response,
+        prepared: Prepared,
+        original: &Bytes,
+        (method, url, headers): (http::Method, url::Url, HeaderMap),
+    ) -> Result<(reqwest::Response, Prepared), ProxyError> {
+        if resp
+            .content_length()
+            .is_some_and(|n| n > MAX_ERROR_BODY as u64)
+        {
+            return Ok((resp, prepared));
+        }
+        let status = resp.status();
+        let version = resp.version();
+        let resp_headers = resp.headers().clone();
+        let (endpoint, _) = self.endpoint(format);
+        let read = body::read_upstream(resp, MAX_ERROR_BODY, Some(endpoint.idle_timeout))
+            .await
+            .map_err(|e| {
+                ProxyError::UpstreamUnreachable(format!(
+                    "reading the error body: {}",
+                    e.without_url()
+                ))
+            })?;
+        let body = match read {
+            body::Limited::Whole(b) => b,
+            // Too long to be an overflow error (or stalled): passed on as it
+            // is, the bytes read first and then the rest as it comes.
+            body::Limited::Over { head, rest } => {
+                let whole = futures_util::stream::once(async move { Ok(head) }).chain(rest);
+                let mut r = http::Response::new(reqwest::Body::wrap_stream(whole));
+                *r.status_mut() = status;
+                *r.version_mut() = version;
+                *r.headers_mut() = resp_headers;
+                return Ok((reqwest::Response::from(r), prepared));
+            }
+        };
+        let unchanged = || {
+            let mut r = http::Response::new(body.clone());
+            *r.status_mut() = status;
+            *r.version_mut() = version;
+            *r.headers_mut() = resp_headers.clone();
+            reqwest::Response::from(r)
+        };
+        let Some(o) = overflow::detect(status.as_u16(), &body) else {
+            return Ok((unchanged(), prepared));
+        };
+        let model = prepared.model.clone().unwrap_or_default();
+        let count = |outcome: &str| {
+            self.metrics
+                .context_overflow_total
+                .with_label_values(&[o.format, outcome])
+                .inc();
+        };
+        let upstream = endpoint.base_url();
+        tracing::info!(
+            model = crate::logging::clip(&model),
+            format = o.format,
+            limit = ?o.limit,
+            prompt = ?o.prompt,
+            "upstream context overflow"
+        );
+        let encoding = self.tokens.model_info(upstream, &model).encoding;
+        let calibrated = prepared.report.as_ref().map_or(0, |r| r.tokens_after);
+        // The ratio the rejected body was estimated with, before this
+        // overflow's own observation moves it.
+        let ratio = self.tokens.calibration.ratio(upstream, &model);
+        let Some((rejected, requested)) = self
+            .measure_rejected(format, &prepared.body, encoding, calibrated, ratio)
+            .await
+        else {
+            count("not_recoverable");
+            return Ok((unchanged(), prepared));
+        };
+        // The window as the error names it, learned and shared. An error
+        // without it still bounds the window by what was just rejected (the
+        // prompt as the provider counted it, or as condense estimates it,
+        // plus the completion asked for); without that, a provider whose
+        // errors carry no numbers would reject every later request of the
+        // conversation once. condense's estimate may be low, so that bound
+        // stays in process and expires.
+        if let Some(limit) = o.limit {
+            self.tokens.overflows.set(upstream, &model, limit);
+            self.state
+                .put(&window_key(upstream, &model), &limit.to_string())
+                .await;
+        } else {
+            let bound = o
+                .prompt
+                .unwrap_or(calibrated)
+                .saturating_add(requested.unwrap_or(0));
+            if bound > 0 {
+                self.tokens.bounds.set(upstream, &model, bound);
+            }
+        }
+        let mut info = self.tokens.model_info(upstream, &model);
+        if let Some(p) = o.prompt {
+            self.tokens
+                .calibration
+                .observe(upstream, &model, p, rejected.raw);
+        }
+        info.correction = Some(o.correction(&rejected));
+
+        let Some(retry) = self
+            .prepare_retry(format, original, &model, info, &headers)
+            .await
+        else {
+            count("not_recoverable");
+            return Ok((unchanged(), prepared));
+        };
+        let resp = endpoint
+            .send(
+                method,
+                url,
+                headers,
+                Some(reqwest::Body::from(retry.body.clone())),
+            )
+            .await?;
+        count(if resp.status().is_success() {
+            "recovered"
+        } else {
+            "failed"
+        });
+        Ok((resp, retry))
+    }
+
+    /// condense's measure of a body the provider rejected (counted now
+    /// where the cheap path did not; off the async workers when it is
+    /// large, as on the way in), and the completion it asked for.
+    async fn measure_rejected(
+        &self,
+        format: Format,
+        body: &Bytes,
+        encoding: crate::tokens::Encoding,
+        calibrated: u64,
+        ratio: f64,
+    ) -> Option<(overflow::Rejected, Option<u64>)> {
+        let large = body.len() >= BLOCKING_PREPARE_BYTES;
+        let (tokens, body) = (self.tokens.clone(), body.clone());
+        let measure = move || {
+            let req = crate::wire::conversation_of(format, &body)?;
+            let rejected = overflow::Rejected {
+                raw: tokens.count(&req, encoding).total,
+                bytes: body.len(),
+                calibrated,
+                ratio,
+            };
+            Some((rejected, req.max_completion_tokens()))
+        };
+        if large {
+            self.off_workers(measure).await.flatten()
+        } else {
+            measure()
+        }
+    }
+
+    /// The client's original request compacted for a retry after an
+    /// overflow, or None when no smaller request that fits the window can
+    /// be made (the system and developer messages and the last user
+    /// message alone are too long, by the provider's measure). The retry
+    /// aims at the budget, but goes out whenever it fits the window: a
+    /// budget's completion allowance and reserve are condense's margins,
+    /// not the provider's limit. On this path a needed checkpoint that
+    /// cannot be had is no reason to drop history mechanically: the client
+    /// gets the upstream's error.
+    async fn prepare_retry(
+        &self,
+        format: Format,
+        original: &Bytes,
+        model: &str,
+        info: ModelInfo,
+        headers: &HeaderMap,
+    ) -> Option<Prepared> {
+        let parsed = Parsed::parse(format, original).ok()?;
+        let completion = info
+            .correction
+            .as_ref()
+            .and_then(|c| c.completion)
+            .or(parsed.max_completion_tokens())
+            .unwrap_or(0);
+        let window = info.window;
+        let (p, writer) = self
+            .measure_or_forward(format, parsed, original, model, info)
+            .ok()?;
+        let p = self.checkpointed(format, p, model, headers, false).await?;
+        let outcome = p.outcome.as_ref()?;
+        if outcome.messages.is_none() || p.tokens_after + completion > window {
+            return None;
+        }
+        std::panic::catch_unwind(AssertUnwindSafe(|| self.ready(p, &writer, model)))
+            .ok()
+            .flatten()
+    }
+}

@@ -1,0 +1,297 @@
+//! Anthropic Messages through condense, in front of the mock's `/v1/messages`
+//! (Anthropic's wire format, usage and overflow wording): forwarding,
+//! compaction that keeps the API's rules, usage from JSON and streams,
+//! overflow recovery, Anthropic-shaped errors, routing and credentials.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use common::{Harness, profile};
+use serde_json::{Value, json};
+
+/// A Claude Code-like session: the task, the environment as a system
+/// message, then `turns` rounds of thinking, text and a tool call answered
+/// by a long result; a breakpoint on the newest result.
+fn session(turns: usize, stream: bool) -> Value {
+    let mut messages = vec![
+        json!({"role": "user", "content": [{"type": "text", "text": "Fix the failing test in parser.py"}]}),
+        json!({"role": "system", "content": "<env>cwd: /repo</env>"}),
+    ];
+    for t in 0..turns {
+        messages.push(json!({"role": "assistant", "content": [
+            {"type": "thinking", "thinking": format!("Look at file {t}."), "signature": format!("EqQBCkgIARABGAIiQL{t}")},
+            {"type": "text", "text": format!("Reading file {t}.")},
+            {"type": "tool_use", "id": format!("toolu_{t:02}"), "name": "Read", "input": {"file_path": format!("/repo/src/f{t}.py")}}
+        ]}));
+        let mut result = json!({"type": "tool_result", "tool_use_id": format!("toolu_{t:02}"),
+            "content": format!("def f_{t}():\n{}", "    value = compute(value) + 1\n".repeat(150))});
+        if t + 1 == turns {
+            result["cache_control"] = json!({"type": "ephemeral"});
+        }
+        messages.push(json!({"role": "user", "content": [result]}));
+    }
+    json!({"model": "claude-sonnet-4-5", "max_tokens": 2048, "stream": stream,
+        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+        "tools": [{"name": "Read", "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}}}],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": messages})
+}
+
+async fn post(h: &Harness, body: &Value, extra: &[(&str, &str)]) -> reqwest::Response {
+    let mut req = h
+        .client
+        .post(h.url("/v1/messages?beta=true"))
+        .header("x-api-key", "sk-ant-client")
+        .header("anthropic-version", "2023-06-01")
+        .header("anthropic-beta", "interleaved-thinking-2025-05-14")
+        .body(body.to_string());
+    for (k, v) in extra {
+        req = req.header(*k, *v);
+    }
+    req.send().await.unwrap()
+}
+
+/// The Messages API's rules on a forwarded body.
+fn assert_valid(sent: &Value, original: &Value) {
+    let messages: Vec<&Value> = sent["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] != "system")
+        .collect();
+    assert_eq!(messages[0]["role"], "user");
+    let blocks = |m: &Value, kind: &str, key: &str| -> Vec<Value> {
+        m["content"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|b| b["type"] == kind)
+            .map(|b| b[key].clone())
+            .collect()
+    };
+    for w in messages.windows(2) {
+        assert_ne!(w[0]["role"], w[1]["role"], "roles alternate");
+        assert_eq!(
+            blocks(w[0], "tool_use", "id"),
+            blocks(w[1], "tool_result", "tool_use_id"),
+            "every tool_use answered in the next message"
+        );
+    }
+    // Thinking blocks are the client's, byte for byte.
+    let all = |v: &Value| -> Vec<Value> {
+        v["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|m| m["content"].as_array().cloned().unwrap_or_default())
+            .collect()
+    };
+    let theirs = all(original);
+    for b in all(sent) {
+        if b["type"] == "thinking" || b["type"] == "redacted_thinking" {
+            assert!(theirs.contains(&b), "{b}");
+        }
+    }
+    for key in ["system", "tools", "thinking", "max_tokens", "model"] {
+        assert_eq!(sent[key], original[key], "{key} untouched");
+    }
+}
+
+#[tokio::test]
+async fn a_short_request_goes_upstream_byte_for_byte_with_anthropic_headers() {
+    // The OpenAI upstream is unreachable: Messages go to Anthropic's.
+    let h = Harness::with(|c| c.upstream.base_url = "http://127.0.0.1:9/v1".to_string()).await;
+    let body = session(2, false);
+    let resp = post(&h, &body, &[]).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-condense-actions"], "none");
+    assert!(resp.headers().contains_key("x-condense-tokens-before"));
+    let v: Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+    assert_eq!(v["content"][0]["text"], "Hello there!");
+    let r = h.mock.last();
+    assert_eq!(r.path, "/v1/messages");
+    assert_eq!(r.query.as_deref(), Some("beta=true"));
+    assert_eq!(r.body, body.to_string().as_bytes());
+    assert_eq!(r.headers["x-api-key"], "sk-ant-client");
+    assert!(!r.headers.contains_key("authorization"));
+    assert_eq!(r.headers["anthropic-version"], "2023-06-01");
+    assert_eq!(
+        r.headers["anthropic-beta"],
+        "interleaved-thinking-2025-05-14"
+    );
+    // Usage: uncached and cache-read input together are the prompt.
+    let prompt = (body.to_string().len() / 4) as f64;
+    assert_eq!(
+        h.metric("condense_upstream_prompt_tokens_total{model=\"claude-sonnet-4-5\"}")
+            .await,
+        Some(prompt)
+    );
+    assert_eq!(
+        h.metric("condense_requests_total{route=\"messages\",status_class=\"2xx\"}")
+            .await,
+        Some(1.0)
+    );
+}
+
+#[tokio::test]
+async fn a_long_session_is_compacted_and_stays_a_valid_messages_request() {
+    let h = Harness::with(|c| c.models = vec![profile("claude-*", 24_000)]).await;
+    for stream in [false, true] {
+        let body = session(30, stream);
+        let resp = post(&h, &body, &[]).await;
+        assert_eq!(resp.status(), 200);
+        let actions = resp.headers()["x-condense-actions"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert!(actions.contains("mask"), "{actions}");
+        let text = resp.text().await.unwrap();
+        if stream {
+            assert!(text.starts_with("event: message_start\n"), "{text}");
+            assert!(text.ends_with("event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"));
+        }
+        let sent: Value = serde_json::from_slice(&h.mock.last().body).unwrap();
+        assert!(h.mock.last().body.len() < body.to_string().len() / 2);
+        assert_valid(&sent, &body);
+        // The environment stays where Claude Code put it, the newest result
+        // whole with its breakpoint.
+        assert_eq!(sent["messages"][1], body["messages"][1]);
+        let last = sent["messages"].as_array().unwrap().last().unwrap();
+        assert_eq!(last, body["messages"].as_array().unwrap().last().unwrap());
+    }
+    assert!(
+        h.metric("condense_compactions_total{stage=\"mask\"}")
+            .await
+            .unwrap()
+            >= 2.0
+    );
+}
+
+#[tokio::test]
+async fn an_overflow_in_anthropic_wording_is_recovered_once() {
+    let h = Harness::with(|c| c.models = vec![profile("claude-*", 200_000)]).await;
+    for stream in [false, true] {
+        let body = session(30, stream);
+        let resp = post(&h, &body, &[("x-mock-window", "12000")]).await;
+        assert_eq!(resp.status(), 200, "stream {stream}");
+        assert_ne!(resp.headers()["x-condense-actions"], "none");
+        let sent: Value = serde_json::from_slice(&h.mock.last().body).unwrap();
+        assert_valid(&sent, &body);
+    }
+    assert_eq!(
+        h.metric(
+            "condense_context_overflow_total{outcome=\"recovered\",provider_format=\"anthropic\"}"
+        )
+        .await,
+        Some(1.0),
+        "the second request knew the window"
+    );
+}
+
+#[tokio::test]
+async fn condenses_own_errors_take_anthropics_shape() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let h = Harness::with(|c| {
+        c.upstream.anthropic_base_url = format!("http://127.0.0.1:{port}/v1");
+    })
+    .await;
+    let resp = post(&h, &session(1, false), &[]).await;
+    assert_eq!(resp.status(), 502);
+    assert_eq!(resp.headers()["x-condense-actions"], "none");
+    let v: Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+    assert_eq!(v["type"], "error");
+    assert_eq!(v["error"]["type"], "api_error");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("upstream_unreachable")
+    );
+
+    // Gated: a wrong key is refused in Anthropic's shape too.
+    let h = Harness::with(|c| {
+        c.auth.client_keys = vec![condense::config::Secret::new("ck-1")];
+    })
+    .await;
+    let resp = post(&h, &session(1, false), &[]).await;
+    assert_eq!(resp.status(), 401);
+    let v: Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+    assert_eq!(v["error"]["type"], "authentication_error");
+}
+
+#[tokio::test]
+async fn other_anthropic_routes_are_forwarded_to_anthropic() {
+    // Two distinct upstreams: the mock is Anthropic's; OpenAI's is dead.
+    let h = Harness::with(|c| c.upstream.base_url = "http://127.0.0.1:9/v1".to_string()).await;
+    let resp = h
+        .client
+        .post(h.url("/v1/messages/count_tokens"))
+        .header("x-api-key", "sk-ant-client")
+        .header("anthropic-version", "2023-06-01")
+        .body(r#"{"model":"claude-sonnet-4-5","messages":[{"role":"user","content":"hi"}]}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(h.mock.last().path, "/v1/messages/count_tokens");
+    // Any request an Anthropic client sends, by its header.
+    let resp = h
+        .client
+        .get(h.url("/v1/models"))
+        .header("anthropic-version", "2023-06-01")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(h.mock.last().path, "/v1/models");
+}
+
+#[tokio::test]
+async fn the_operators_anthropic_key_fills_in_or_replaces() {
+    let h = Harness::with(|c| {
+        c.upstream.anthropic_api_key = Some(condense::config::Secret::new("sk-ant-operator"));
+        c.upstream.api_key = Some(condense::config::Secret::new("sk-openai-operator"));
+    })
+    .await;
+    let resp = h
+        .client
+        .post(h.url("/v1/messages"))
+        .body(session(1, false).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let r = h.mock.last();
+    assert_eq!(r.headers["x-api-key"], "sk-ant-operator");
+    assert!(
+        !r.headers.contains_key("authorization"),
+        "no OpenAI key to Anthropic"
+    );
+}
+
+#[tokio::test]
+async fn bodies_condense_does_not_understand_go_upstream_unchanged() {
+    let h = Harness::with(|c| c.models = vec![profile("*", 4_000)]).await;
+    for body in [
+        json!({"model": "claude-x", "max_tokens": 10, "messages": [{"role": "tool", "content": "x".repeat(40_000)}]}).to_string(),
+        // Two user messages in a row: the upstream judges it.
+        json!({"model": "claude-x", "max_tokens": 10, "messages": [
+            {"role": "user", "content": "x".repeat(40_000)}, {"role": "user", "content": "y"}]})
+        .to_string(),
+        "not json".to_string(),
+    ] {
+        let resp = h
+            .client
+            .post(h.url("/v1/messages"))
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.headers()["x-condense-actions"], "none");
+        assert_eq!(h.mock.last().body, body.as_bytes());
+    }
+}
