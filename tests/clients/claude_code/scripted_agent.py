@@ -60,9 +60,14 @@ def step_output_lines(step, workdir):
 
 
 def is_main_loop(body):
+    """Claude Code's agent loop on our task: it offers the Bash tool, and
+    either the task is in the conversation or the last message answers one
+    of our steps (the task may have been summarized away by then)."""
     tools = {t.get("name") for t in body.get("tools") or []}
-    first = next((msg for msg in body.get("messages", []) if msg.get("role") == "user"), None)
-    return "Bash" in tools and first is not None and TASK_MARKER in m.request_text(first)
+    if "Bash" not in tools:
+        return False
+    users = [msg for msg in body.get("messages", []) if msg.get("role") == "user"]
+    return done_step(body) is not None or any(TASK_MARKER in m.request_text(msg) for msg in users)
 
 
 def done_step(body):
