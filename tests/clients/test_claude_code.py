@@ -30,10 +30,12 @@ API_KEY = "sk-ant-e2e-dummy"
 DEAD_PROXY = "http://127.0.0.1:9"
 MAX_OUTPUT_TOKENS = 8192
 # Claude Code's first request is ~49 KB (system prompt and 12 tool
-# definitions, ~12k tokens) and each turn adds ~17 KB (~4k tokens). With
-# max_tokens 8192 and the 5% reserve, a 68k window leaves a ~56k-token prompt
-# budget: compaction is needed from about the tenth turn, and the last
-# request (~105k tokens uncompacted) is twice the budget.
+# definitions: ~10k o200k tokens) and each turn adds ~17 KB (~6k tokens).
+# With max_tokens 8192 and the 5% reserve, a 68k window leaves a 56k-token
+# prompt budget: by o200k counts the 8th request is the first over it, the
+# last (~143k tokens uncompacted) is 2.5 times it. The mock reports usage as
+# bytes / 4, lower than o200k for this content, so calibration may move the
+# first compaction a few turns later.
 WINDOW = 68000
 CONFIG = f"""
 # Written by tests/clients/test_claude_code.py.

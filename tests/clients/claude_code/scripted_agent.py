@@ -23,7 +23,7 @@ FINAL_TEXT = "All steps done. FINAL-ANSWER-condense-e2e"
 SIDE_TEXT = "Side request answer."
 STEPS = 22
 # Generated in the working directory by write_workdir(): each file is about
-# 15 KB (roughly 3.5k tokens), so every turn adds that much tool output.
+# 15 KB (~6k o200k tokens: numbers and paths), and so is the seq output.
 LINES_PER_FILE = 160
 OVERLOADED_STEP = 5
 
