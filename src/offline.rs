@@ -13,11 +13,16 @@ use crate::config::Config;
 use crate::metrics::{Metrics, MetricsError};
 use crate::pipeline;
 use crate::tokens::{Assessment, ModelInfo, TokenService, WindowSource};
+use crate::wire::{Format, NotUnderstood, Parsed};
 
 #[derive(Debug, thiserror::Error)]
 pub enum OfflineError {
     #[error("not a chat completions request: {0}")]
     NotChat(#[from] ParseError),
+    #[error("not a chat completions or Anthropic Messages request: {0}")]
+    NotUnderstood(#[from] NotUnderstood),
+    #[error(transparent)]
+    Write(#[from] crate::wire::anthropic::WriteError),
     #[error(transparent)]
     Metrics(#[from] MetricsError),
 }
@@ -94,14 +99,18 @@ pub fn process(
     )
 }
 
-/// Measures and compacts one request body. Returns the body to send and the
+/// Measures and compacts one request body (chat completions, or Anthropic
+/// Messages, told apart by their fields). Returns the body to send and the
 /// report.
 pub fn compact(
     config: &Config,
     body: Bytes,
     options: &CompactOptions,
 ) -> Result<(Bytes, CompactReport), OfflineError> {
-    let req = ChatRequest::parse(&body)?;
+    let Parsed {
+        conversation: req,
+        writer,
+    } = Parsed::parse(Format::detect(&body), &body)?;
     let tokens = token_service(config)?;
     let (model, info) = model_and_info(&tokens, &req, options);
     let p = process(
@@ -127,5 +136,6 @@ pub fn compact(
         stages,
         assessment: p.assessment,
     };
-    Ok((p.request.to_bytes(), report))
+    let fates = p.outcome.as_ref().and_then(|o| o.fates.as_ref());
+    Ok((writer.body(&p.request, fates)?, report))
 }

@@ -33,6 +33,8 @@ use crate::proxy::upstream::{Upstream, UpstreamError};
 use crate::proxy::{Proxy, SetupError};
 use crate::simulate::{CountRule, OverflowStyle, Simulator};
 use crate::tokens::Budget;
+use crate::wire::Format;
+use crate::wire::anthropic::MessagesRequest;
 
 /// A fact an agent needs later: its exact text and where it first appears.
 #[derive(Debug, Clone, Deserialize)]
@@ -204,6 +206,8 @@ pub enum ReplayError {
     Offline(#[from] OfflineError),
     #[error("not a chat completions request: {0}")]
     NotChat(#[from] ParseError),
+    #[error("not an Anthropic Messages request: {0}")]
+    NotMessages(#[from] crate::wire::anthropic::ParseError),
     #[error("cannot start the runtime: {0}")]
     Runtime(std::io::Error),
     #[error(transparent)]
@@ -394,7 +398,9 @@ async fn run(
     provider: &Provider,
     summarizer: Option<&str>,
 ) -> Result<(Report, Arc<Simulator>), ReplayError> {
-    let full = ChatRequest::parse(body)?;
+    let format = Format::detect(body);
+    let source = Source::parse(format, body)?;
+    let full = source.conversation();
     let tokens = offline::token_service(config)?;
     let (model, info) = offline::model_and_info(&tokens, &full, options);
     let counter = CachedCounter::new(&tokens, info.encoding);
@@ -415,17 +421,6 @@ async fn run(
         upstream,
     )?);
 
-    let all = full.messages().to_vec();
-    let mut ends: Vec<usize> = all
-        .iter()
-        .enumerate()
-        .filter(|(_, m)| m.role() == Some("assistant"))
-        .map(|(i, _)| i)
-        .filter(|&i| i > 0)
-        .collect();
-    ends.push(all.len());
-    ends.dedup();
-
     let budget = Budget::new(
         info.window,
         full.max_completion_tokens(),
@@ -444,25 +439,21 @@ async fn run(
     let (mut ours, mut drop, mut sliding) = (Track::default(), Track::default(), Track::default());
     let mut turns = Vec::new();
     let mut rejections = 0;
-    for (t, &end) in ends.iter().enumerate() {
-        let prefix = &all[..end];
+    for (t, &end) in source.turn_ends().iter().enumerate() {
+        let turn_body = source.prefix(end, options.model.as_deref());
+        let prefix_view = source.prefix_view(end, &turn_body);
+        let prefix = &prefix_view[..];
+        // Probes are placed by the chat form's message index, which the
+        // view keeps.
+        let end = prefix.len();
         let probes_here: Vec<&Probe> = probes
             .iter()
             .filter(|p| p.first_message_index < end)
             .collect();
-        let mut req = full.clone();
-        req.set_messages(prefix.to_vec());
-        if let Some(m) = &options.model {
-            req.set_field(
-                "model",
-                Bytes::from(serde_json::to_vec(m).unwrap_or_default()),
-            );
-        }
-        let turn_body = req.to_bytes();
         let before = fixed + prefix.iter().map(|m| counter.message(m.raw())).sum::<u64>();
 
         let seen = simulator.received().len();
-        let (status, actions) = send_turn(&proxy, turn_body.clone()).await;
+        let (status, actions) = send_turn(&proxy, format, turn_body.clone()).await;
         let received = simulator.received();
         let new = &received[seen.min(received.len())..];
         rejections += new.iter().filter(|(_, ok)| !ok).count();
@@ -474,7 +465,7 @@ async fn run(
             .find(|(_, ok)| *ok)
             .or(new.last())
             .map_or(turn_body, |(b, _)| b.clone());
-        let forwarded = ChatRequest::parse(&sent)?;
+        let forwarded = source.conversation_of(&sent)?;
         let condense = ours.turn(
             forwarded.messages(),
             fixed,
@@ -540,6 +531,83 @@ async fn run(
     Ok((report, simulator))
 }
 
+/// The conversation replayed, in its wire format.
+enum Source {
+    Chat(ChatRequest),
+    Messages(MessagesRequest),
+}
+
+impl Source {
+    fn parse(format: Format, body: &Bytes) -> Result<Source, ReplayError> {
+        Ok(match format {
+            Format::Chat => Source::Chat(ChatRequest::parse(body)?),
+            Format::Messages => Source::Messages(MessagesRequest::parse(body)?),
+        })
+    }
+
+    /// The whole conversation as the pipeline sees it.
+    fn conversation(&self) -> ChatRequest {
+        match self {
+            Source::Chat(c) => c.clone(),
+            Source::Messages(m) => m.view().0,
+        }
+    }
+
+    /// Where each turn's request ends: before every assistant message
+    /// (but a leading one), and the whole conversation.
+    fn turn_ends(&self) -> Vec<usize> {
+        let (assistants, len) = match self {
+            Source::Chat(c) => (
+                (0..c.messages().len())
+                    .filter(|&i| c.messages()[i].role() == Some("assistant"))
+                    .collect::<Vec<_>>(),
+                c.messages().len(),
+            ),
+            Source::Messages(m) => (m.assistant_turns(), m.len()),
+        };
+        let mut ends: Vec<usize> = assistants.into_iter().filter(|&i| i > 0).collect();
+        ends.push(len);
+        ends.dedup();
+        ends
+    }
+
+    /// The request the client sent for the turn ending at `end`.
+    fn prefix(&self, end: usize, model: Option<&str>) -> Bytes {
+        match self {
+            Source::Chat(c) => {
+                let mut req = c.clone();
+                req.set_messages(c.messages()[..end].to_vec());
+                if let Some(m) = model {
+                    req.set_field(
+                        "model",
+                        Bytes::from(serde_json::to_vec(m).unwrap_or_default()),
+                    );
+                }
+                req.to_bytes()
+            }
+            Source::Messages(m) => m.prefix(end, model),
+        }
+    }
+
+    /// That turn's conversation as the pipeline sees it.
+    fn prefix_view(&self, end: usize, body: &Bytes) -> Vec<Message> {
+        match self {
+            Source::Chat(c) => c.messages()[..end].to_vec(),
+            Source::Messages(_) => MessagesRequest::parse(body)
+                .map(|m| m.view().0.messages().to_vec())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// The conversation of a body the provider received.
+    fn conversation_of(&self, body: &Bytes) -> Result<ChatRequest, ReplayError> {
+        Ok(match self {
+            Source::Chat(_) => ChatRequest::parse(body)?,
+            Source::Messages(_) => MessagesRequest::parse(body)?.view().0,
+        })
+    }
+}
+
 /// The model name the replayed requests carry.
 fn served_model(full: &ChatRequest, options: &CompactOptions) -> String {
     options
@@ -560,6 +628,7 @@ fn proxy_config(
 ) -> Config {
     let mut c = config.clone();
     c.upstream.base_url = PROVIDER_URL.to_string();
+    c.upstream.anthropic_base_url = PROVIDER_URL.to_string();
     // A replay keeps its state to itself: never a shared Redis, whose
     // checkpoints and windows would leak into (and out of) production.
     c.state.redis_url = None;
@@ -589,16 +658,23 @@ fn proxy_config(
 /// Sends one turn through the proxy and reads the whole answer (which is
 /// when usage is taken); returns the status the client got and the actions
 /// condense reported.
-async fn send_turn(proxy: &Arc<Proxy>, body: Bytes) -> (u16, String) {
+async fn send_turn(proxy: &Arc<Proxy>, format: Format, body: Bytes) -> (u16, String) {
+    let path = match format {
+        Format::Chat => "/v1/chat/completions",
+        Format::Messages => "/v1/messages",
+    };
     let request = http::Request::builder()
         .method(http::Method::POST)
-        .uri("/v1/chat/completions")
+        .uri(path)
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(axum::body::Body::from(body));
     let Ok(request) = request else {
         return (0, "none".to_string());
     };
-    let response = proxy.clone().chat(request).await;
+    let response = match format {
+        Format::Chat => proxy.clone().chat(request).await,
+        Format::Messages => proxy.clone().messages(request).await,
+    };
     let status = response.status().as_u16();
     let actions = response
         .headers()

@@ -18,6 +18,8 @@ use serde_json::{Value, json};
 use crate::cache::{Bounded, PreHashed, one};
 use crate::chat::ChatRequest;
 use crate::tokens::Encoding;
+use crate::wire::Format;
+use crate::wire::anthropic::MessagesRequest;
 
 /// How the simulated upstream counts a request's prompt tokens.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -88,6 +90,13 @@ impl CountRule {
     /// through `memo(raw, is_tools, count)`.
     fn count_with(&self, body: &Bytes, memo: &mut PartMemo<'_>) -> Option<u64> {
         let req = ChatRequest::parse(body).ok()?;
+        Some(self.count_chat(&req, memo))
+    }
+
+    /// The prompt tokens of a conversation in chat form (an Anthropic
+    /// Messages body is counted through the same view condense has of it:
+    /// its texts, tool inputs and thinking).
+    fn count_chat(&self, req: &ChatRequest, memo: &mut PartMemo<'_>) -> u64 {
         let enc = Encoding::for_model(&req.model().unwrap_or_default());
         let mut total = match self {
             CountRule::O200k => crate::tokens::count::REPLY_PRIMING,
@@ -101,7 +110,7 @@ impl CountRule {
                 total += memo(raw, true, &|| self.part(raw, true, enc));
             }
         }
-        Some(total)
+        total
     }
 
     /// The tokens of one message, or of a tool list.
@@ -195,10 +204,22 @@ impl Simulator {
     /// The prompt tokens of a chat request body by this provider's rule;
     /// None when it is not one.
     pub fn count(&self, body: &Bytes) -> Option<u64> {
-        self.rule.count_with(body, &mut |raw, tools, count| {
+        self.count_as(Format::Chat, body)
+    }
+
+    /// The prompt tokens of a request body of `format`.
+    pub fn count_as(&self, format: Format, body: &Bytes) -> Option<u64> {
+        let mut memo = |raw: &[u8], tools: bool, count: &dyn Fn() -> u64| {
             let key = xxhash_rust::xxh3::xxh3_64(raw) ^ u64::from(tools);
             self.memo.get_or_insert_with(key, count)
-        })
+        };
+        match format {
+            Format::Chat => self.rule.count_with(body, &mut memo),
+            Format::Messages => {
+                let (view, _) = MessagesRequest::parse(body).ok()?.view();
+                Some(self.rule.count_chat(&view, &mut memo))
+            }
+        }
     }
 
     /// The chat bodies received so far, with whether each was accepted.
@@ -218,6 +239,9 @@ impl Simulator {
                 }
             }
             return json_response(StatusCode::OK, &json!({"object": "list", "data": [model]}));
+        }
+        if method == Method::POST && path.ends_with("/messages") {
+            return self.messages(body);
         }
         if method != Method::POST || !path.ends_with("/chat/completions") {
             return json_response(
@@ -263,6 +287,78 @@ impl Simulator {
         )
     }
 
+    /// Answers an Anthropic Messages request, with Anthropic's usage,
+    /// stream and overflow wording.
+    fn messages(&self, body: &Bytes) -> http::Response<Bytes> {
+        let Some(prompt) = self.count_as(Format::Messages, body) else {
+            return json_response(
+                StatusCode::BAD_REQUEST,
+                &anthropic_error("invalid_request_error", "not a Messages request"),
+            );
+        };
+        let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+        let completion = req["max_tokens"].as_u64().unwrap_or(0);
+        let fits = prompt + completion <= self.window;
+        if let Ok(mut r) = self.received.lock() {
+            r.push((body.clone(), fits));
+        }
+        if !fits {
+            let window = self.window;
+            return json_response(
+                StatusCode::BAD_REQUEST,
+                &anthropic_error(
+                    "invalid_request_error",
+                    &format!("prompt is too long: {prompt} tokens > {window} maximum"),
+                ),
+            );
+        }
+        let usage = json!({"input_tokens": prompt, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0, "output_tokens": 1});
+        let model = req["model"].as_str().unwrap_or("unknown");
+        let message = json!({"id": "msg_sim", "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn",
+            "stop_sequence": null, "usage": usage});
+        if req["stream"] != json!(true) {
+            return json_response(StatusCode::OK, &message);
+        }
+        let mut start = message.clone();
+        start["content"] = json!([]);
+        start["stop_reason"] = Value::Null;
+        let events = [
+            (
+                "message_start",
+                json!({"type": "message_start", "message": start}),
+            ),
+            (
+                "content_block_start",
+                json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+            ),
+            (
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "ok"}}),
+            ),
+            (
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": 0}),
+            ),
+            (
+                "message_delta",
+                json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 1}}),
+            ),
+            ("message_stop", json!({"type": "message_stop"})),
+        ];
+        let text: String = events
+            .iter()
+            .map(|(name, data)| format!("event: {name}\ndata: {data}\n\n"))
+            .collect();
+        let mut r = http::Response::new(Bytes::from(text));
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            http::HeaderValue::from_static("text/event-stream"),
+        );
+        r
+    }
+
     fn overflow_body(&self, prompt: u64) -> Value {
         let window = self.window;
         match self.overflow {
@@ -285,6 +381,10 @@ impl Simulator {
             }}),
         }
     }
+}
+
+fn anthropic_error(kind: &str, message: &str) -> Value {
+    json!({"type": "error", "error": {"type": kind, "message": message}})
 }
 
 fn error_body(message: &str, code: Option<&str>) -> Value {

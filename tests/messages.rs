@@ -295,3 +295,90 @@ async fn bodies_condense_does_not_understand_go_upstream_unchanged() {
         assert_eq!(h.mock.last().body, body.as_bytes());
     }
 }
+
+/// Every body the provider received in a replay of `body`, checked against
+/// the Messages API's rules and against the client's thinking blocks.
+async fn replay_and_check(
+    body: &Value,
+    window: u64,
+    count: condense::simulate::CountRule,
+) -> condense::replay::Report {
+    use condense::replay::{Provider, replay_received};
+    let (report, received) = replay_received(
+        &condense::config::Config::default(),
+        &bytes::Bytes::from(body.to_string()),
+        &condense::offline::CompactOptions {
+            model: None,
+            window: Some(window),
+        },
+        &Provider {
+            count,
+            window: None,
+            overflow: condense::simulate::OverflowStyle::OpenAi,
+            lists_window: false,
+        },
+    )
+    .await
+    .unwrap();
+    assert!(!received.is_empty());
+    for (sent, _) in &received {
+        let sent: Value = serde_json::from_slice(sent).unwrap();
+        assert_valid(&sent, body);
+    }
+    report
+}
+
+/// Thinking blocks with signatures on every assistant message, and a moving
+/// cache breakpoint on the last block, as Claude Code sends them.
+fn with_thinking(mut body: Value) -> Value {
+    let messages = body["messages"].as_array_mut().unwrap();
+    for (i, m) in messages.iter_mut().enumerate() {
+        if m["role"] != "assistant" {
+            continue;
+        }
+        if let Some(text) = m["content"].as_str().map(str::to_string) {
+            m["content"] = json!([{"type": "text", "text": text}]);
+        }
+        m["content"].as_array_mut().unwrap().insert(
+            0,
+            json!({"type": "thinking", "thinking": format!("Step {i}: what next?"), "signature": format!("sig-{i}")}),
+        );
+    }
+    body
+}
+
+#[tokio::test]
+async fn a_replayed_session_sends_only_valid_requests() {
+    let report = replay_and_check(
+        &session(60, false),
+        16_000,
+        condense::simulate::CountRule::Chars(3.6),
+    )
+    .await;
+    assert_eq!(report.condense.turns_not_fit, 0);
+    assert!(report.turns.iter().any(|t| t.actions != "none"));
+}
+
+#[tokio::test]
+#[ignore = "needs ../shared/traces beside the repository; run with `cargo test -- --ignored shared_traces`"]
+async fn the_shared_traces_as_messages_replay_like_chat_and_stay_valid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
+    for name in [
+        "oh_django-14351",
+        "oh_requests-1921",
+        "sweagent_pydicom-1458",
+        "tau_airline_task2_trial1",
+    ] {
+        let read = |sub: &str| -> Value {
+            serde_json::from_slice(
+                &std::fs::read(dir.join(sub).join(format!("{name}.json"))).unwrap(),
+            )
+            .unwrap()
+        };
+        let messages = with_thinking(read("anthropic"));
+        for window in [16_000, 32_000] {
+            let m = replay_and_check(&messages, window, condense::simulate::CountRule::O200k).await;
+            assert_eq!(m.condense.turns_not_fit, 0, "{name} at {window}");
+        }
+    }
+}

@@ -176,6 +176,41 @@ impl MessagesRequest {
         self.fields.get("stream") == Some(b"true")
     }
 
+    /// Indices of the assistant messages.
+    pub fn assistant_turns(&self) -> Vec<usize> {
+        (0..self.turns.len())
+            .filter(|&t| self.turns[t].side == Side::Assistant)
+            .collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.turns.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.turns.is_empty()
+    }
+
+    /// The request with its first `end` messages only (and `model`, when
+    /// given): a turn of the conversation as the client sent it then.
+    pub fn prefix(&self, end: usize, model: Option<&str>) -> Bytes {
+        let mut list = Vec::new();
+        list.push(b'[');
+        for (i, t) in self.turns.iter().take(end).enumerate() {
+            if i > 0 {
+                list.push(b',');
+            }
+            list.extend_from_slice(&t.raw);
+        }
+        list.push(b']');
+        let mut fields = self.fields.clone();
+        fields.set("messages", Bytes::from(list));
+        if let Some(m) = model {
+            fields.set("model", Bytes::from(json!(m).to_string()));
+        }
+        Bytes::from(fields.to_vec())
+    }
+
     /// The client's bytes.
     pub fn source(&self) -> &Bytes {
         &self.source

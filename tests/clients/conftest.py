@@ -26,11 +26,8 @@ def _binary():
 def anthropic_upstream_env(anthropic_url, openai_url):
     """The environment that points condense at a mock Anthropic upstream
     (anthropic_url) and a mock OpenAI one (openai_url), both
-    http://127.0.0.1:PORT/v1. Today condense forwards /v1/messages to
-    upstream.base_url, so that is the Anthropic mock; once it has
-    upstream.anthropic_base_url, replace the return line with the comment."""
-    # return {"CONDENSE_UPSTREAM__BASE_URL": openai_url, "CONDENSE_UPSTREAM__ANTHROPIC_BASE_URL": anthropic_url}
-    return {"CONDENSE_UPSTREAM__BASE_URL": anthropic_url}
+    http://127.0.0.1:PORT/v1."""
+    return {"CONDENSE_UPSTREAM__BASE_URL": openai_url, "CONDENSE_UPSTREAM__ANTHROPIC_BASE_URL": anthropic_url}
 
 
 class Condense:
