@@ -239,7 +239,10 @@ fn compact_prints_the_body_and_a_report() {
     std::fs::write(&file, "not json").unwrap();
     let out = condense().arg("compact").arg(&file).output().unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not a chat completions or Anthropic Messages request"));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("not a chat completions or Anthropic Messages request")
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -135,8 +135,10 @@ fn is_text(b: &Block) -> bool {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Origin {
     System,
-    /// A user message's blocks other than its tool results (or its text).
+    /// A user message whose content is a string.
     User(usize),
+    /// A block of a user message, not a tool result: message, block.
+    UserBlock(usize, usize),
     /// A `tool_result` block: message, block.
     ToolResult(usize, usize),
     Assistant(usize),
@@ -249,6 +251,8 @@ impl MessagesRequest {
                 (Side::User, Content::Text(s)) => {
                     push(json!({"role": "user", "content": s}), Origin::User(t));
                 }
+                // One view message per block, in order: a tool result, or
+                // what the client wrote (a text as chat's user message).
                 (Side::User, Content::Blocks(blocks)) => {
                     for (b, block) in blocks.iter().enumerate() {
                         if block.kind() == "tool_result" {
@@ -257,15 +261,9 @@ impl MessagesRequest {
                                 json!({"role": "tool", "tool_call_id": id, "content": result_text(block)}),
                                 Origin::ToolResult(t, b),
                             );
+                        } else {
+                            push(user_view(block), Origin::UserBlock(t, b));
                         }
-                    }
-                    let parts: Vec<Value> = blocks
-                        .iter()
-                        .filter(|b| b.kind() != "tool_result")
-                        .map(part_of)
-                        .collect();
-                    if !parts.is_empty() {
-                        push(json!({"role": "user", "content": parts}), Origin::User(t));
                     }
                 }
                 (Side::Assistant, content) => {
@@ -325,6 +323,7 @@ impl MessagesRequest {
                     }
                 }
                 Origin::User(t)
+                | Origin::UserBlock(t, _)
                 | Origin::ToolResult(t, _)
                 | Origin::Assistant(t)
                 | Origin::Inner(t) => parts[t].push(j),
@@ -336,17 +335,20 @@ impl MessagesRequest {
             .and_then(|_| (0..n).find(|&j| fates.dropped[j]))
             .map(|j| match origins[j] {
                 Origin::User(t)
+                | Origin::UserBlock(t, _)
                 | Origin::ToolResult(t, _)
                 | Origin::Assistant(t)
                 | Origin::Inner(t) => t,
                 Origin::System => 0,
             });
         let mut out: Vec<Out> = Vec::with_capacity(self.turns.len() + 1);
+        let mut digest_out = None;
         for (t, turn) in self.turns.iter().enumerate() {
             if digest_at == Some(t)
                 && let Some(d) = &fates.replacement
             {
                 let text = json!({"type": "text", "text": view_text(d)});
+                digest_out = Some(out.len());
                 out.push(Out::built(Side::User, vec![Block::new(text)]));
             }
             let js = &parts[t];
@@ -360,10 +362,13 @@ impl MessagesRequest {
             if js.iter().all(|&j| fates.dropped[j]) {
                 continue;
             }
-            let blocks = self.rebuilt(t, turn, origins, fates)?;
+            let blocks = self.rebuilt(turn, js, origins, fates)?;
             if !blocks.is_empty() {
                 out.push(Out::built(turn.side, blocks));
             }
+        }
+        if let Some(d) = digest_out {
+            self.place_digest(&mut out, d);
         }
         let merged = self.merged(out);
         let shape: Vec<(Side, Vec<&Block>)> = merged
@@ -392,60 +397,52 @@ impl MessagesRequest {
         Ok(self.serialize(&merged))
     }
 
-    /// Message `t`'s blocks after its view messages' fates (some of them
-    /// dropped or rewritten).
+    /// A message's blocks after the fates of its view messages `js` (some
+    /// of them dropped or rewritten).
     fn rebuilt(
         &self,
-        t: usize,
         turn: &Turn,
+        js: &[usize],
         origins: &[Origin],
         fates: &Fates,
     ) -> Result<Vec<Block>, WriteError> {
-        let of = |o: Origin| origins.iter().position(|&x| x == o);
         let new_view = |j: usize| -> Option<Value> {
             serde_json::from_slice(fates.rewritten[j].as_ref()?).ok()
         };
         match (&turn.side, &turn.content) {
             (Side::User, Content::Text(_)) => {
-                let j = of(Origin::User(t)).ok_or(WriteError::Mismatch)?;
+                let &j = js.first().ok_or(WriteError::Mismatch)?;
                 let text = new_view(j).map(|v| content_text_of(&v)).unwrap_or_default();
                 Ok(vec![Block::new(json!({"type": "text", "text": text}))])
             }
             (Side::User, Content::Blocks(blocks)) => {
-                let user = of(Origin::User(t));
-                let user_gone = user.is_some_and(|j| fates.dropped[j]);
-                let user_new = user.and_then(|j| new_view(j).map(|v| content_text_of(&v)));
                 let mut out = Vec::with_capacity(blocks.len());
-                let mut placed = false;
-                // A cache breakpoint on the replaced blocks moves to the
-                // replacement.
-                let carried = blocks
-                    .iter()
-                    .filter(|b| b.kind() != "tool_result")
-                    .find_map(|b| b.cache_control().cloned());
-                for (b, block) in blocks.iter().enumerate() {
-                    if block.kind() == "tool_result" {
-                        let j = of(Origin::ToolResult(t, b)).ok_or(WriteError::Mismatch)?;
-                        if fates.dropped[j] {
-                            continue;
-                        }
-                        match new_view(j) {
-                            Some(v) => out.push(block.with("content", json!(content_text_of(&v)))),
-                            None => out.push(block.clone()),
-                        }
-                    } else if user_gone {
+                for &j in js {
+                    let b = match origins[j] {
+                        Origin::ToolResult(_, b) | Origin::UserBlock(_, b) => b,
+                        _ => return Err(WriteError::Mismatch),
+                    };
+                    let block = blocks.get(b).ok_or(WriteError::Mismatch)?;
+                    if fates.dropped[j] {
                         continue;
-                    } else if let Some(text) = &user_new {
-                        if !placed && !text.is_empty() {
-                            let mut v = json!({"type": "text", "text": text});
-                            if let Some(cc) = &carried {
-                                v["cache_control"] = cc.clone();
-                            }
-                            out.push(Block::new(v));
-                        }
-                        placed = true;
-                    } else {
+                    }
+                    let Some(v) = new_view(j) else {
                         out.push(block.clone());
+                        continue;
+                    };
+                    let text = content_text_of(&v);
+                    if block.kind() == "tool_result" {
+                        out.push(block.with("content", json!(text)));
+                    } else if block.kind() == "text" {
+                        out.push(block.with("text", json!(text)));
+                    } else if !text.is_empty() {
+                        // Another block (an image, a document) cut to text;
+                        // its cache breakpoint stays on the replacement.
+                        let mut v = json!({"type": "text", "text": text});
+                        if let Some(cc) = block.cache_control() {
+                            v["cache_control"] = cc.clone();
+                        }
+                        out.push(Block::new(v));
                     }
                 }
                 Ok(out)
@@ -453,12 +450,27 @@ impl MessagesRequest {
             // Never rewritten (the stages keep system messages verbatim).
             (Side::System, _) => Err(WriteError::Invalid("a system message changed")),
             (Side::Assistant, content) => {
-                let j = of(Origin::Assistant(t)).ok_or(WriteError::Mismatch)?;
+                let &j = js.first().ok_or(WriteError::Mismatch)?;
                 let Some(v) = new_view(j) else {
                     return Err(WriteError::Mismatch);
                 };
                 Ok(assistant_rebuilt(content, &v))
             }
+        }
+    }
+
+    /// Moves the digest (at `d`) into the first user message after the
+    /// dropped turns, behind its tool results, when that message is not the
+    /// newest: the messages before the drop, the task among them, then keep
+    /// their bytes (and the provider's cache of them) as they would in a
+    /// chat request, where the digest is a message of its own. Otherwise it
+    /// stays, and joins the user message before it.
+    fn place_digest(&self, out: &mut Vec<Out>, d: usize) {
+        let next_user = (d + 1..out.len()).find(|&i| out[i].side(self) == Side::User);
+        if let Some(u) = next_user.filter(|&u| u + 1 < out.len()) {
+            let digest = out.remove(d);
+            // `u` moved down by one with the removal.
+            out.insert(u, digest);
         }
     }
 
@@ -697,12 +709,15 @@ fn result_text(block: &Block) -> String {
     }
 }
 
-/// A user block as a chat content part.
-fn part_of(block: &Block) -> Value {
+/// A user block that is not a tool result as a chat user message: a text
+/// as its content, an image as an image part, another block as its JSON.
+fn user_view(block: &Block) -> Value {
     match block.kind() {
-        "text" => json!({"type": "text", "text": block.str("text").unwrap_or_default()}),
-        "image" => json!({"type": "image_url", "image_url": {"url": ""}}),
-        _ => json!({"type": "text", "text": block.value.to_string()}),
+        "text" => json!({"role": "user", "content": block.str("text").unwrap_or_default()}),
+        "image" => {
+            json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]})
+        }
+        _ => json!({"role": "user", "content": block.value.to_string()}),
     }
 }
 
@@ -951,14 +966,13 @@ mod tests {
         let (_, out) = compacted(&body, 4_000);
         let messages = out["messages"].as_array().unwrap();
         assert!(messages.len() < body["messages"].as_array().unwrap().len());
-        let first = messages[0]["content"].as_array().unwrap();
-        assert_eq!(first[0]["text"], "Fix the failing test in parser.py");
-        assert!(
-            first[1]["text"]
-                .as_str()
-                .unwrap()
-                .contains("earlier messages were removed")
-        );
+        // The task keeps its bytes; the digest follows the tool results of
+        // the first turn kept.
+        assert_eq!(messages[0], body["messages"][0]);
+        let after = messages[2]["content"].as_array().unwrap();
+        assert_eq!(after[0]["type"], "tool_result");
+        let digest = after[1]["text"].as_str().unwrap();
+        assert!(digest.contains("earlier messages were removed"), "{digest}");
         assert_valid(&out);
         // The newest turn is the client's.
         assert_eq!(messages.last(), body["messages"].as_array().unwrap().last());
