@@ -18,8 +18,8 @@ COPY config ./config
 # The registry and target caches survive between builds (BuildKit).
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/build/target \
-    cargo build --profile dist --locked --bin condense \
-  && cp target/dist/condense /condense
+    cargo build --release --locked --bin condense \
+ && cp target/release/condense /condense
 
 # --- run ---------------------------------------------------------------------
 # glibc and libgcc, no shell, no package manager, a non-root user. TLS to

@@ -124,6 +124,19 @@ const TABLE: &[Row] = &[
     Row {
         format: "anthropic",
         statuses: &[400, 413],
+        needles: &["exceed context limit"],
+        // "input length and `max_tokens` exceed context limit: M + K > N"
+        read: |t, _| {
+            Some((
+                number_after(t, " > "),
+                number_after(t, "context limit:"),
+                number_after(t, " + "),
+            ))
+        },
+    },
+    Row {
+        format: "anthropic",
+        statuses: &[400, 413],
         needles: &["prompt is too long"],
         read: |t, _| {
             Some((

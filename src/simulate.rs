@@ -321,36 +321,7 @@ impl Simulator {
         if req["stream"] != json!(true) {
             return json_response(StatusCode::OK, &message);
         }
-        let mut start = message.clone();
-        start["content"] = json!([]);
-        start["stop_reason"] = Value::Null;
-        let events = [
-            (
-                "message_start",
-                json!({"type": "message_start", "message": start}),
-            ),
-            (
-                "content_block_start",
-                json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-            ),
-            (
-                "content_block_delta",
-                json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "ok"}}),
-            ),
-            (
-                "content_block_stop",
-                json!({"type": "content_block_stop", "index": 0}),
-            ),
-            (
-                "message_delta",
-                json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 1}}),
-            ),
-            ("message_stop", json!({"type": "message_stop"})),
-        ];
-        let text: String = events
-            .iter()
-            .map(|(name, data)| format!("event: {name}\ndata: {data}\n\n"))
-            .collect();
+        let text = anthropic_stream(&message);
         let mut r = http::Response::new(Bytes::from(text));
         r.headers_mut().insert(
             header::CONTENT_TYPE,
@@ -381,6 +352,37 @@ impl Simulator {
             }}),
         }
     }
+}
+
+/// A complete Anthropic message (one text block) as the events of its
+/// stream, in Anthropic's order: `message_start` (the prompt's usage), a
+/// `ping`, the text block, `message_delta` (the stop reason and the output
+/// tokens), `message_stop`.
+pub fn anthropic_stream(message: &Value) -> String {
+    let mut start = message.clone();
+    start["content"] = json!([]);
+    start["stop_reason"] = Value::Null;
+    start["usage"]["output_tokens"] = json!(1);
+    let text = message["content"][0]["text"].as_str().unwrap_or_default();
+    let events = [
+        json!({"type": "message_start", "message": start}),
+        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        json!({"type": "ping"}),
+        json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}),
+        json!({"type": "content_block_stop", "index": 0}),
+        json!({"type": "message_delta", "delta": {"stop_reason": message["stop_reason"], "stop_sequence": null},
+            "usage": {"output_tokens": message["usage"]["output_tokens"]}}),
+        json!({"type": "message_stop"}),
+    ];
+    events
+        .iter()
+        .map(|e| {
+            format!(
+                "event: {}\ndata: {e}\n\n",
+                e["type"].as_str().unwrap_or_default()
+            )
+        })
+        .collect()
 }
 
 fn anthropic_error(kind: &str, message: &str) -> Value {

@@ -25,12 +25,12 @@ fn yaml(path: &str) -> serde_yaml::Value {
 }
 
 #[test]
-fn the_dockerfile_builds_locked_with_the_dist_profile_and_runs_unprivileged_with_a_healthcheck() {
+fn the_dockerfile_builds_locked_in_release_and_runs_unprivileged_with_a_healthcheck() {
     let d = read("Dockerfile");
     let lines: Vec<&str> = d.lines().map(str::trim).collect();
     let froms: Vec<&&str> = lines.iter().filter(|l| l.starts_with("FROM ")).collect();
     assert!(froms.len() >= 2, "multi-stage");
-    assert!(d.contains("cargo build --profile dist --locked"));
+    assert!(d.contains("cargo build --release --locked"));
     assert!(d.contains("COPY --from=build"));
     let user = lines.iter().rev().find(|l| l.starts_with("USER ")).unwrap();
     let name = user.trim_start_matches("USER ").split(':').next().unwrap();

@@ -8,6 +8,9 @@
 //! a recency weight from 0.2 for the oldest to 1.0 for the newest. A result
 //! over its allowance keeps its head and tail.
 
+use super::conversation::Analysis;
+use super::{Counter, Limits, Settings, Work, cut_content, shrinkable_result};
+
 /// The band factor for a pressure.
 pub fn band(pressure: f64) -> f64 {
     if pressure >= 0.99 {
@@ -30,6 +33,31 @@ pub fn allowance(budget: f64, share: f64, pressure: f64, rank: usize, count: usi
         0.2 + 0.8 * rank as f64 / (count - 1) as f64
     };
     budget * share * band(pressure) * weight
+}
+
+/// Shrinks the larger consumed results by their allowances.
+pub(super) fn run(
+    w: &mut Work,
+    a: &Analysis,
+    limits: &Limits,
+    s: &Settings,
+    counter: &dyn Counter,
+) {
+    let pressure = w.total() as f64 / limits.budget;
+    let candidates: Vec<(usize, String)> = (0..w.cost.len())
+        .filter_map(|i| shrinkable_result(w, a, i).map(|t| (i, t)))
+        .collect();
+    let (mut count, mut saved) = (0, 0);
+    let k = candidates.len();
+    for (rank, (i, text)) in candidates.into_iter().enumerate() {
+        let limit = allowance(limits.budget, s.fade_share, pressure, rank, k);
+        let sv = cut_content(w, i, &text, limit, counter);
+        if sv > 0 {
+            count += 1;
+            saved += sv;
+        }
+    }
+    w.record("fade", count, saved);
 }
 
 #[cfg(test)]

@@ -15,10 +15,12 @@ use serde_json::Value;
 
 use super::conversation::{Analysis, Role, action_start};
 use super::extract::{key_lines, placeholder};
+use super::plan::Plan;
 use super::text::{
     MARK, ceil_boundary, content_text, floor_boundary, head_tail, with_json_field,
     with_string_field,
 };
+use super::{Counter, Work};
 use crate::chat::Message;
 
 /// Tool-call arguments longer than this are shortened below the frontier.
@@ -173,6 +175,40 @@ pub fn extractive_cut(s: &str, keep: usize) -> String {
         format!(
             "{head}\n{MARK} {chars} chars elided; key lines kept:]\n{kept}\n{MARK} end]\n{tail}"
         )
+    }
+}
+
+/// Replaces every message below the plan's frontier (and the large ones it
+/// masks ahead of it) with its masked form; messages with epistemic markers
+/// only when the request is still at `trigger` (tokens) without them.
+pub(super) fn run(
+    w: &mut Work,
+    a: &Analysis,
+    plan: &Plan,
+    masked: &[Option<Bytes>],
+    trigger: f64,
+    counter: &dyn Counter,
+) {
+    let n = w.cost.len();
+    for markers in [false, true] {
+        if markers && (w.total() as f64) < trigger {
+            break;
+        }
+        let (mut count, mut saved) = (0, 0);
+        let ahead = (plan.frontier..n).filter(|&i| plan.ahead[i]);
+        for i in (a.base..plan.frontier.min(n)).chain(ahead) {
+            if w.dropped[i] || a.marker[i] != markers {
+                continue;
+            }
+            if let Some(b) = masked[i].clone() {
+                let sv = w.replace(i, b, counter);
+                if sv > 0 {
+                    count += 1;
+                    saved += sv;
+                }
+            }
+        }
+        w.record("mask", count, saved);
     }
 }
 

@@ -330,7 +330,7 @@ pub fn compact_with(
 
     // fit first: it depends on the message and the budget alone, so the
     // plan below can count on it and it stays the same turn after turn.
-    fit_stage(&mut w, &a, limits, s, counter);
+    fit::run(&mut w, &a, limits, s, counter);
 
     // The masked form of every message that has one.
     let masked_bytes: Vec<Option<Bytes>> = (0..n)
@@ -429,33 +429,21 @@ pub fn compact_with(
     }
 
     // mask (below the planned frontier; markers only if still needed)
-    for markers in [false, true] {
-        if markers && (w.total() as f64) < s.trigger * limits.budget {
-            break;
-        }
-        let (mut count, mut saved) = (0, 0);
-        let ahead = (plan.frontier..n).filter(|&i| plan.ahead[i]);
-        for i in (a.base..plan.frontier.min(n)).chain(ahead) {
-            if w.dropped[i] || a.marker[i] != markers {
-                continue;
-            }
-            if let Some(b) = masked_bytes[i].clone() {
-                let sv = w.replace(i, b, counter);
-                if sv > 0 {
-                    count += 1;
-                    saved += sv;
-                }
-            }
-        }
-        w.record("mask", count, saved);
-    }
+    mask::run(
+        &mut w,
+        &a,
+        &plan,
+        &masked_bytes,
+        s.trigger * limits.budget,
+        counter,
+    );
 
     // The planned boundaries leave the request between target and trigger
     // on most turns; that is the hysteresis working, not a reason to cut
     // more. Only a request still at the trigger goes on to the per-request
     // stages, which then aim at the target.
     if (w.total() as f64) >= s.trigger * limits.budget {
-        fade_stage(&mut w, &a, limits, s, counter);
+        fade::run(&mut w, &a, limits, s, counter);
     }
     if (w.total() as f64) > limits.budget {
         emergency::run(&mut w, &a, target, limits.budget, counter);
@@ -529,56 +517,4 @@ fn cut_content(w: &mut Work, i: usize, text: &str, limit: f64, counter: &dyn Cou
         return 0;
     };
     w.replace(i, b, counter)
-}
-
-fn fade_stage(w: &mut Work, a: &Analysis, limits: &Limits, s: &Settings, counter: &dyn Counter) {
-    let pressure = w.total() as f64 / limits.budget;
-    let candidates: Vec<(usize, String)> = (0..w.cost.len())
-        .filter_map(|i| shrinkable_result(w, a, i).map(|t| (i, t)))
-        .collect();
-    let (mut count, mut saved) = (0, 0);
-    let k = candidates.len();
-    for (rank, (i, text)) in candidates.into_iter().enumerate() {
-        let limit = fade::allowance(limits.budget, s.fade_share, pressure, rank, k);
-        let sv = cut_content(w, i, &text, limit, counter);
-        if sv > 0 {
-            count += 1;
-            saved += sv;
-        }
-    }
-    w.record("fade", count, saved);
-}
-
-fn fit_stage(w: &mut Work, a: &Analysis, limits: &Limits, s: &Settings, counter: &dyn Counter) {
-    let limit = fit::limit(limits.budget, s.fit_share);
-    let (mut count, mut saved) = (0, 0);
-    for i in 0..w.cost.len() {
-        if w.dropped[i] || (w.cost[i] as f64) <= limit {
-            continue;
-        }
-        let sv = match a.roles[i] {
-            _ if a.output(i) => match shrinkable_result(w, a, i) {
-                Some(text) => cut_content(w, i, &text, limit, counter),
-                None => 0,
-            },
-            Role::Assistant => {
-                let m = w.current(i);
-                let chars = mask::action_chars(&m);
-                let keep = ((chars as f64) * limit / w.cost[i] as f64) as usize;
-                let keep = keep.max(emergency::MIN_CHARS);
-                match mask::shorten_args(&m, keep, keep, keep)
-                    .or_else(|| mask::shorten_action(&m, keep, keep))
-                {
-                    Some(b) => w.replace(i, b, counter),
-                    None => 0,
-                }
-            }
-            _ => 0,
-        };
-        if sv > 0 {
-            count += 1;
-            saved += sv;
-        }
-    }
-    w.record("fit", count, saved);
 }

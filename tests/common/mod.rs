@@ -387,45 +387,13 @@ fn messages(state: Arc<MockState>, h: &HeaderMap, body: &Bytes) -> Response {
     let usage = json!({"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0, "output_tokens": 3});
     let model = req["model"].as_str().unwrap_or("unknown").to_string();
+    let message = json!({"id": "msg_mock", "type": "message", "role": "assistant",
+        "model": model, "content": [{"type": "text", "text": "Hello there!"}],
+        "stop_reason": "end_turn", "stop_sequence": null, "usage": usage});
     if req["stream"] != json!(true) {
-        return json_response(
-            json!({"id": "msg_mock", "type": "message", "role": "assistant",
-            "model": model, "content": [{"type": "text", "text": "Hello there!"}],
-            "stop_reason": "end_turn", "stop_sequence": null, "usage": usage}),
-        )
-        .into_response();
+        return json_response(message).into_response();
     }
-    let mut start_usage = usage.clone();
-    start_usage["output_tokens"] = json!(1);
-    let events = [
-        (
-            "message_start",
-            json!({"type": "message_start", "message": {"id": "msg_mock", "type": "message",
-            "role": "assistant", "model": model, "content": [], "stop_reason": null, "usage": start_usage}}),
-        ),
-        (
-            "content_block_start",
-            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-        ),
-        ("ping", json!({"type": "ping"})),
-        (
-            "content_block_delta",
-            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hello there!"}}),
-        ),
-        (
-            "content_block_stop",
-            json!({"type": "content_block_stop", "index": 0}),
-        ),
-        (
-            "message_delta",
-            json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 3}}),
-        ),
-        ("message_stop", json!({"type": "message_stop"})),
-    ];
-    let text: String = events
-        .iter()
-        .map(|(name, data)| format!("event: {name}\ndata: {data}\n\n"))
-        .collect();
+    let text = condense::simulate::anthropic_stream(&message);
     let mut r = Response::new(Body::from(text));
     r.headers_mut()
         .insert("content-type", "text/event-stream".parse().unwrap());
