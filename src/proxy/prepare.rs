@@ -64,7 +64,17 @@ impl Proxy {
         opt_out: bool,
         headers: &HeaderMap,
     ) -> (Prepared, Duration) {
-        let parsed = match Parsed::parse(format, bytes) {
+        // A large Messages body is parsed block by block, which is work for
+        // the blocking pool, as counting is.
+        let parsed = if format == Format::Messages && bytes.len() >= BLOCKING_PREPARE_BYTES {
+            let body = bytes.clone();
+            self.off_workers(move || Parsed::parse(format, &body).map_err(|e| e.to_string()))
+                .await
+                .unwrap_or_else(|| Err("parsing panicked".to_string()))
+        } else {
+            Parsed::parse(format, bytes).map_err(|e| e.to_string())
+        };
+        let parsed = match parsed {
             Ok(p) => p,
             // Not a request condense understands: the upstream judges it.
             Err(e) => {
