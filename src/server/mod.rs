@@ -270,14 +270,20 @@ impl Server {
                 source,
             })?;
         let addr = listener.local_addr()?;
-        if config.upstream.api_key.is_some()
-            && config.auth.client_keys.is_empty()
-            && !addr.ip().is_loopback()
-        {
-            tracing::warn!(
-                listen = %addr,
-                "upstream.api_key is set and auth.client_keys is empty on an address other hosts can reach: anyone who reaches condense spends that key; set auth.client_keys"
-            );
+        for (key, set) in [
+            ("upstream.api_key", config.upstream.api_key.is_some()),
+            (
+                "upstream.anthropic_api_key",
+                config.upstream.anthropic_api_key.is_some(),
+            ),
+        ] {
+            if set && config.auth.client_keys.is_empty() && !addr.ip().is_loopback() {
+                tracing::warn!(
+                    listen = %addr,
+                    key,
+                    "an operator key is set and auth.client_keys is empty on an address other hosts can reach: anyone who reaches condense spends that key; set auth.client_keys"
+                );
+            }
         }
         let limits = connections::Limits::new(
             config.server.max_connections,
