@@ -113,7 +113,7 @@ impl ProxyError {
     /// otherwise.
     pub fn response_for(self, format: Format) -> Response {
         match format {
-            Format::Chat => self.into_response(),
+            Format::Chat | Format::Responses => self.into_response(),
             Format::Messages => {
                 let body = json!({"type": "error", "error": {
                     "type": self.anthropic_kind(),

@@ -59,6 +59,7 @@ pub struct Metrics {
     pub state_errors_total: IntCounterVec,
     pub context_overflow_total: IntCounterVec,
     pub upstream_invalid_responses_total: IntCounterVec,
+    pub stateful_requests_total: IntCounterVec,
     /// Every metric name this registry exports.
     names: Vec<String>,
     models_seen: Mutex<HashSet<String>>,
@@ -250,6 +251,16 @@ impl Metrics {
             ),
             &["provider_format", "outcome"],
         )?;
+        let stateful_requests_total = IntCounterVec::new(
+            Opts::new(
+                "condense_stateful_requests_total",
+                "Responses requests whose history is on the server, forwarded unchanged because there is nothing to compact, by what holds it: previous_response_id, conversation.",
+            ),
+            &["reason"],
+        )?;
+        for reason in ["previous_response_id", "conversation"] {
+            stateful_requests_total.with_label_values(&[reason]);
+        }
         let upstream_invalid_responses_total = IntCounterVec::new(
             Opts::new(
                 "condense_upstream_invalid_responses_total",
@@ -287,6 +298,7 @@ impl Metrics {
         }
         register(Box::new(context_overflow_total.clone()))?;
         register(Box::new(upstream_invalid_responses_total.clone()))?;
+        register(Box::new(stateful_requests_total.clone()))?;
         register(Box::new(summarizer_calls_total.clone()))?;
         register(Box::new(summarizer_seconds.clone()))?;
         register(Box::new(summary_tokens.clone()))?;
@@ -343,6 +355,7 @@ impl Metrics {
             state_errors_total,
             context_overflow_total,
             upstream_invalid_responses_total,
+            stateful_requests_total,
             names,
             models_seen: Mutex::new(HashSet::new()),
         })

@@ -22,7 +22,7 @@ pub enum OfflineError {
     #[error("not a chat completions or Anthropic Messages request: {0}")]
     NotUnderstood(#[from] NotUnderstood),
     #[error(transparent)]
-    Write(#[from] crate::wire::anthropic::WriteError),
+    Write(#[from] crate::wire::WriteError),
     #[error(transparent)]
     Metrics(#[from] MetricsError),
 }

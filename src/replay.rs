@@ -35,6 +35,7 @@ use crate::simulate::{CountRule, OverflowStyle, Simulator};
 use crate::tokens::Budget;
 use crate::wire::Format;
 use crate::wire::anthropic::MessagesRequest;
+use crate::wire::responses::ResponsesRequest;
 
 /// A fact an agent needs later: its exact text and where it first appears.
 #[derive(Debug, Clone, Deserialize)]
@@ -208,6 +209,8 @@ pub enum ReplayError {
     NotChat(#[from] ParseError),
     #[error("not an Anthropic Messages request: {0}")]
     NotMessages(#[from] crate::wire::anthropic::ParseError),
+    #[error("not a stateless Responses request: {0}")]
+    NotResponses(#[from] crate::wire::responses::ParseError),
     #[error("cannot start the runtime: {0}")]
     Runtime(std::io::Error),
     #[error(transparent)]
@@ -535,6 +538,7 @@ async fn run(
 enum Source {
     Chat(ChatRequest),
     Messages(MessagesRequest),
+    Responses(ResponsesRequest),
 }
 
 impl Source {
@@ -542,6 +546,7 @@ impl Source {
         Ok(match format {
             Format::Chat => Source::Chat(ChatRequest::parse(body)?),
             Format::Messages => Source::Messages(MessagesRequest::parse(body)?),
+            Format::Responses => Source::Responses(ResponsesRequest::parse(body)?),
         })
     }
 
@@ -550,6 +555,7 @@ impl Source {
         match self {
             Source::Chat(c) => c.clone(),
             Source::Messages(m) => m.view().0,
+            Source::Responses(r) => r.view().0,
         }
     }
 
@@ -564,6 +570,7 @@ impl Source {
                 c.messages().len(),
             ),
             Source::Messages(m) => (m.assistant_turns(), m.len()),
+            Source::Responses(r) => (r.assistant_turns(), r.len()),
         };
         let mut ends: Vec<usize> = assistants.into_iter().filter(|&i| i > 0).collect();
         ends.push(len);
@@ -586,6 +593,7 @@ impl Source {
                 req.to_bytes()
             }
             Source::Messages(m) => m.prefix(end, model),
+            Source::Responses(r) => r.prefix(end, model),
         }
     }
 
@@ -596,6 +604,9 @@ impl Source {
             Source::Messages(_) => MessagesRequest::parse(body)
                 .map(|m| m.view().0.messages().to_vec())
                 .unwrap_or_default(),
+            Source::Responses(_) => ResponsesRequest::parse(body)
+                .map(|r| r.view().0.messages().to_vec())
+                .unwrap_or_default(),
         }
     }
 
@@ -604,6 +615,7 @@ impl Source {
         Ok(match self {
             Source::Chat(_) => ChatRequest::parse(body)?,
             Source::Messages(_) => MessagesRequest::parse(body)?.view().0,
+            Source::Responses(_) => ResponsesRequest::parse(body)?.view().0,
         })
     }
 }
@@ -662,6 +674,7 @@ async fn send_turn(proxy: &Arc<Proxy>, format: Format, body: Bytes) -> (u16, Str
     let path = match format {
         Format::Chat => "/v1/chat/completions",
         Format::Messages => "/v1/messages",
+        Format::Responses => "/v1/responses",
     };
     let request = http::Request::builder()
         .method(http::Method::POST)
@@ -674,6 +687,7 @@ async fn send_turn(proxy: &Arc<Proxy>, format: Format, body: Bytes) -> (u16, Str
     let response = match format {
         Format::Chat => proxy.clone().chat(request).await,
         Format::Messages => proxy.clone().messages(request).await,
+        Format::Responses => proxy.clone().responses(request).await,
     };
     let status = response.status().as_u16();
     let actions = response

@@ -20,6 +20,7 @@ use crate::chat::ChatRequest;
 use crate::tokens::Encoding;
 use crate::wire::Format;
 use crate::wire::anthropic::MessagesRequest;
+use crate::wire::responses::ResponsesRequest;
 
 /// How the simulated upstream counts a request's prompt tokens.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -219,6 +220,10 @@ impl Simulator {
                 let (view, _) = MessagesRequest::parse(body).ok()?.view();
                 Some(self.rule.count_chat(&view, &mut memo))
             }
+            Format::Responses => {
+                let (view, _) = ResponsesRequest::parse(body).ok()?.view();
+                Some(self.rule.count_chat(&view, &mut memo))
+            }
         }
     }
 
@@ -242,6 +247,9 @@ impl Simulator {
         }
         if method == Method::POST && path.ends_with("/messages") {
             return self.messages(body);
+        }
+        if method == Method::POST && path.ends_with("/responses") {
+            return self.responses(body);
         }
         if method != Method::POST || !path.ends_with("/chat/completions") {
             return json_response(
@@ -322,6 +330,67 @@ impl Simulator {
             return json_response(StatusCode::OK, &message);
         }
         let text = anthropic_stream(&message);
+        let mut r = http::Response::new(Bytes::from(text));
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            http::HeaderValue::from_static("text/event-stream"),
+        );
+        r
+    }
+
+    /// Answers a Responses request: `usage.input_tokens`, a stream ending in
+    /// `response.completed`, and the Responses overflow error, which names
+    /// no numbers.
+    fn responses(&self, body: &Bytes) -> http::Response<Bytes> {
+        let Some(prompt) = self.count_as(Format::Responses, body) else {
+            return json_response(
+                StatusCode::BAD_REQUEST,
+                &error_body("not a stateless Responses request", None),
+            );
+        };
+        let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+        let completion = req["max_output_tokens"].as_u64().unwrap_or(0);
+        let fits = prompt + completion <= self.window;
+        if let Ok(mut r) = self.received.lock() {
+            r.push((body.clone(), fits));
+        }
+        if !fits {
+            return json_response(
+                StatusCode::BAD_REQUEST,
+                &error_body(
+                    "Your input exceeds the context window of this model. Please adjust your input and try again.",
+                    Some("context_length_exceeded"),
+                ),
+            );
+        }
+        let response = json!({"id": "resp_sim", "object": "response", "status": "completed",
+            "model": req["model"], "output": [{"type": "message", "id": "msg_sim", "status": "completed",
+            "role": "assistant", "content": [{"type": "output_text", "text": "ok", "annotations": []}]}],
+            "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": 1, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + 1}});
+        if req["stream"] != json!(true) {
+            return json_response(StatusCode::OK, &response);
+        }
+        let mut created = response.clone();
+        created["status"] = json!("in_progress");
+        created["output"] = json!([]);
+        created["usage"] = Value::Null;
+        let events = [
+            json!({"type": "response.created", "response": created, "sequence_number": 0}),
+            json!({"type": "response.output_text.delta", "item_id": "msg_sim", "output_index": 0,
+                "content_index": 0, "delta": "ok", "sequence_number": 1}),
+            json!({"type": "response.completed", "response": response, "sequence_number": 2}),
+        ];
+        let text: String = events
+            .iter()
+            .map(|e| {
+                format!(
+                    "event: {}\ndata: {e}\n\n",
+                    e["type"].as_str().unwrap_or_default()
+                )
+            })
+            .collect();
         let mut r = http::Response::new(Bytes::from(text));
         r.headers_mut().insert(
             header::CONTENT_TYPE,

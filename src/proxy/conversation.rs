@@ -33,6 +33,11 @@ impl Proxy {
         self.conversation(Format::Messages, req).await
     }
 
+    /// `POST /v1/responses`.
+    pub async fn responses(self: Arc<Self>, req: Request<Body>) -> Response {
+        self.conversation(Format::Responses, req).await
+    }
+
     async fn conversation(self: Arc<Self>, format: Format, req: Request<Body>) -> Response {
         let start = Instant::now();
         // What condense measured, kept for the response headers even when

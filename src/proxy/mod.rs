@@ -50,6 +50,7 @@ const BLOCKING_PREPARE_BYTES: usize = 128 * 1024;
 /// Route labels for metrics and logs.
 pub const ROUTE_CHAT: &str = Format::Chat.route();
 pub const ROUTE_MESSAGES: &str = Format::Messages.route();
+pub const ROUTE_RESPONSES: &str = Format::Responses.route();
 pub const ROUTE_PASSTHROUGH: &str = "passthrough";
 
 /// Response headers that tell the client what condense did.
@@ -166,7 +167,7 @@ impl Proxy {
     /// The upstream and credentials for requests of `format`.
     fn endpoint(&self, format: Format) -> (&Upstream, &Credentials) {
         match format {
-            Format::Chat => (&self.upstream, &self.credentials),
+            Format::Chat | Format::Responses => (&self.upstream, &self.credentials),
             Format::Messages => (&self.anthropic.upstream, &self.anthropic.credentials),
         }
     }

@@ -17,7 +17,7 @@ use crate::compaction::Replacement;
 use crate::pipeline;
 use crate::summary::Summarizer;
 use crate::tokens::ModelInfo;
-use crate::wire::{Format, Parsed, Writer};
+use crate::wire::{Format, NotUnderstood, Parsed, Writer};
 
 /// A conversation request ready to forward.
 pub struct Prepared {
@@ -64,23 +64,29 @@ impl Proxy {
         opt_out: bool,
         headers: &HeaderMap,
     ) -> (Prepared, Duration) {
-        // A large Messages body is parsed block by block, which is work for
-        // the blocking pool, as counting is.
-        let parsed = if format == Format::Messages && bytes.len() >= BLOCKING_PREPARE_BYTES {
+        // A large Messages or Responses body is parsed item by item, which
+        // is work for the blocking pool, as counting is.
+        let parsed = if format != Format::Chat && bytes.len() >= BLOCKING_PREPARE_BYTES {
             let body = bytes.clone();
-            self.off_workers(move || Parsed::parse(format, &body).map_err(|e| e.to_string()))
-                .await
-                .unwrap_or_else(|| Err("parsing panicked".to_string()))
+            self.off_workers(move || Parsed::parse(format, &body)).await
         } else {
-            Parsed::parse(format, bytes).map_err(|e| e.to_string())
+            Some(Parsed::parse(format, bytes))
         };
         let parsed = match parsed {
-            Ok(p) => p,
+            Some(Ok(p)) => p,
+            Some(Err(NotUnderstood::Stateful(reason))) => {
+                self.metrics
+                    .stateful_requests_total
+                    .with_label_values(&[reason])
+                    .inc();
+                return (Prepared::unchanged(bytes.clone(), None), Duration::ZERO);
+            }
             // Not a request condense understands: the upstream judges it.
-            Err(e) => {
+            Some(Err(e)) => {
                 tracing::debug!(error = %e, "conversation body not understood; forwarding unchanged");
                 return (Prepared::unchanged(bytes.clone(), None), Duration::ZERO);
             }
+            None => return (self.forward_unchanged(bytes, ""), Duration::ZERO),
         };
         let model = parsed.model().unwrap_or_default();
         if opt_out {

@@ -83,6 +83,12 @@ impl Tap {
                     "message": message, "type": "api_error", "param": null, "code": code}});
                 format!("{lead}data: {error}\n\n")
             }
+            // The Responses stream's own error event, which the SDKs raise.
+            Format::Responses => {
+                let error = serde_json::json!({"type": "error", "code": code,
+                    "message": message, "param": null});
+                format!("{lead}event: error\ndata: {error}\n\n")
+            }
             // Anthropic's SDKs raise an `error` event as an API error.
             Format::Messages => {
                 let error = serde_json::json!({"type": "error", "error": {

@@ -82,7 +82,25 @@ impl Usage {
         match format {
             Format::Chat => Usage::from_object(obj),
             Format::Messages => Usage::from_anthropic(obj),
+            Format::Responses => Usage::from_responses(obj),
         }
+    }
+
+    /// The Responses API's `usage`: `input_tokens` is the whole prompt
+    /// (cached tokens included), `output_tokens` the completion.
+    fn from_responses(obj: &RawObject) -> Option<Usage> {
+        #[derive(Deserialize)]
+        struct R {
+            input_tokens: u64,
+            #[serde(default)]
+            output_tokens: u64,
+        }
+        let r: R = serde_json::from_slice::<Option<R>>(obj.get("usage")?).ok()??;
+        Some(Usage {
+            prompt_tokens: r.input_tokens,
+            completion_tokens: r.output_tokens,
+            total_tokens: r.input_tokens + r.output_tokens,
+        })
     }
 
     /// Reads `usage` from a complete non-streamed JSON response body.
@@ -245,6 +263,30 @@ impl SseTap {
     /// Reads one complete event and, when stripping, appends to `out` what
     /// the client gets for it.
     fn process(&mut self, event: &[u8], out: &mut BytesMut) {
+        if self.format == Format::Responses {
+            // The last event carries the response, usage and all.
+            if let Some(end) = [
+                &b"response.completed"[..],
+                b"response.incomplete",
+                b"response.failed",
+            ]
+            .iter()
+            .find(|e| memchr::memmem::find(event, e).is_some())
+            {
+                self.done = true;
+                if end == b"response.completed" || end == b"response.incomplete" {
+                    let usage = parse_event(event).and_then(|(_, obj)| {
+                        let r =
+                            RawObject::parse(&Bytes::copy_from_slice(obj.get("response")?)).ok()?;
+                        Usage::from_responses(&r)
+                    });
+                    if usage.is_some() {
+                        self.usage = usage;
+                    }
+                }
+            }
+            return;
+        }
         if self.format == Format::Messages {
             // Nothing is stripped from an Anthropic stream: it always
             // reports usage.
@@ -494,6 +536,23 @@ mod tests {
         }
         out.extend_from_slice(&tap.finish());
         String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn responses_usage_comes_from_the_body_or_the_completed_event() {
+        let body = Bytes::from_static(br#"{"id":"resp_1","object":"response","usage":{"input_tokens":900,"input_tokens_details":{"cached_tokens":800},"output_tokens":12,"total_tokens":912}}"#);
+        let mut t = JsonTap::for_format(Format::Responses, Some(body.len() as u64));
+        t.push(&body);
+        assert_eq!(t.usage().unwrap().prompt_tokens, 900);
+        let stream = concat!(
+            "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"usage\":null},\"sequence_number\":0}\n\n",
+            "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"hi\",\"sequence_number\":1}\n\n",
+            "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"r\",\"usage\":{\"input_tokens\":77,\"output_tokens\":5,\"total_tokens\":82}},\"sequence_number\":2}\n\n",
+        );
+        let mut tap = SseTap::for_format(Format::Responses, false);
+        assert_eq!(run(&mut tap, &[stream]), stream);
+        assert_eq!(tap.usage().unwrap().prompt_tokens, 77);
+        assert!(tap.saw_done());
     }
 
     #[test]

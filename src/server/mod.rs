@@ -27,7 +27,7 @@ use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
 use crate::config::Config;
 use crate::error::openai_error_body;
 use crate::metrics::{Metrics, MetricsError, status_class};
-use crate::proxy::{Proxy, ROUTE_CHAT, ROUTE_MESSAGES, ROUTE_PASSTHROUGH};
+use crate::proxy::{Proxy, ROUTE_CHAT, ROUTE_MESSAGES, ROUTE_PASSTHROUGH, ROUTE_RESPONSES};
 use crate::tokens::Encoding;
 
 #[derive(Debug, thiserror::Error)]
@@ -93,6 +93,8 @@ pub fn app(state: AppState) -> Router {
         .route("/chat/completions", post(chat).fallback(passthrough))
         .route("/v1/messages", post(messages).fallback(passthrough))
         .route("/messages", post(messages).fallback(passthrough))
+        .route("/v1/responses", post(responses).fallback(passthrough))
+        .route("/responses", post(responses).fallback(passthrough))
         .fallback(passthrough)
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .layer(middleware::from_fn_with_state(state.clone(), observe))
@@ -142,6 +144,10 @@ async fn messages(State(s): State<AppState>, req: Request) -> Response {
     s.proxy.clone().messages(req).await
 }
 
+async fn responses(State(s): State<AppState>, req: Request) -> Response {
+    s.proxy.clone().responses(req).await
+}
+
 async fn passthrough(State(s): State<AppState>, req: Request) -> Response {
     s.proxy.passthrough(req).await
 }
@@ -177,6 +183,7 @@ fn route_of(req: &Request) -> &'static str {
             ROUTE_CHAT
         }
         "/v1/messages" | "/messages" if req.method() == http::Method::POST => ROUTE_MESSAGES,
+        "/v1/responses" | "/responses" if req.method() == http::Method::POST => ROUTE_RESPONSES,
         _ => ROUTE_PASSTHROUGH,
     }
 }
@@ -219,7 +226,10 @@ async fn observe(State(s): State<AppState>, req: Request, next: Next) -> Respons
         .requests_total
         .with_label_values(&[route, status_class(status)])
         .inc();
-    if matches!(route, ROUTE_CHAT | ROUTE_MESSAGES | ROUTE_PASSTHROUGH) {
+    if matches!(
+        route,
+        ROUTE_CHAT | ROUTE_MESSAGES | ROUTE_RESPONSES | ROUTE_PASSTHROUGH
+    ) {
         tracing::info!(
             %method,
             path = crate::logging::clip(&path),

@@ -8,12 +8,14 @@
 //! condense's own errors) is told by [`Format`].
 
 pub mod anthropic;
+pub mod responses;
 
 use bytes::Bytes;
 
 use crate::chat::ChatRequest;
 use crate::compaction::Fates;
 use anthropic::{MessagesRequest, Origins};
+use responses::ResponsesRequest;
 
 /// The API a conversation request speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,6 +24,8 @@ pub enum Format {
     Chat,
     /// Anthropic Messages (`/v1/messages`).
     Messages,
+    /// OpenAI Responses (`/v1/responses`), stateless.
+    Responses,
 }
 
 impl Format {
@@ -30,16 +34,21 @@ impl Format {
         match self {
             Format::Chat => "chat_completions",
             Format::Messages => "messages",
+            Format::Responses => "responses",
         }
     }
 
     /// The format of a request body read from a file (the offline tools):
-    /// Messages when it has a top-level `system` or content blocks only
-    /// Anthropic has; chat otherwise.
+    /// Responses when it has `input` and no `messages`; Messages when it
+    /// has a top-level `system` or content blocks only Anthropic has; chat
+    /// otherwise.
     pub fn detect(body: &[u8]) -> Format {
         let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else {
             return Format::Chat;
         };
+        if v.get("input").is_some() && v.get("messages").is_none() {
+            return Format::Responses;
+        }
         let anthropic_block = |b: &serde_json::Value| {
             matches!(
                 b.get("type").and_then(serde_json::Value::as_str),
@@ -79,8 +88,14 @@ pub enum NotUnderstood {
     Chat(#[from] crate::chat::ParseError),
     #[error(transparent)]
     Messages(#[from] anthropic::ParseError),
-    #[error("the conversation does not keep the Messages API's rules")]
+    #[error(transparent)]
+    Responses(#[from] responses::ParseError),
+    #[error("the conversation does not keep its API's pairing rules")]
     IllFormed,
+    /// The server holds the history (`previous_response_id`,
+    /// `conversation`).
+    #[error("the history is on the server ({0})")]
+    Stateful(&'static str),
 }
 
 /// A request body parsed in its format: the conversation the pipeline works
@@ -95,6 +110,7 @@ pub enum Writer {
     /// The conversation is the body.
     Chat,
     Messages(MessagesRequest, Origins),
+    Responses(ResponsesRequest, responses::Origins),
 }
 
 impl Parsed {
@@ -115,6 +131,20 @@ impl Parsed {
                     writer: Writer::Messages(req, origins),
                 })
             }
+            Format::Responses => {
+                let req = ResponsesRequest::parse(body)?;
+                if let Some(reason) = req.stateful() {
+                    return Err(NotUnderstood::Stateful(reason));
+                }
+                if !req.well_formed() {
+                    return Err(NotUnderstood::IllFormed);
+                }
+                let (conversation, origins) = req.view();
+                Ok(Parsed {
+                    conversation,
+                    writer: Writer::Responses(req, origins),
+                })
+            }
         }
     }
 
@@ -128,6 +158,7 @@ impl Parsed {
         match &self.writer {
             Writer::Chat => self.conversation.is_stream(),
             Writer::Messages(r, _) => r.is_stream(),
+            Writer::Responses(r, _) => r.is_stream(),
         }
     }
 
@@ -145,15 +176,28 @@ impl Writer {
         &self,
         conversation: &ChatRequest,
         fates: Option<&Fates>,
-    ) -> Result<Bytes, anthropic::WriteError> {
+    ) -> Result<Bytes, WriteError> {
         match self {
             Writer::Chat => Ok(conversation.to_bytes()),
             Writer::Messages(req, origins) => match fates {
-                Some(f) => req.write_back(origins, f),
+                Some(f) => Ok(req.write_back(origins, f)?),
+                None => Ok(req.source().clone()),
+            },
+            Writer::Responses(req, origins) => match fates {
+                Some(f) => Ok(req.write_back(origins, f)?),
                 None => Ok(req.source().clone()),
             },
         }
     }
+}
+
+/// A format's decisions could not be written back.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error(transparent)]
+    Messages(#[from] anthropic::WriteError),
+    #[error(transparent)]
+    Responses(#[from] responses::WriteError),
 }
 
 /// The conversation in a body of `format`, for counting what was sent.

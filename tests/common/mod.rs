@@ -191,6 +191,7 @@ async fn handle(State(state): State<Arc<MockState>>, req: Request) -> Response {
     if let Some(sim) = provider
         && (parts.uri.path() == "/v1/models"
             || parts.uri.path() == "/v1/messages"
+            || parts.uri.path() == "/v1/responses"
             || (parts.uri.path() == "/v1/chat/completions" && !is_summary_call(&body)))
     {
         return sim

@@ -1,0 +1,696 @@
+//! OpenAI Responses (`/v1/responses`), stateless: the `input` item list
+//! parsed without loss, shown to the pipeline as chat messages, and the
+//! pipeline's decisions written back item by item.
+//!
+//! The view: `instructions` becomes a system message (counted, never
+//! written back); a `message` item becomes a chat message of its role; a run
+//! of an assistant `message` and the `function_call` (or
+//! `custom_tool_call`) items after it becomes one assistant message with
+//! those calls as `tool_calls`, as a chat assistant turn has them; a
+//! `function_call_output` (or `custom_tool_call_output`) becomes a tool
+//! message. `reasoning` items (encrypted), `compaction` items,
+//! `item_reference` and item types condense does not know are not shown as
+//! text any stage may change: one before an assistant run travels with it
+//! and goes only when the whole run goes; another stands as a system
+//! message of its own, which no stage rewrites.
+//!
+//! Writing back rewrites only the items whose view message changed: a
+//! masked output gets the new text as its `output`, a shortened call the
+//! new `arguments` (or `input`), rewritten assistant text replaces the
+//! message's text parts. The digest or checkpoint becomes a user `message`
+//! item where the first dropped item stood. The result is checked (every
+//! output after its call, every call answered when it was before) before it
+//! goes out; a body that breaks the rules already goes out as it came.
+//!
+//! A request with `previous_response_id` or `conversation` keeps its
+//! history on the server: there is nothing to compact, and the caller
+//! forwards it unchanged ([`ResponsesRequest::stateful`]).
+
+use bytes::Bytes;
+use serde_json::{Value, json};
+
+use crate::chat::{ChatRequest, Message, RawObject};
+use crate::compaction::Fates;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ParseError {
+    #[error("body is not a JSON object with an \"input\" list: {0}")]
+    Invalid(#[from] serde_json::Error),
+    #[error("body has no \"input\" list")]
+    NoInput,
+    #[error("input item {0} is not a JSON object")]
+    Item(usize),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error("the compacted input breaks the Responses API's rules: {0}")]
+    Invalid(&'static str),
+    #[error("the pipeline's decisions do not match the input")]
+    Mismatch,
+}
+
+#[derive(Debug, Clone)]
+struct Item {
+    raw: Bytes,
+    value: Value,
+}
+
+impl Item {
+    fn kind(&self) -> &str {
+        match self.value.get("type").and_then(Value::as_str) {
+            Some(t) => t,
+            // An "easy" input message: a role and content, no type.
+            None if self.value.get("role").is_some() => "message",
+            None => "",
+        }
+    }
+
+    fn str(&self, key: &str) -> Option<&str> {
+        self.value.get(key).and_then(Value::as_str)
+    }
+
+    fn role(&self) -> &str {
+        self.str("role").unwrap_or("")
+    }
+
+    fn is_call(&self) -> bool {
+        matches!(self.kind(), "function_call" | "custom_tool_call")
+    }
+
+    fn is_output(&self) -> bool {
+        matches!(
+            self.kind(),
+            "function_call_output" | "custom_tool_call_output"
+        )
+    }
+
+    fn is_assistant_message(&self) -> bool {
+        self.kind() == "message" && self.role() == "assistant"
+    }
+
+    /// Items condense never shows as text: reasoning, compaction, item
+    /// references, unknown types.
+    fn is_opaque(&self) -> bool {
+        !(self.kind() == "message" || self.is_call() || self.is_output())
+    }
+
+    /// The item with `key` set to `value`; its other fields kept.
+    fn with(&self, key: &str, value: Value) -> Item {
+        let mut v = self.value.clone();
+        if let Some(obj) = v.as_object_mut() {
+            obj.insert(key.to_string(), value);
+        }
+        Item {
+            raw: Bytes::from(v.to_string()),
+            value: v,
+        }
+    }
+}
+
+/// Where a view message came from: the items it stands for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Origin {
+    Instructions,
+    /// One item: a message, an output, or an opaque item standing alone.
+    Item(usize),
+    /// An assistant run: opaque items before it, an optional assistant
+    /// message, then calls (all by index, in order).
+    Run(Vec<usize>),
+}
+
+/// Where each message of the pipeline's view came from.
+#[derive(Debug, Clone)]
+pub struct Origins(Vec<Origin>);
+
+/// A Responses request: its top-level fields as the client's bytes, and
+/// each input item.
+#[derive(Debug, Clone)]
+pub struct ResponsesRequest {
+    source: Bytes,
+    fields: RawObject,
+    items: Vec<Item>,
+}
+
+impl ResponsesRequest {
+    /// Parses a request whose `input` is a list of items. A string `input`
+    /// (or no list) is not one condense works on.
+    pub fn parse(body: &Bytes) -> Result<ResponsesRequest, ParseError> {
+        let (fields, list) = RawObject::parse_splitting(body, Some("input"))?;
+        let list = list.ok_or(ParseError::NoInput)?;
+        let items = list
+            .into_iter()
+            .enumerate()
+            .map(|(i, raw)| {
+                let value: Value = serde_json::from_slice(&raw).map_err(|_| ParseError::Item(i))?;
+                if !value.is_object() {
+                    return Err(ParseError::Item(i));
+                }
+                Ok(Item { raw, value })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(ResponsesRequest {
+            source: body.clone(),
+            fields,
+            items,
+        })
+    }
+
+    /// The server holds the history (`previous_response_id` or
+    /// `conversation` set): nothing here to compact.
+    pub fn stateful(&self) -> Option<&'static str> {
+        let set = |k: &str| self.fields.get(k).is_some_and(|v| v != b"null");
+        if set("previous_response_id") {
+            Some("previous_response_id")
+        } else if set("conversation") {
+            Some("conversation")
+        } else {
+            None
+        }
+    }
+
+    pub fn source(&self) -> &Bytes {
+        &self.source
+    }
+
+    pub fn is_stream(&self) -> bool {
+        self.fields.get("stream") == Some(b"true")
+    }
+
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// Indices of the items that start an assistant turn (its reasoning,
+    /// message or first call).
+    pub fn assistant_turns(&self) -> Vec<usize> {
+        self.view()
+            .1
+            .0
+            .iter()
+            .filter_map(|o| match o {
+                Origin::Run(m) => m.first().copied(),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The request with its first `end` items only (and `model`, when
+    /// given).
+    pub fn prefix(&self, end: usize, model: Option<&str>) -> Bytes {
+        let mut fields = self.fields.clone();
+        fields.set("input", list(self.items.iter().take(end).map(|i| &i.raw)));
+        if let Some(m) = model {
+            fields.set("model", Bytes::from(json!(m).to_string()));
+        }
+        Bytes::from(fields.to_vec())
+    }
+
+    /// Every output answers an earlier call, and every call is answered,
+    /// except calls after the last output (a turn in progress).
+    pub fn well_formed(&self) -> bool {
+        check(&self.items.iter().collect::<Vec<_>>()).is_ok()
+    }
+
+    /// The input as chat messages, with `model`, the output limit and
+    /// `tools` beside them.
+    pub fn view(&self) -> (ChatRequest, Origins) {
+        let mut messages = Vec::with_capacity(self.items.len() + 1);
+        let mut origins = Vec::with_capacity(self.items.len() + 1);
+        let mut push = |v: Value, o: Origin| {
+            messages.push(Message::from_bytes(Bytes::from(v.to_string())));
+            origins.push(o);
+        };
+        if let Some(text) = self
+            .fields
+            .get("instructions")
+            .and_then(|v| serde_json::from_slice::<String>(v).ok())
+        {
+            push(
+                json!({"role": "system", "content": text}),
+                Origin::Instructions,
+            );
+        }
+        let mut i = 0;
+        let n = self.items.len();
+        while i < n {
+            // An assistant run: opaque items, then an assistant message
+            // and/or calls.
+            let mut j = i;
+            while j < n && self.items[j].is_opaque() {
+                j += 1;
+            }
+            let run_start = j;
+            if j < n && self.items[j].is_assistant_message() {
+                j += 1;
+            }
+            while j < n && self.items[j].is_call() {
+                j += 1;
+            }
+            if j > run_start {
+                let members: Vec<usize> = (i..j).collect();
+                push(self.run_view(&members), Origin::Run(members));
+                i = j;
+                continue;
+            }
+            // Not a run: the opaque items stand alone, then one item.
+            for k in i..run_start {
+                push(opaque_view(&self.items[k]), Origin::Item(k));
+            }
+            if run_start < n {
+                let item = &self.items[run_start];
+                let v = if item.is_output() {
+                    json!({"role": "tool", "tool_call_id": item.str("call_id").unwrap_or_default(),
+                        "content": output_text(item)})
+                } else {
+                    let role = match item.role() {
+                        "system" | "developer" | "user" | "assistant" => item.role(),
+                        _ => "user",
+                    };
+                    json!({"role": role, "content": message_text(item)})
+                };
+                push(v, Origin::Item(run_start));
+            }
+            i = run_start + 1;
+        }
+        let mut fields = RawObject::default();
+        for (from, to) in [
+            ("model", "model"),
+            ("max_output_tokens", "max_tokens"),
+            ("tools", "tools"),
+        ] {
+            if let Some(v) = self.fields.get(from) {
+                fields.set(to, Bytes::copy_from_slice(v));
+            }
+        }
+        (ChatRequest::assembled(fields, messages), Origins(origins))
+    }
+
+    fn run_view(&self, members: &[usize]) -> Value {
+        let items: Vec<&Item> = members.iter().map(|&k| &self.items[k]).collect();
+        let text = items
+            .iter()
+            .filter(|i| i.is_assistant_message())
+            .map(|i| message_text(i))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let calls: Vec<Value> = items
+            .iter()
+            .filter(|i| i.is_call())
+            .map(|i| {
+                let args = i.str("arguments").or(i.str("input")).unwrap_or_default();
+                json!({"id": i.str("call_id").unwrap_or_default(), "type": "function",
+                    "function": {"name": i.str("name").unwrap_or_default(), "arguments": args}})
+            })
+            .collect();
+        let reasoning: String = items
+            .iter()
+            .filter(|i| i.is_opaque())
+            .map(|i| opaque_text(i))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let mut v = json!({"role": "assistant",
+            "content": if text.is_empty() { Value::Null } else { json!(text) }});
+        if !calls.is_empty() {
+            v["tool_calls"] = json!(calls);
+        }
+        if !reasoning.is_empty() {
+            v["reasoning"] = json!(reasoning);
+        }
+        v
+    }
+
+    /// The request with the pipeline's decisions on the view applied.
+    pub fn write_back(&self, origins: &Origins, fates: &Fates) -> Result<Bytes, WriteError> {
+        let origins = &origins.0;
+        let n = origins.len();
+        if fates.dropped.len() != n || fates.rewritten.len() != n {
+            return Err(WriteError::Mismatch);
+        }
+        // Per item: gone, or its replacement.
+        let mut gone = vec![false; self.items.len()];
+        let mut replaced: Vec<Option<Item>> = vec![None; self.items.len()];
+        let mut digest_at = None;
+        for (j, o) in origins.iter().enumerate() {
+            let members: &[usize] = match o {
+                Origin::Instructions => {
+                    if fates.dropped[j] || fates.rewritten[j].is_some() {
+                        return Err(WriteError::Invalid("the instructions changed"));
+                    }
+                    continue;
+                }
+                Origin::Item(k) => std::slice::from_ref(k),
+                Origin::Run(m) => m,
+            };
+            if fates.dropped[j] {
+                if digest_at.is_none() {
+                    digest_at = members.first().copied();
+                }
+                for &k in members {
+                    gone[k] = true;
+                }
+                continue;
+            }
+            let Some(raw) = &fates.rewritten[j] else {
+                continue;
+            };
+            let v: Value = serde_json::from_slice(raw).map_err(|_| WriteError::Mismatch)?;
+            let text = content_text_of(&v);
+            match o {
+                Origin::Item(k) => {
+                    let item = &self.items[*k];
+                    replaced[*k] = Some(if item.is_output() {
+                        item.with("output", json!(text))
+                    } else if item.is_opaque() {
+                        return Err(WriteError::Invalid("an opaque item changed"));
+                    } else {
+                        with_text(item, &text)
+                    });
+                }
+                Origin::Run(m) => {
+                    let calls = v.get("tool_calls").and_then(Value::as_array);
+                    let mut call = 0;
+                    for &k in m {
+                        let item = &self.items[k];
+                        if item.is_assistant_message() && text != message_text(item) {
+                            replaced[k] = Some(with_text(item, &text));
+                        } else if item.is_call() {
+                            let args = calls
+                                .and_then(|c| c.get(call))
+                                .and_then(|c| c.pointer("/function/arguments"))
+                                .and_then(Value::as_str);
+                            call += 1;
+                            let key = if item.kind() == "custom_tool_call" {
+                                "input"
+                            } else {
+                                "arguments"
+                            };
+                            if let Some(a) = args.filter(|a| Some(*a) != item.str(key)) {
+                                replaced[k] = Some(item.with(key, json!(a)));
+                            }
+                        }
+                    }
+                }
+                Origin::Instructions => {}
+            }
+        }
+        let digest = fates.replacement.as_ref().map(|d| {
+            let text = serde_json::from_slice::<Value>(d)
+                .map(|v| content_text_of(&v))
+                .unwrap_or_default();
+            let v = json!({"type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": text}]});
+            Item {
+                raw: Bytes::from(v.to_string()),
+                value: v,
+            }
+        });
+        let mut out: Vec<&Item> = Vec::with_capacity(self.items.len() + 1);
+        for (k, item) in self.items.iter().enumerate() {
+            if digest_at == Some(k)
+                && let Some(d) = &digest
+            {
+                out.push(d);
+            }
+            if gone[k] {
+                continue;
+            }
+            out.push(replaced[k].as_ref().unwrap_or(item));
+        }
+        check(&out)?;
+        let mut fields = self.fields.clone();
+        fields.set("input", list(out.iter().map(|i| &i.raw)));
+        Ok(Bytes::from(fields.to_vec()))
+    }
+}
+
+/// The Responses API's pairing rules on an item list: an output answers an
+/// earlier call by `call_id`; a call before the last output is answered.
+fn check(items: &[&Item]) -> Result<(), WriteError> {
+    let mut calls: Vec<&str> = Vec::new();
+    let mut answered: Vec<&str> = Vec::new();
+    for item in items {
+        let id = item.str("call_id").unwrap_or_default();
+        if item.is_call() {
+            calls.push(id);
+        } else if item.is_output() {
+            if !calls.contains(&id) {
+                return Err(WriteError::Invalid("an output answers no call"));
+            }
+            answered.push(id);
+        }
+    }
+    let last_output = items.iter().rposition(|i| i.is_output());
+    for (k, item) in items.iter().enumerate() {
+        if item.is_call()
+            && last_output.is_some_and(|l| k < l)
+            && !answered.contains(&item.str("call_id").unwrap_or_default())
+        {
+            return Err(WriteError::Invalid("a call is not answered"));
+        }
+    }
+    Ok(())
+}
+
+fn list<'a>(raws: impl Iterator<Item = &'a Bytes>) -> Bytes {
+    let mut out = vec![b'['];
+    for (i, r) in raws.enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(r);
+    }
+    out.push(b']');
+    Bytes::from(out)
+}
+
+/// The text of a message item's content (a string, or parts).
+fn message_text(item: &Item) -> String {
+    content_text_of(item.value.get("content").unwrap_or(&Value::Null))
+}
+
+/// The text of an output (a string, or content parts).
+fn output_text(item: &Item) -> String {
+    match item.value.get("output") {
+        Some(Value::String(s)) => s.clone(),
+        Some(v @ Value::Array(_)) => content_text_of(v),
+        _ => String::new(),
+    }
+}
+
+/// What an opaque item shows the counter: a reasoning summary's text, or
+/// the item's type.
+fn opaque_text(item: &Item) -> String {
+    let summary: Vec<&str> = item
+        .value
+        .get("summary")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s.get("text").and_then(Value::as_str))
+        .collect();
+    if summary.is_empty() {
+        format!("[{}]", item.kind())
+    } else {
+        summary.join("\n")
+    }
+}
+
+fn opaque_view(item: &Item) -> Value {
+    json!({"role": "system", "content": opaque_text(item)})
+}
+
+/// The text of a content value or of a message's `content`: a string, or
+/// the text of its parts.
+fn content_text_of(v: &Value) -> String {
+    let content = match v {
+        Value::Object(o) => o.get("content").unwrap_or(&Value::Null),
+        other => other,
+    };
+    match content {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+/// A message item with its text replaced: string content stays a string;
+/// parts become one text part of the message's kind (other parts, images
+/// among them, go with the old text, as a masked chat message loses them).
+fn with_text(item: &Item, text: &str) -> Item {
+    match item.value.get("content") {
+        Some(Value::Array(_)) => {
+            let kind = if item.role() == "assistant" {
+                "output_text"
+            } else {
+                "input_text"
+            };
+            let mut part = json!({"type": kind, "text": text});
+            if kind == "output_text" {
+                part["annotations"] = json!([]);
+            }
+            item.with("content", json!([part]))
+        }
+        _ => item.with("content", json!(text)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::compaction::Replacement;
+    use crate::config::Config;
+    use crate::metrics::Metrics;
+    use crate::pipeline;
+    use crate::tokens::TokenService;
+
+    /// A coding session as Responses input: a task, then `turns` rounds of
+    /// reasoning, text, a call and a long output.
+    fn session(turns: usize) -> Value {
+        let mut input =
+            vec![json!({"role": "user", "content": "Fix the failing test in parser.py"})];
+        for t in 0..turns {
+            input.push(
+                json!({"type": "reasoning", "id": format!("rs_{t}"), "summary": [],
+                "encrypted_content": format!("gAAAA{t}")}),
+            );
+            input.push(json!({"type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": format!("Reading file {t}."), "annotations": []}]}));
+            input.push(
+                json!({"type": "function_call", "call_id": format!("call_{t}"), "name": "read",
+                "arguments": json!({"path": format!("src/f{t}.py")}).to_string()}),
+            );
+            input.push(
+                json!({"type": "function_call_output", "call_id": format!("call_{t}"),
+                "output": format!("def f_{t}():\n{}", "    x = compute(value) + 1\n".repeat(120))}),
+            );
+        }
+        json!({"model": "gpt-4o", "instructions": "You are a coding agent.", "store": false,
+            "include": ["reasoning.encrypted_content"], "tools": [{"type": "function", "name": "read"}],
+            "input": input, "x_unknown": 1})
+    }
+
+    fn compacted(body: &Value, window: u64) -> Value {
+        let bytes = Bytes::from(body.to_string());
+        let req = ResponsesRequest::parse(&bytes).unwrap();
+        assert!(req.well_formed());
+        let (view, origins) = req.view();
+        let tokens = TokenService::new(Arc::new(Config::default()), &Metrics::new().unwrap());
+        let mut info = tokens.model_info("", "gpt-4o");
+        info.window = window;
+        let p = pipeline::process(
+            &tokens,
+            &Config::default().compaction,
+            pipeline::Subject {
+                upstream: "",
+                model: "gpt-4o",
+                info,
+            },
+            view,
+            &bytes,
+            false,
+            &Replacement::Digest,
+        );
+        let fates = p.outcome.and_then(|o| o.fates).expect("compacted");
+        serde_json::from_slice(&req.write_back(&origins, &fates).unwrap()).unwrap()
+    }
+
+    fn assert_valid(out: &Value, body: &Value) {
+        let items = out["input"].as_array().unwrap();
+        let mut calls = Vec::new();
+        for it in items {
+            match it["type"].as_str() {
+                Some("function_call") => calls.push(it["call_id"].clone()),
+                Some("function_call_output") => assert!(calls.contains(&it["call_id"])),
+                Some("reasoning") => {
+                    assert!(body["input"].as_array().unwrap().contains(it), "{it}")
+                }
+                _ => {}
+            }
+        }
+        for key in [
+            "instructions",
+            "tools",
+            "store",
+            "include",
+            "x_unknown",
+            "model",
+        ] {
+            assert_eq!(out[key], body[key], "{key}");
+        }
+    }
+
+    #[test]
+    fn the_view_is_the_conversation_as_chat() {
+        let (view, _) = ResponsesRequest::parse(&Bytes::from(session(2).to_string()))
+            .unwrap()
+            .view();
+        let roles: Vec<_> = view
+            .messages()
+            .iter()
+            .map(|m| m.role().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            roles,
+            ["system", "user", "assistant", "tool", "assistant", "tool"]
+        );
+        let a = &view.messages()[2];
+        assert_eq!(a.tool_calls().unwrap()[0]["id"], "call_0");
+        assert_eq!(a.content().unwrap(), "Reading file 0.");
+    }
+
+    #[test]
+    fn masked_outputs_keep_pairing_and_reasoning() {
+        let body = session(12);
+        let out = compacted(&body, 16_000);
+        assert_valid(&out, &body);
+        let size = |v: &Value| v["input"].to_string().len();
+        assert!(size(&out) < size(&body) / 2);
+        // The newest output is the client's.
+        assert_eq!(
+            out["input"].as_array().unwrap().last(),
+            body["input"].as_array().unwrap().last()
+        );
+    }
+
+    #[test]
+    fn dropped_turns_go_with_their_reasoning_and_leave_a_digest() {
+        let body = session(40);
+        let out = compacted(&body, 4_000);
+        assert_valid(&out, &body);
+        let items = out["input"].as_array().unwrap();
+        assert!(items.len() < body["input"].as_array().unwrap().len());
+        assert_eq!(items[0], body["input"][0]);
+        assert!(
+            items[1]["content"][0]["text"]
+                .as_str()
+                .unwrap()
+                .contains("earlier messages were removed")
+        );
+    }
+
+    #[test]
+    fn what_is_not_a_stateless_item_list_is_told() {
+        let s = |v: Value| ResponsesRequest::parse(&Bytes::from(v.to_string()));
+        assert!(s(json!({"model": "m", "input": "hello"})).is_err());
+        assert!(s(json!({"model": "m", "input": [1]})).is_err());
+        let r = s(json!({"model": "m", "previous_response_id": "resp_1", "input": []})).unwrap();
+        assert_eq!(r.stateful(), Some("previous_response_id"));
+        let r = s(json!({"model": "m", "previous_response_id": null, "input": []})).unwrap();
+        assert_eq!(r.stateful(), None);
+        let orphan =
+            s(json!({"input": [{"type": "function_call_output", "call_id": "x", "output": "a"}]}))
+                .unwrap();
+        assert!(!orphan.well_formed());
+    }
+}
