@@ -182,3 +182,61 @@ async fn other_responses_routes_are_forwarded() {
         assert!(!resp.headers().contains_key("x-condense-actions"), "{path}");
     }
 }
+
+/// Every body the provider received in a replay of `body`, checked.
+async fn replay_and_check(body: &Value, window: u64) -> condense::replay::Report {
+    use condense::replay::{Provider, replay_received};
+    let (report, received) = replay_received(
+        &condense::config::Config::default(),
+        &bytes::Bytes::from(body.to_string()),
+        &condense::offline::CompactOptions {
+            model: None,
+            window: Some(window),
+        },
+        &Provider {
+            count: CountRule::Chars(3.6),
+            window: None,
+            overflow: OverflowStyle::Bare,
+            lists_window: false,
+        },
+    )
+    .await
+    .unwrap();
+    assert!(!received.is_empty());
+    for (sent, _) in &received {
+        assert_valid(&serde_json::from_slice(sent).unwrap(), body);
+    }
+    report
+}
+
+#[tokio::test]
+async fn a_replayed_session_sends_only_valid_requests() {
+    let report = replay_and_check(&session(60, false), 16_000).await;
+    assert_eq!(report.condense.turns_not_fit, 0);
+    assert!(report.turns.iter().any(|t| t.actions != "none"));
+}
+
+#[tokio::test]
+#[ignore = "needs ../shared/traces beside the repository; run with `cargo test -- --ignored shared_traces`"]
+async fn the_shared_traces_as_responses_replay_and_stay_valid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/responses");
+    for e in std::fs::read_dir(&dir).expect("../shared/traces/responses") {
+        let mut body: Value = serde_json::from_slice(&std::fs::read(e.unwrap().path()).unwrap()).unwrap();
+        // Encrypted reasoning before every assistant message, as reasoning
+        // models send it.
+        let input = body["input"].as_array().unwrap().clone();
+        let mut with_reasoning = Vec::new();
+        for (i, item) in input.into_iter().enumerate() {
+            if item["role"] == "assistant" {
+                with_reasoning.push(json!({"type": "reasoning", "id": format!("rs_{i}"),
+                    "summary": [], "encrypted_content": format!("gAAAA{i}")}));
+            }
+            with_reasoning.push(item);
+        }
+        body["input"] = json!(with_reasoning);
+        for window in [16_000, 32_000] {
+            let r = replay_and_check(&body, window).await;
+            assert_eq!(r.condense.turns_not_fit, 0);
+        }
+    }
+}
