@@ -221,7 +221,8 @@ async fn a_replayed_session_sends_only_valid_requests() {
 async fn the_shared_traces_as_responses_replay_and_stay_valid() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/responses");
     for e in std::fs::read_dir(&dir).expect("../shared/traces/responses") {
-        let mut body: Value = serde_json::from_slice(&std::fs::read(e.unwrap().path()).unwrap()).unwrap();
+        let mut body: Value =
+            serde_json::from_slice(&std::fs::read(e.unwrap().path()).unwrap()).unwrap();
         // Encrypted reasoning before every assistant message, as reasoning
         // models send it.
         let input = body["input"].as_array().unwrap().clone();

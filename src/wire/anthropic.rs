@@ -196,17 +196,9 @@ impl MessagesRequest {
     /// The request with its first `end` messages only (and `model`, when
     /// given): a turn of the conversation as the client sent it then.
     pub fn prefix(&self, end: usize, model: Option<&str>) -> Bytes {
-        let mut list = Vec::new();
-        list.push(b'[');
-        for (i, t) in self.turns.iter().take(end).enumerate() {
-            if i > 0 {
-                list.push(b',');
-            }
-            list.extend_from_slice(&t.raw);
-        }
-        list.push(b']');
+        let list = super::raw_list(self.turns.iter().take(end).map(|t| &t.raw));
         let mut fields = self.fields.clone();
-        fields.set("messages", Bytes::from(list));
+        fields.set("messages", list);
         if let Some(m) = model {
             fields.set("model", Bytes::from(json!(m).to_string()));
         }
@@ -412,7 +404,7 @@ impl MessagesRequest {
         match (&turn.side, &turn.content) {
             (Side::User, Content::Text(_)) => {
                 let &j = js.first().ok_or(WriteError::Mismatch)?;
-                let text = new_view(j).map(|v| content_text_of(&v)).unwrap_or_default();
+                let text = new_view(j).map(|v| super::text_of(&v)).unwrap_or_default();
                 Ok(vec![Block::new(json!({"type": "text", "text": text}))])
             }
             (Side::User, Content::Blocks(blocks)) => {
@@ -430,7 +422,7 @@ impl MessagesRequest {
                         out.push(block.clone());
                         continue;
                     };
-                    let text = content_text_of(&v);
+                    let text = super::text_of(&v);
                     if block.kind() == "tool_result" {
                         out.push(block.with("content", json!(text)));
                     } else if block.kind() == "text" {
@@ -516,17 +508,8 @@ impl MessagesRequest {
             match o {
                 Out::Kept(t) => list.extend_from_slice(&self.turns[*t].raw),
                 Out::Built { fields, blocks, .. } => {
-                    let mut content = Vec::new();
-                    content.push(b'[');
-                    for (k, b) in blocks.iter().enumerate() {
-                        if k > 0 {
-                            content.push(b',');
-                        }
-                        content.extend_from_slice(&b.raw);
-                    }
-                    content.push(b']');
                     let mut f = fields.clone();
-                    f.set("content", Bytes::from(content));
+                    f.set("content", super::raw_list(blocks.iter().map(|b| &b.raw)));
                     list.extend_from_slice(&f.to_vec());
                 }
             }
@@ -769,7 +752,7 @@ fn joined_text(blocks: &[Block]) -> String {
 /// it), each `tool_use` whose arguments changed given them as its input;
 /// thinking and other blocks untouched.
 fn assistant_rebuilt(content: &Content, v: &Value) -> Vec<Block> {
-    let new_text = v.get("content").map(content_text_of).unwrap_or_default();
+    let new_text = super::text_of(v);
     let blocks = match content {
         Content::Text(_) => {
             return vec![Block::new(json!({"type": "text", "text": new_text}))];
@@ -819,38 +802,16 @@ fn assistant_rebuilt(content: &Content, v: &Value) -> Vec<Block> {
     out
 }
 
-/// The text of a chat message's `content` (a view message's, or the value
-/// itself).
-fn content_text_of(v: &Value) -> String {
-    let content = v.get("content").unwrap_or(v);
-    match content {
-        Value::String(s) => s.clone(),
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join("\n"),
-        _ => String::new(),
-    }
-}
-
 /// The text of a digest or checkpoint message (a chat message).
 fn view_text(raw: &Bytes) -> String {
     serde_json::from_slice::<Value>(raw)
-        .map(|v| content_text_of(&v))
+        .map(|v| super::text_of(&v))
         .unwrap_or_default()
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use super::*;
-    use crate::compaction::Replacement;
-    use crate::config::Config;
-    use crate::metrics::Metrics;
-    use crate::pipeline;
-    use crate::tokens::TokenService;
 
     /// An agent session in Messages form: a task, then `turns` rounds of a
     /// thinking block, text and a tool call answered by a long result (with
@@ -881,23 +842,7 @@ mod tests {
         let req = MessagesRequest::parse(&bytes).unwrap();
         assert!(req.well_formed());
         let (view, origins) = req.view();
-        let tokens = TokenService::new(Arc::new(Config::default()), &Metrics::new().unwrap());
-        let mut info = tokens.model_info("", "claude-sonnet-4-5");
-        info.window = window;
-        let p = pipeline::process(
-            &tokens,
-            &Config::default().compaction,
-            pipeline::Subject {
-                upstream: "",
-                model: "claude-sonnet-4-5",
-                info,
-            },
-            view,
-            &bytes,
-            false,
-            &Replacement::Digest,
-        );
-        let fates = p.outcome.and_then(|o| o.fates).expect("compacted");
+        let fates = crate::wire::decide(view, &bytes, "claude-sonnet-4-5", window);
         let out = req.write_back(&origins, &fates).unwrap();
         let v = serde_json::from_slice(&out).unwrap();
         (out, v)

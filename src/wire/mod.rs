@@ -191,6 +191,65 @@ impl Writer {
     }
 }
 
+/// The text of a chat message's `content`, or of a content value itself: a
+/// string, or the text of its parts.
+pub(crate) fn text_of(v: &serde_json::Value) -> String {
+    use serde_json::Value;
+    let content = match v {
+        Value::Object(o) => o.get("content").unwrap_or(&Value::Null),
+        other => other,
+    };
+    match content {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+/// A JSON array of raw values.
+pub(crate) fn raw_list<'a>(raws: impl Iterator<Item = &'a Bytes>) -> Bytes {
+    let mut out = vec![b'['];
+    for (i, r) in raws.enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(r);
+    }
+    out.push(b']');
+    Bytes::from(out)
+}
+
+/// The pipeline's decisions on a format's view, for the format modules'
+/// tests: `view` measured for `model` in a `window`, compacted with
+/// digests.
+#[cfg(test)]
+pub(crate) fn decide(view: ChatRequest, body: &Bytes, model: &str, window: u64) -> Fates {
+    use std::sync::Arc;
+    let config = crate::config::Config::default();
+    let metrics = crate::metrics::Metrics::new().expect("metrics");
+    let tokens = crate::tokens::TokenService::new(Arc::new(config.clone()), &metrics);
+    let mut info = tokens.model_info("", model);
+    info.window = window;
+    let p = crate::pipeline::process(
+        &tokens,
+        &config.compaction,
+        crate::pipeline::Subject {
+            upstream: "",
+            model,
+            info,
+        },
+        view,
+        body,
+        false,
+        &crate::compaction::Replacement::Digest,
+    );
+    p.outcome.and_then(|o| o.fates).expect("compacted")
+}
+
 /// A format's decisions could not be written back.
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {

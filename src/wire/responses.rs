@@ -203,7 +203,10 @@ impl ResponsesRequest {
     /// given).
     pub fn prefix(&self, end: usize, model: Option<&str>) -> Bytes {
         let mut fields = self.fields.clone();
-        fields.set("input", list(self.items.iter().take(end).map(|i| &i.raw)));
+        fields.set(
+            "input",
+            super::raw_list(self.items.iter().take(end).map(|i| &i.raw)),
+        );
         if let Some(m) = model {
             fields.set("model", Bytes::from(json!(m).to_string()));
         }
@@ -359,7 +362,7 @@ impl ResponsesRequest {
                 continue;
             };
             let v: Value = serde_json::from_slice(raw).map_err(|_| WriteError::Mismatch)?;
-            let text = content_text_of(&v);
+            let text = super::text_of(&v);
             match o {
                 Origin::Item(k) => {
                     let item = &self.items[*k];
@@ -400,7 +403,7 @@ impl ResponsesRequest {
         }
         let digest = fates.replacement.as_ref().map(|d| {
             let text = serde_json::from_slice::<Value>(d)
-                .map(|v| content_text_of(&v))
+                .map(|v| super::text_of(&v))
                 .unwrap_or_default();
             let v = json!({"type": "message", "role": "user",
                 "content": [{"type": "input_text", "text": text}]});
@@ -423,7 +426,7 @@ impl ResponsesRequest {
         }
         check(&out)?;
         let mut fields = self.fields.clone();
-        fields.set("input", list(out.iter().map(|i| &i.raw)));
+        fields.set("input", super::raw_list(out.iter().map(|i| &i.raw)));
         Ok(Bytes::from(fields.to_vec()))
     }
 }
@@ -456,28 +459,16 @@ fn check(items: &[&Item]) -> Result<(), WriteError> {
     Ok(())
 }
 
-fn list<'a>(raws: impl Iterator<Item = &'a Bytes>) -> Bytes {
-    let mut out = vec![b'['];
-    for (i, r) in raws.enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
-        out.extend_from_slice(r);
-    }
-    out.push(b']');
-    Bytes::from(out)
-}
-
 /// The text of a message item's content (a string, or parts).
 fn message_text(item: &Item) -> String {
-    content_text_of(item.value.get("content").unwrap_or(&Value::Null))
+    super::text_of(item.value.get("content").unwrap_or(&Value::Null))
 }
 
 /// The text of an output (a string, or content parts).
 fn output_text(item: &Item) -> String {
     match item.value.get("output") {
         Some(Value::String(s)) => s.clone(),
-        Some(v @ Value::Array(_)) => content_text_of(v),
+        Some(v @ Value::Array(_)) => super::text_of(v),
         _ => String::new(),
     }
 }
@@ -504,24 +495,6 @@ fn opaque_view(item: &Item) -> Value {
     json!({"role": "system", "content": opaque_text(item)})
 }
 
-/// The text of a content value or of a message's `content`: a string, or
-/// the text of its parts.
-fn content_text_of(v: &Value) -> String {
-    let content = match v {
-        Value::Object(o) => o.get("content").unwrap_or(&Value::Null),
-        other => other,
-    };
-    match content {
-        Value::String(s) => s.clone(),
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join("\n"),
-        _ => String::new(),
-    }
-}
-
 /// A message item with its text replaced: string content stays a string;
 /// parts become one text part of the message's kind (other parts, images
 /// among them, go with the old text, as a masked chat message loses them).
@@ -545,14 +518,7 @@ fn with_text(item: &Item, text: &str) -> Item {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use super::*;
-    use crate::compaction::Replacement;
-    use crate::config::Config;
-    use crate::metrics::Metrics;
-    use crate::pipeline;
-    use crate::tokens::TokenService;
 
     /// A coding session as Responses input: a task, then `turns` rounds of
     /// reasoning, text, a call and a long output.
@@ -585,23 +551,7 @@ mod tests {
         let req = ResponsesRequest::parse(&bytes).unwrap();
         assert!(req.well_formed());
         let (view, origins) = req.view();
-        let tokens = TokenService::new(Arc::new(Config::default()), &Metrics::new().unwrap());
-        let mut info = tokens.model_info("", "gpt-4o");
-        info.window = window;
-        let p = pipeline::process(
-            &tokens,
-            &Config::default().compaction,
-            pipeline::Subject {
-                upstream: "",
-                model: "gpt-4o",
-                info,
-            },
-            view,
-            &bytes,
-            false,
-            &Replacement::Digest,
-        );
-        let fates = p.outcome.and_then(|o| o.fates).expect("compacted");
+        let fates = crate::wire::decide(view, &bytes, "gpt-4o", window);
         serde_json::from_slice(&req.write_back(&origins, &fates).unwrap()).unwrap()
     }
 
