@@ -59,10 +59,11 @@ def overflow():
 
 
 # --- output items -------------------------------------------------------------
-# Output items carry an id ("msg_", "fc_", "rs_") and a status; a client
-# sends them back as input items on the next turn, usually with the id (the
-# Agents SDK and the Python SDK's model_dump do; Codex drops it, see
-# test_codex.py).
+# Output items carry an id ("msg_", "fc_", "rs_") and a status; a
+# stateless client sends them back as input items on the next turn, ids
+# included (the Agents SDK, the Python SDK's model_dump and Codex all do;
+# Codex also gives its function_call_output items ids of its own, "fco_...",
+# and its reasoning items "content": null).
 
 def message(text):
     return {"id": _id("msg"), "type": "message", "status": "completed", "role": "assistant",

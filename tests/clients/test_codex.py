@@ -11,6 +11,23 @@ variable); HOME and CODEX_HOME are in a temp dir. Everything stays on
 features (which sync from GitHub and chatgpt.com) are off, web search is
 disabled, and any other connection goes to a dead proxy.
 
+What Codex 0.169.0 sends (codex exec, custom provider, wire_api
+"responses"): POST /v1/responses only, nothing else (no /v1/models), with
+stream true, store false, include ["reasoning.encrypted_content"],
+reasoning {"effort": ...}, text {"verbosity": ...}, parallel_tool_calls,
+prompt_cache_key (the session id, the same all run), client_metadata, and
+no previous_response_id and no `instructions`: its system prompt is a
+developer message at the head of `input`, followed by a second developer
+message (skills), a user message with the environment context and the
+task. Every turn resends the whole conversation: reasoning items (with
+encrypted_content, plus "content": null), assistant messages, function_call
+(exec_command) and function_call_output items, all with ids. Tools:
+function tools (exec_command, write_stdin, ...), a custom tool
+(apply_patch) and tool_search. Headers: authorization Bearer <env_key's
+value>, originator codex_exec, user-agent codex_exec/<version>, session-id,
+thread-id, x-client-request-id, x-codex-window-id, x-codex-turn-metadata,
+x-codex-beta-features, accept text/event-stream.
+
 Skipped when node or the npm package is missing, unless
 REQUIRE_CLIENT_AGENTS=1 (CI: tests/clients/run_responses_agents.sh
 installs both).
