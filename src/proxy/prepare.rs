@@ -198,8 +198,8 @@ impl Proxy {
     /// summarizer, or (with `mechanical_fallback`) with the mechanical plan
     /// when none comes. None when it cannot be finished (no checkpoint and
     /// no fallback, or a panic). The summarizer speaks chat completions:
-    /// the client's own key goes along only to the chat upstream it was
-    /// meant for, never an Anthropic key to it.
+    /// the client's own key goes along only for the upstream it was meant
+    /// for (chat and Responses share it), never an Anthropic key.
     pub(super) async fn checkpointed(
         &self,
         format: Format,
@@ -213,7 +213,8 @@ impl Proxy {
             (Some(_), None) => Some(pipeline::finish(&self.tokens, p, None)),
             (Some(_), Some(summarizer)) => {
                 let (upstream, _) = self.endpoint(format);
-                let client_headers = (format == Format::Chat).then_some(headers);
+                // Responses shares the chat upstream, so the key fits.
+                let client_headers = (format != Format::Messages).then_some(headers);
                 let work = pipeline::summarize(
                     &self.tokens,
                     summarizer,
