@@ -97,8 +97,8 @@ impl Proxy {
         }
         let (upstream, _) = self.endpoint(format);
         let mut waited = Duration::ZERO;
-        // Anthropic's listing names no windows.
-        if self.learn_windows && format == Format::Chat && !model.is_empty() {
+        // Anthropic's listing names no windows; Responses shares chat's.
+        if self.learn_windows && format != Format::Messages && !model.is_empty() {
             waited = self
                 .listing
                 .ensure(upstream, &self.tokens.listings, &model, headers)
