@@ -1,6 +1,10 @@
 //! Fuzz target over parse → compact → serialize, checking the pipeline's
 //! invariants (DESIGN.md, "The pipeline") on every input.
 //!
+//! Bodies that parse as Anthropic Messages or stateless Responses are also
+//! compacted through their view and written back, and must keep their
+//! API's rules (generated conversations are tried as Responses input too).
+//!
 //! The first byte picks the mode: below 128 the rest is a request body as a
 //! client would send it (JSON or not); otherwise the rest drives a generator
 //! of structured agent conversations (calls, results, repeated ids, markers,
@@ -22,6 +26,8 @@ use condense::config::{CompactionConfig, Config, SummaryConfig};
 use condense::metrics::Metrics;
 use condense::pipeline::CachedCounter;
 use condense::tokens::{Encoding, TokenService};
+use condense::wire::anthropic::MessagesRequest;
+use condense::wire::responses::ResponsesRequest;
 use libfuzzer_sys::fuzz_target;
 use serde_json::{Value, json};
 
@@ -179,6 +185,70 @@ fn check(req: &ChatRequest, budget: f64, replacement: &Replacement, strict: bool
     }
 }
 
+/// The compaction of a format's view at `budget`, when it changes anything.
+fn decide(view: &ChatRequest, budget: f64) -> Option<compaction::Fates> {
+    let counter = CachedCounter::new(service(), Encoding::O200k);
+    let limits = Limits {
+        budget,
+        window: budget * 1.3,
+        fixed: 3,
+    };
+    let s = CompactionConfig::default();
+    compaction::compact_with(view.messages(), &limits, &s, &counter, &Replacement::Digest).fates
+}
+
+/// A Messages or Responses body condense understands, compacted through its
+/// view and written back: the result parses again and keeps its API's
+/// rules, or the write-back refuses it (and the client's body goes out).
+fn check_wire(body: &Bytes, budget: f64) {
+    if let Ok(r) = MessagesRequest::parse(body)
+        && r.well_formed()
+    {
+        let (view, origins) = r.view();
+        if let Some(fates) = decide(&view, budget)
+            && let Ok(out) = r.write_back(&origins, &fates)
+        {
+            let again = MessagesRequest::parse(&out).expect("written-back Messages parses");
+            assert!(again.well_formed(), "written-back Messages breaks the rules");
+        }
+    }
+    if let Ok(r) = ResponsesRequest::parse(body)
+        && r.well_formed()
+    {
+        let (view, origins) = r.view();
+        if let Some(fates) = decide(&view, budget)
+            && let Ok(out) = r.write_back(&origins, &fates)
+        {
+            let again = ResponsesRequest::parse(&out).expect("written-back Responses parses");
+            assert!(again.well_formed(), "written-back Responses breaks the pairing");
+        }
+    }
+}
+
+/// A generated chat conversation as Responses input items.
+fn as_responses(messages: &[Value]) -> Value {
+    let mut input = Vec::new();
+    for m in messages.iter().skip(1) {
+        match m["role"].as_str() {
+            Some("tool") => input.push(json!({"type": "function_call_output",
+                "call_id": m["tool_call_id"], "output": m["content"].as_str().unwrap_or("")})),
+            Some("assistant") => {
+                if let Some(t) = m["content"].as_str() {
+                    input.push(json!({"type": "message", "role": "assistant",
+                        "content": [{"type": "output_text", "text": t}]}));
+                }
+                for c in m["tool_calls"].as_array().into_iter().flatten() {
+                    input.push(json!({"type": "function_call", "call_id": c["id"],
+                        "name": c["function"]["name"], "arguments": c["function"]["arguments"]}));
+                }
+            }
+            Some(role) => input.push(json!({"type": "message", "role": role, "content": m["content"]})),
+            None => {}
+        }
+    }
+    json!({"model": "gpt-4o", "instructions": "You are an agent.", "input": input})
+}
+
 fuzz_target!(|data: &[u8]| {
     let Some((&mode, rest)) = data.split_first() else {
         return;
@@ -190,8 +260,11 @@ fuzz_target!(|data: &[u8]| {
     let body = if mode < 128 {
         Bytes::copy_from_slice(rest)
     } else {
-        Bytes::from(json!({"model": "gpt-4o", "messages": generate(rest)}).to_string())
+        let messages = generate(rest);
+        check_wire(&Bytes::from(as_responses(&messages).to_string()), budget);
+        Bytes::from(json!({"model": "gpt-4o", "messages": messages}).to_string())
     };
+    check_wire(&body, budget);
     let Ok(req) = ChatRequest::parse(&body) else {
         return;
     };
