@@ -209,7 +209,10 @@ fn check_wire(body: &Bytes, budget: f64) {
             && let Ok(out) = r.write_back(&origins, &fates)
         {
             let again = MessagesRequest::parse(&out).expect("written-back Messages parses");
-            assert!(again.well_formed(), "written-back Messages breaks the rules");
+            assert!(
+                again.well_formed(),
+                "written-back Messages breaks the rules"
+            );
         }
     }
     if let Ok(r) = ResponsesRequest::parse(body)
@@ -220,7 +223,10 @@ fn check_wire(body: &Bytes, budget: f64) {
             && let Ok(out) = r.write_back(&origins, &fates)
         {
             let again = ResponsesRequest::parse(&out).expect("written-back Responses parses");
-            assert!(again.well_formed(), "written-back Responses breaks the pairing");
+            assert!(
+                again.well_formed(),
+                "written-back Responses breaks the pairing"
+            );
         }
     }
 }
@@ -242,7 +248,9 @@ fn as_responses(messages: &[Value]) -> Value {
                         "name": c["function"]["name"], "arguments": c["function"]["arguments"]}));
                 }
             }
-            Some(role) => input.push(json!({"type": "message", "role": role, "content": m["content"]})),
+            Some(role) => {
+                input.push(json!({"type": "message", "role": role, "content": m["content"]}))
+            }
             None => {}
         }
     }
