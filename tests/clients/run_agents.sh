@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Runs the real-client agent tests (Claude Code through condense) on a fresh
-# machine: installs the pinned CLI from claude_code/package-lock.json with
-# npm ci, then runs test_claude_code.py with REQUIRE_CLIENT_AGENTS=1, so a
-# missing piece fails instead of skipping.
+# Runs the real-client agent tests through condense on a fresh machine:
+# installs the pinned agents from their lockfiles with npm ci (Claude Code
+# in claude_code/, Codex CLI in codex/), then runs test_claude_code.py,
+# test_codex.py and test_agents_sdk.py (the OpenAI Agents SDK, pinned in
+# requirements.txt) with REQUIRE_CLIENT_AGENTS=1, so a missing piece fails
+# instead of skipping. Arguments go to pytest.
 #
 # Needs node and npm on PATH, and a built condense (CONDENSE_BIN, default
 # target/debug/condense). PYTHON is a Python with the packages of
@@ -15,10 +17,16 @@ command -v node >/dev/null || { echo "node is required (20 or later)"; exit 1; }
 command -v npm >/dev/null || { echo "npm is required"; exit 1; }
 echo "node $(node --version), npm $(npm --version)"
 
-# The package's postinstall links its native binary for this platform over
-# bin/claude.exe; package.json's allowScripts lets npm run it.
-(cd "$here/claude_code" && npm ci --no-audit --no-fund --loglevel=error)
-"$here/claude_code/node_modules/.bin/claude" --version
+# Claude Code's postinstall links its native binary for this platform over
+# bin/claude.exe (package.json's allowScripts lets npm run it). Codex is a
+# small launcher whose native binary comes in the platform's optional
+# dependency (@openai/codex-linux-x64 and the like), which npm ci installs
+# from the lockfile with no install script.
+for agent in claude_code:claude codex:codex; do
+  dir="${agent%%:*}" bin="${agent##*:}"
+  (cd "$here/$dir" && npm ci --no-audit --no-fund --loglevel=error)
+  "$here/$dir/node_modules/.bin/$bin" --version
+done
 
 python="${PYTHON:-}"
 if [ -z "$python" ]; then
@@ -30,4 +38,5 @@ fi
 
 export CONDENSE_BIN="${CONDENSE_BIN:-$root/target/debug/condense}"
 cd "$here"
-REQUIRE_CLIENT_AGENTS=1 "$python" -m pytest -q -p no:cacheprovider test_claude_code.py "$@"
+REQUIRE_CLIENT_AGENTS=1 "$python" -m pytest -q -p no:cacheprovider \
+  test_claude_code.py test_codex.py test_agents_sdk.py "$@"

@@ -19,7 +19,7 @@ Tracing is off (set_tracing_disabled and OPENAI_AGENTS_DISABLE_TRACING), so
 nothing goes to OpenAI's trace endpoint; the client has no other base URL.
 
 Skipped when openai-agents is not installed, unless REQUIRE_CLIENT_AGENTS=1
-(CI: tests/clients/run_responses_agents.sh).
+(CI: tests/clients/run_agents.sh).
 """
 
 import asyncio

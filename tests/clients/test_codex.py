@@ -29,7 +29,7 @@ thread-id, x-client-request-id, x-codex-window-id, x-codex-turn-metadata,
 x-codex-beta-features, accept text/event-stream.
 
 Skipped when node or the npm package is missing, unless
-REQUIRE_CLIENT_AGENTS=1 (CI: tests/clients/run_responses_agents.sh
+REQUIRE_CLIENT_AGENTS=1 (CI: tests/clients/run_agents.sh
 installs both).
 """
 
@@ -122,7 +122,7 @@ class Run:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     _require(shutil.which("node") is not None, "node is not installed")
-    _require(CODEX.exists(), "Codex is not installed: run tests/clients/run_responses_agents.sh "
+    _require(CODEX.exists(), "Codex is not installed: run tests/clients/run_agents.sh "
                              "(npm ci in tests/clients/codex)")
     tmp = tmp_path_factory.mktemp("codex")
     work, home = tmp / "work", tmp / "home"
