@@ -147,6 +147,15 @@ pub struct CompactionConfig {
     /// masked form saves at least this share of the budget is masked even
     /// inside the recent window.
     pub ahead_share: f64,
+    /// Masked results, shortened arguments and replaced turns carry a
+    /// recall key, and a request with `tools` that holds one is offered the
+    /// `condense_recall` tool, which condense answers itself.
+    pub recall: bool,
+    /// Most recalls condense answers within one client request.
+    pub max_recalls: u32,
+    /// Offer `compress_context`: the model may ask for compaction at a
+    /// task boundary, honoured on the next request.
+    pub agent_tool: bool,
 }
 
 impl CompactionConfig {
@@ -172,6 +181,9 @@ impl Default for CompactionConfig {
             fade_share: 0.05,
             fit_share: 0.30,
             ahead_share: 0.10,
+            recall: true,
+            max_recalls: 3,
+            agent_tool: false,
         }
     }
 }
@@ -647,6 +659,9 @@ impl Config {
         }
         if self.tokens.cache_entries == 0 {
             return Err(invalid("tokens.cache_entries", "must be greater than 0"));
+        }
+        if self.compaction.max_recalls > 16 {
+            return Err(invalid("compaction.max_recalls", "must be at most 16"));
         }
         check_thresholds(
             "compaction",

@@ -16,6 +16,7 @@ pub mod offline;
 pub mod overflow;
 pub mod pipeline;
 pub mod proxy;
+pub mod recall;
 pub mod replay;
 pub mod server;
 pub mod simulate;

@@ -17,6 +17,15 @@ use prometheus::{
 /// The compaction stages, the `stage` label's values.
 pub const STAGES: &[&str] = &["fit", "mask", "summarize", "prune", "fade", "emergency"];
 
+/// The `outcome` label of `condense_recalls_total`.
+pub const RECALL_OUTCOMES: &[&str] = &[
+    "answered",
+    "unknown_key",
+    "limit_reached",
+    "stripped",
+    "failed",
+];
+
 /// Distinct model label values kept before new ones are folded into "other".
 const MAX_MODEL_LABELS: usize = 64;
 
@@ -60,6 +69,9 @@ pub struct Metrics {
     pub context_overflow_total: IntCounterVec,
     pub upstream_invalid_responses_total: IntCounterVec,
     pub stateful_requests_total: IntCounterVec,
+    pub recalls_total: IntCounterVec,
+    pub recalled_bytes_total: IntCounter,
+    pub agent_compactions_total: IntCounterVec,
     /// Every metric name this registry exports.
     names: Vec<String>,
     models_seen: Mutex<HashSet<String>>,
@@ -261,6 +273,30 @@ impl Metrics {
         for reason in ["previous_response_id", "conversation"] {
             stateful_requests_total.with_label_values(&[reason]);
         }
+        let recalls_total = IntCounterVec::new(
+            Opts::new(
+                "condense_recalls_total",
+                "Calls of condense_recall, by outcome: answered (the original went back to the model), unknown_key (no original under that key, or it expired), limit_reached (compaction.max_recalls answered already; taken out of the answer), stripped (made after text was streamed to the client; taken out), failed (the request carrying the result failed; the answer went to the client without the call).",
+            ),
+            &["outcome"],
+        )?;
+        for outcome in RECALL_OUTCOMES {
+            recalls_total.with_label_values(&[outcome]);
+        }
+        let recalled_bytes_total = IntCounter::new(
+            "condense_recalled_bytes_total",
+            "Bytes of originals condense gave back to models through condense_recall.",
+        )?;
+        let agent_compactions_total = IntCounterVec::new(
+            Opts::new(
+                "condense_agent_compactions_total",
+                "compress_context (compaction.agent_tool) by outcome: requested (the model called it; the point was recorded), applied (a later request was compacted up to a recorded point).",
+            ),
+            &["outcome"],
+        )?;
+        for outcome in ["requested", "applied"] {
+            agent_compactions_total.with_label_values(&[outcome]);
+        }
         let upstream_invalid_responses_total = IntCounterVec::new(
             Opts::new(
                 "condense_upstream_invalid_responses_total",
@@ -299,6 +335,9 @@ impl Metrics {
         register(Box::new(context_overflow_total.clone()))?;
         register(Box::new(upstream_invalid_responses_total.clone()))?;
         register(Box::new(stateful_requests_total.clone()))?;
+        register(Box::new(recalls_total.clone()))?;
+        register(Box::new(recalled_bytes_total.clone()))?;
+        register(Box::new(agent_compactions_total.clone()))?;
         register(Box::new(summarizer_calls_total.clone()))?;
         register(Box::new(summarizer_seconds.clone()))?;
         register(Box::new(summary_tokens.clone()))?;
@@ -356,6 +395,9 @@ impl Metrics {
             context_overflow_total,
             upstream_invalid_responses_total,
             stateful_requests_total,
+            recalls_total,
+            recalled_bytes_total,
+            agent_compactions_total,
             names,
             models_seen: Mutex::new(HashSet::new()),
         })

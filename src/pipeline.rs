@@ -8,6 +8,7 @@ use http::HeaderMap;
 use crate::chat::ChatRequest;
 use crate::compaction::{self, Counter, Limits, Outcome, Replacement, Span};
 use crate::config::CompactionConfig;
+use crate::recall::Recallable;
 use crate::summary::{Checkpoint, Failure, Need, Summarizer};
 use crate::tokens::{Assessment, Encoding, ModelInfo, TokenService};
 
@@ -63,6 +64,9 @@ pub struct Processed {
     /// Set when the plan replaces old turns with a checkpoint and none was
     /// given: `request` is unchanged until [`finish`] gets one (or not).
     pub pending: Option<Pending>,
+    /// The recall keys the compacted request holds (`compaction.recall`,
+    /// a request with tools).
+    pub recallable: Option<Recallable>,
 }
 
 /// A compaction waiting for a checkpoint of `span`.
@@ -145,6 +149,7 @@ pub fn process(
             assessment,
             outcome: None,
             pending: None,
+            recallable: None,
         };
     };
     // Boundaries are planned with the plan ratio, which a small drift of
@@ -156,7 +161,9 @@ pub fn process(
         window: assessment.budget.window as f64 / plan,
         fixed: count.total - count.per_message.iter().sum::<u64>(),
     };
-    let settings = compaction_config.for_model(info.trigger, info.target);
+    let mut settings = compaction_config.for_model(info.trigger, info.target);
+    // A recall key is of use only to a model that can call the tool.
+    settings.recall &= crate::recall::tools::offered(&req);
     let setup = Setup {
         limits,
         settings,
@@ -215,8 +222,14 @@ fn apply(
         &counter,
         &setup.replacement,
     );
+    let mut recallable = None;
     if let Some(messages) = outcome.messages.clone() {
-        req.set_messages(messages);
+        let original = req.replace_messages(messages);
+        if setup.settings.recall
+            && let Some(fates) = &outcome.fates
+        {
+            recallable = Some(Recallable::of(original, fates)).filter(|r| !r.is_empty());
+        }
     }
     let ratio = setup.ratio;
     // With a density floor the outcome is counted in floored units, which
@@ -234,6 +247,7 @@ fn apply(
         assessment,
         outcome: Some(outcome),
         pending,
+        recallable,
     }
 }
 

@@ -62,6 +62,12 @@ impl ChatRequest {
         self.changed = true;
     }
 
+    /// Sets the messages and returns the ones they replace.
+    pub fn replace_messages(&mut self, messages: Vec<Message>) -> Vec<Message> {
+        self.changed = true;
+        std::mem::replace(&mut self.messages, messages)
+    }
+
     /// The requested model, when it is a string.
     pub fn model(&self) -> Option<String> {
         serde_json::from_slice::<String>(self.fields.get("model")?).ok()

@@ -47,6 +47,7 @@ use serde::Serialize;
 
 use crate::chat::Message;
 use crate::config::{CompactionConfig, SummaryTrigger, TriggerKind};
+use crate::recall;
 use conversation::{Analysis, Role};
 use text::{MARK, content_text, head_tail, with_string_field};
 
@@ -201,6 +202,9 @@ pub struct Fates {
     /// The digest or checkpoint message that stands where the first
     /// dropped message stood.
     pub replacement: Option<Bytes>,
+    /// Per message: whether the replacement stands for it (the messages
+    /// dropped when it was made; a last-resort drop after that is not).
+    pub replaced: Vec<bool>,
 }
 
 /// The working copy: the current bytes and cost of every message.
@@ -210,8 +214,12 @@ struct Work<'a> {
     cost: Vec<u64>,
     dropped: Vec<bool>,
     digest: Option<(Bytes, u64)>,
+    /// The messages the digest stands for.
+    replaced: Vec<bool>,
     fixed: u64,
     stages: Vec<StageReport>,
+    /// Whether rewrites carry their recall key (`compaction.recall`).
+    recall: bool,
 }
 
 impl Work<'_> {
@@ -231,7 +239,12 @@ impl Work<'_> {
     }
 
     /// Replaces message `i` when that saves tokens; returns the saving.
+    /// With recall on, the new bytes carry the original's recall key.
     fn replace(&mut self, i: usize, bytes: Bytes, counter: &dyn Counter) -> u64 {
+        let bytes = match self.recall {
+            true => recall::tag(&bytes, &recall::key(self.src[i].raw())).unwrap_or(bytes),
+            false => bytes,
+        };
         let cost = counter.message(&bytes);
         if cost >= self.cost[i] {
             return 0;
@@ -275,6 +288,7 @@ impl Work<'_> {
             rewritten: self.bytes,
             dropped: self.dropped,
             replacement: self.digest.map(|d| d.0),
+            replaced: self.replaced,
         };
         (out, fates)
     }
@@ -324,8 +338,10 @@ pub fn compact_with(
         cost: full.clone(),
         dropped: vec![false; n],
         digest: None,
+        replaced: vec![false; n],
         fixed: limits.fixed,
         stages: Vec::new(),
+        recall: s.recall,
     };
 
     // fit first: it depends on the message and the budget alone, so the
@@ -338,11 +354,18 @@ pub fn compact_with(
             let eligible =
                 i >= a.base && !a.protected(i) && (a.output(i) || a.roles[i] == Role::Assistant);
             if eligible {
-                // The masked form depends on the message and the placeholder
-                // size alone (the role is in the bytes).
-                let kind = 0x6d61_736b_0000_0000 ^ s.placeholder_chars as u64;
+                // The masked form depends on the message, the placeholder
+                // size and whether it carries a recall key alone (the role
+                // is in the bytes).
+                let kind = 0x6d61_736b_0000_0000
+                    ^ s.placeholder_chars as u64
+                    ^ (u64::from(s.recall) << 32);
                 counter.derived(kind, messages[i].raw(), &mut || {
-                    mask::masked(&a, messages, i, s.placeholder_chars)
+                    let m = mask::masked(&a, messages, i, s.placeholder_chars)?;
+                    match s.recall {
+                        true => recall::tag(&m, &recall::key(messages[i].raw())).or(Some(m)),
+                        false => Some(m),
+                    }
                 })
             } else {
                 None
@@ -422,6 +445,14 @@ pub fn compact_with(
                 };
             }
         };
+        let d = match s.recall {
+            true => {
+                let span = (0..n).filter(|&i| w.dropped[i]).map(|i| messages[i].raw());
+                recall::tag(&d, &recall::span_key(span)).unwrap_or(d)
+            }
+            false => d,
+        };
+        w.replaced = w.dropped.clone();
         let d_cost = counter.message(&d);
         let removed: u64 = (0..n).filter(|&i| w.dropped[i]).map(|i| w.cost[i]).sum();
         w.digest = Some((d, d_cost));

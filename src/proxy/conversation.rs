@@ -15,11 +15,13 @@ use super::body;
 use super::headers;
 use super::learn::{Learner, Sent};
 use super::prepare::Report;
+use super::recall::Again;
 use super::recover::OVERFLOW_STATUSES;
-use super::relay::{InflightGuard, Tap};
+use super::relay::{InflightGuard, Reply, Tap};
 use super::usage::{JsonTap, SseTap};
 use super::{Proxy, Timing, X_ACTIONS, X_TOKENS_AFTER, X_TOKENS_BEFORE};
 use crate::error::ProxyError;
+use crate::recall;
 use crate::wire::Format;
 
 impl Proxy {
@@ -100,6 +102,7 @@ impl Proxy {
         // Prepare.
         let (prepared, upstream_wait) = self.prepare(format, &bytes, opt_out, &headers).await;
         report.clone_from(&prepared.report);
+        let client_headers = parts.headers;
 
         // Send.
         let guard = InflightGuard::new(self.metrics.clone());
@@ -109,6 +112,13 @@ impl Proxy {
             .report
             .is_some()
             .then(|| (parts.method.clone(), url.clone(), headers.clone()));
+        // Follow-ups carrying condense's tool results go the same way (a
+        // request recovered from an overflow may be offered the tools too).
+        let again = retry.as_ref().map(|(method, url, headers)| Again {
+            method: method.clone(),
+            url: url.clone(),
+            headers: headers.clone(),
+        });
         let resp = upstream
             .send(
                 parts.method,
@@ -127,16 +137,27 @@ impl Proxy {
         };
         *report = prepared.report.take();
 
+        // Recall: condense's own tools answered. The originals go to the
+        // state store first, for the replicas that get a later key.
+        if let Some(offer) = prepared.offer.as_mut() {
+            offer.originals.scope = recall::store::scope(&client_headers);
+            self.recall_written
+                .remember(&self.state, &offer.originals)
+                .await;
+        }
+        let (resp, first_usage) = match (prepared.offer.take(), again) {
+            (Some(offer), Some(again)) if resp.status().is_success() => {
+                self.answer_tools(format, *offer, prepared.body.clone(), resp, again, upstream)
+                    .await?
+            }
+            _ => (Reply::from(resp), None),
+        };
+
         // Respond.
-        let is_sse = resp
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
-        let tap = match (resp.status().is_success(), is_sse) {
+        let tap = match (resp.status.is_success(), resp.is_sse()) {
             (false, _) => Tap::None,
             (true, true) => Tap::Sse(SseTap::for_format(format, prepared.strip_usage)),
-            (true, false) => Tap::Json(JsonTap::for_format(format, resp.content_length())),
+            (true, false) => Tap::Json(JsonTap::for_format(format, resp.content_length)),
         };
         let learner = prepared.model.map(|model| Learner {
             metrics: self.metrics.clone(),
@@ -147,7 +168,7 @@ impl Proxy {
         });
         let counted = match (&learner, report.as_ref().and_then(|r| r.raw_after)) {
             (_, Some(raw)) => Sent::Counted(raw),
-            (Some(l), None) if resp.status().is_success() => l.count_later(
+            (Some(l), None) if resp.status.is_success() => l.count_later(
                 prepared.body.clone(),
                 held,
                 &self.prepare_slots,
@@ -155,7 +176,15 @@ impl Proxy {
             ),
             _ => Sent::Unknown,
         };
-        let on_usage = learner.map(|l| l.on_usage(counted));
+        let mut on_usage = learner.map(|l| l.on_usage(counted));
+        // After condense answered its tools, the final answer's usage
+        // covers requests larger than the one prepared: calibration learns
+        // from the first round's.
+        if let Some(usage) = first_usage
+            && let Some(learn) = on_usage.take()
+        {
+            learn(usage);
+        }
         let mut response = self.respond(
             format.route(),
             upstream,

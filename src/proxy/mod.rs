@@ -14,6 +14,7 @@ pub mod headers;
 pub mod learn;
 pub mod listing;
 mod prepare;
+mod recall;
 mod recover;
 pub mod relay;
 pub mod upstream;
@@ -89,6 +90,8 @@ pub struct Proxy {
     background: Background,
     stream_usage: bool,
     learn_windows: bool,
+    /// Which recall originals this process stored lately.
+    recall_written: crate::recall::store::Written,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -161,6 +164,10 @@ impl Proxy {
             background: Background::default(),
             stream_usage: config.upstream.stream_usage,
             learn_windows: config.upstream.learn_windows,
+            recall_written: crate::recall::store::Written::new(
+                65_536,
+                Duration::from_secs(config.state.ttl_seconds),
+            ),
         })
     }
 
@@ -227,7 +234,7 @@ impl Proxy {
         Ok(self.respond(
             ROUTE_PASSTHROUGH,
             upstream,
-            resp,
+            resp.into(),
             Tap::None,
             None,
             guard,
@@ -272,7 +279,7 @@ impl Proxy {
         &self,
         route: &str,
         upstream: &Upstream,
-        resp: reqwest::Response,
+        resp: relay::Reply,
         tap: Tap,
         on_usage: Option<UsageCallback>,
         guard: InflightGuard,
@@ -283,10 +290,10 @@ impl Proxy {
             .upstream_seconds
             .with_label_values(&[route])
             .observe((headers_at - timing.sent).as_secs_f64());
-        let status = resp.status();
-        let headers = headers::to_client(resp.headers());
+        let status = resp.status;
+        let headers = headers::to_client(&resp.headers);
         let body = relay::relay(
-            resp,
+            resp.body,
             tap,
             on_usage,
             upstream.idle_timeout,

@@ -12,9 +12,11 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http::HeaderMap;
 
+use super::recall::Offer;
 use super::{BLOCKING_PREPARE_BYTES, Proxy};
 use crate::compaction::Replacement;
 use crate::pipeline;
+use crate::recall::{self, store::Originals};
 use crate::summary::Summarizer;
 use crate::tokens::ModelInfo;
 use crate::wire::{Format, NotUnderstood, Parsed, Writer};
@@ -26,6 +28,8 @@ pub struct Prepared {
     pub strip_usage: bool,
     /// What the response headers report; None when condense did not measure.
     pub report: Option<Report>,
+    /// condense's own tools offered to the model, and what answers them.
+    pub offer: Option<Box<Offer>>,
 }
 
 /// What condense measured and did, for the response headers.
@@ -46,6 +50,7 @@ impl Prepared {
             model,
             strip_usage: false,
             report: None,
+            offer: None,
         }
     }
 }
@@ -115,13 +120,13 @@ impl Proxy {
             let (this, body, name) = (self.clone(), bytes.clone(), model.clone());
             self.off_workers(move || this.measure_or_forward(format, parsed, &body, &name, info))
                 .await
-                .unwrap_or_else(|| Err(Prepared::unchanged(bytes.clone(), None)))
+                .unwrap_or_else(|| Err(Box::new(Prepared::unchanged(bytes.clone(), None))))
         } else {
             self.measure_or_forward(format, parsed, bytes, &model, info)
         };
         let prepared = match measured {
             Ok(m) => self.complete(format, m, bytes, model, headers).await,
-            Err(unchanged) => unchanged,
+            Err(unchanged) => *unchanged,
         };
         (prepared, waited)
     }
@@ -136,7 +141,7 @@ impl Proxy {
         body: &Bytes,
         model: &str,
         info: ModelInfo,
-    ) -> Result<Measured, Prepared> {
+    ) -> Result<Measured, Box<Prepared>> {
         let replacement = self
             .summarizer
             .as_ref()
@@ -163,7 +168,7 @@ impl Proxy {
             )
         }))
         .map(|p| (p, writer))
-        .map_err(|_| self.forward_unchanged(body, model))
+        .map_err(|_| Box::new(self.forward_unchanged(body, model)))
     }
 
     /// Counts a failure inside condense; the request goes out as it came.
@@ -289,6 +294,12 @@ impl Proxy {
             actions: p.actions(),
             raw_after: p.raw_after,
         };
+        let offered = recall::tools::offered(&p.request);
+        let room = p
+            .assessment
+            .budget
+            .prompt_budget
+            .saturating_sub(p.tokens_after);
         let (body, strip_usage) = match written {
             Some(body) => (body, false),
             None => {
@@ -301,11 +312,39 @@ impl Proxy {
                 (chat.to_bytes(), strip)
             }
         };
-        Some(Prepared {
+        let mut prepared = Prepared {
             body,
             model: Some(model.to_string()).filter(|m| !m.is_empty()),
             strip_usage,
             report: Some(report),
-        })
+            offer: None,
+        };
+        // condense's tools, when the request can call them and has use
+        // for them.
+        let mut names = Vec::new();
+        // Keys this request's compaction wrote, or keys the client's
+        // messages hold already (a conversation another replica compacted).
+        if p.recallable.is_some()
+            || (self.compaction.recall && offered && recall::mentions_key(&prepared.body))
+        {
+            names.push(recall::RECALL_TOOL);
+        }
+        if self.compaction.agent_tool && offered {
+            names.push(recall::COMPRESS_TOOL);
+        }
+        if !names.is_empty()
+            && let Some(body) = recall::tools::offer(writer.format(), &prepared.body, &names)
+        {
+            prepared.body = body;
+            prepared.offer = Some(Box::new(Offer {
+                originals: Originals {
+                    scope: String::new(),
+                    own: p.recallable.unwrap_or_default(),
+                },
+                // About three characters a token.
+                room_chars: usize::try_from(room.saturating_mul(3)).unwrap_or(usize::MAX),
+            }));
+        }
+        Some(prepared)
     }
 }

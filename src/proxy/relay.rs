@@ -136,10 +136,57 @@ pub enum RelayError {
     Upstream(#[from] reqwest::Error),
 }
 
-type Upstream = Pin<Box<dyn Stream<Item = Result<Bytes, reqwest::Error>> + Send>>;
+/// A response body on its way from the upstream.
+pub type BodyStream = Pin<Box<dyn Stream<Item = Result<Bytes, reqwest::Error>> + Send>>;
+
+/// An upstream answer to relay: the upstream's response as it came, or one
+/// condense finished reading (the answer after condense's own tool calls).
+pub struct Reply {
+    pub status: http::StatusCode,
+    pub headers: http::HeaderMap,
+    pub body: BodyStream,
+    /// The body's length, when known.
+    pub content_length: Option<u64>,
+}
+
+impl From<reqwest::Response> for Reply {
+    fn from(resp: reqwest::Response) -> Reply {
+        let content_length = resp.content_length();
+        let (parts, body) = http::Response::from(resp).into_parts();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            content_length,
+            body: Box::pin(http_body_util::BodyDataStream::new(body)),
+        }
+    }
+}
+
+impl Reply {
+    /// An answer whose whole body condense holds.
+    pub fn whole(status: http::StatusCode, mut headers: http::HeaderMap, body: Bytes) -> Reply {
+        headers.insert(
+            http::header::CONTENT_LENGTH,
+            http::HeaderValue::from(body.len()),
+        );
+        Reply {
+            status,
+            headers,
+            content_length: Some(body.len() as u64),
+            body: Box::pin(futures_util::stream::once(async move { Ok(body) })),
+        }
+    }
+
+    pub fn is_sse(&self) -> bool {
+        self.headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"))
+    }
+}
 
 struct State {
-    upstream: Upstream,
+    upstream: BodyStream,
     tap: Tap,
     on_usage: Option<UsageCallback>,
     idle: Duration,
@@ -188,7 +235,7 @@ impl State {
 
 /// The client-facing body for an upstream response.
 pub fn relay(
-    response: reqwest::Response,
+    body: BodyStream,
     tap: Tap,
     on_usage: Option<UsageCallback>,
     idle: Duration,
@@ -196,7 +243,7 @@ pub fn relay(
     inflight: InflightGuard,
 ) -> Body {
     let state = State {
-        upstream: Box::pin(response.bytes_stream()),
+        upstream: body,
         tap,
         on_usage,
         idle,

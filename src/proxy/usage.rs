@@ -415,7 +415,7 @@ fn merge_extra_fields(held: Bytes, usage_chunk: &RawObject) -> Bytes {
 }
 
 /// The event with its data lines replaced by one `data:` line holding `json`.
-fn rebuild_event(text: &str, json: &[u8]) -> Bytes {
+pub(crate) fn rebuild_event(text: &str, json: &[u8]) -> Bytes {
     let mut out = Vec::with_capacity(text.len());
     let mut data_written = false;
     for line in text.lines().filter(|l| !l.is_empty()) {
@@ -437,7 +437,7 @@ fn rebuild_event(text: &str, json: &[u8]) -> Bytes {
 
 /// The index just past the blank line that ends the first event, if any,
 /// looking from `from` on.
-fn find_event_end(buf: &[u8], from: usize) -> Option<usize> {
+pub(crate) fn find_event_end(buf: &[u8], from: usize) -> Option<usize> {
     let mut from = from;
     while let Some(i) = memchr::memchr(b'\n', &buf[from..]).map(|i| i + from) {
         match (buf.get(i + 1), buf.get(i + 2)) {

@@ -169,6 +169,15 @@ impl Parsed {
 }
 
 impl Writer {
+    /// The format it writes.
+    pub fn format(&self) -> Format {
+        match self {
+            Writer::Chat => Format::Chat,
+            Writer::Messages(..) => Format::Messages,
+            Writer::Responses(..) => Format::Responses,
+        }
+    }
+
     /// The body to send: for chat, `conversation` itself; for another
     /// format, its request with `fates` written back (its own bytes when
     /// nothing changed).

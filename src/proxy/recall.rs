@@ -1,0 +1,464 @@
+//! Recall: the calls the model makes to condense's own tools
+//! (`condense_recall`, `compress_context`) answered inside the client's
+//! request. The model's turn and the results are appended to the request
+//! and it goes upstream again, at most `compaction.max_recalls` times; the
+//! client receives only the final answer, with the usage of every round.
+//!
+//! A JSON answer is read whole. A stream is held back only until it tells
+//! whether it starts with one of condense's calls (reasoning is held,
+//! text or a call of the client's tools lets it through); once through, a
+//! call of condense's tools that comes later is taken out of what the
+//! client sees (counted as `stripped`), since text already went out. When
+//! a follow-up request fails, or the limit is reached, the client gets the
+//! answer it would have got, without condense's calls.
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::StreamExt;
+use http::{HeaderMap, Method};
+use serde_json::Value;
+use url::Url;
+
+use super::Proxy;
+use super::relay::{BodyStream, Reply};
+use super::upstream::Upstream;
+use super::usage::{self, JsonTap, SseTap};
+use crate::error::ProxyError;
+use crate::recall::store::{Originals, within};
+use crate::recall::stream::{Decision, Edit, Filter, Gather};
+use crate::recall::tools::{Answer, Call, Usage};
+use crate::recall::{COMPRESS_TOOL, RECALL_TOOL};
+use crate::wire::Format;
+
+/// Largest JSON answer read for condense's calls (a larger one is relayed
+/// as it comes).
+const MAX_ANSWER_BYTES: usize = 8 << 20;
+
+/// What a request was offered, and what answers the offer.
+pub struct Offer {
+    pub originals: Originals,
+    /// Characters of recalled text the prompt has room for.
+    pub room_chars: usize,
+}
+
+/// Where the follow-up requests go.
+pub struct Again {
+    pub method: Method,
+    pub url: Url,
+    pub headers: HeaderMap,
+}
+
+/// One upstream answer, read as far as needed.
+enum Step {
+    /// The answer for the client.
+    Done(Reply),
+    /// The answer calls condense's tools; `raw` is all of it.
+    Ours {
+        answer: Answer,
+        raw: Bytes,
+        status: http::StatusCode,
+        headers: HeaderMap,
+        sse: bool,
+    },
+}
+
+impl Proxy {
+    /// The answer for the client, with condense's calls answered; and, when
+    /// condense answered any, the usage of the first round (what the
+    /// request as prepared cost, for calibration).
+    pub(super) async fn answer_tools(
+        &self,
+        format: Format,
+        offer: Offer,
+        sent: Bytes,
+        resp: reqwest::Response,
+        again: Again,
+        upstream: &Upstream,
+    ) -> Result<(Reply, Option<usage::Usage>), ProxyError> {
+        let max = self.compaction.max_recalls;
+        let mut extra = Usage::default();
+        let mut first = None;
+        let mut body = sent;
+        let mut reply = Reply::from(resp);
+        let mut room = offer.room_chars;
+        let mut round = 0;
+        loop {
+            let last = round >= max;
+            round += 1;
+            let step = match reply.is_sse() {
+                true => {
+                    self.read_stream(format, reply, &extra, last, upstream.idle_timeout)
+                        .await
+                }
+                false => read_json(format, reply, &extra).await,
+            };
+            let (answer, raw, status, headers, sse) = match step? {
+                Step::Done(r) => return Ok((r, first)),
+                Step::Ours {
+                    answer,
+                    raw,
+                    status,
+                    headers,
+                    sse,
+                } => (answer, raw, status, headers, sse),
+            };
+            if round == 1 {
+                first = usage_of(format, &raw, sse);
+            }
+            // What the client gets if this round is the last.
+            let fallback = |outcome: &str, extra: &Usage| {
+                self.metrics
+                    .recalls_total
+                    .with_label_values(&[outcome])
+                    .inc_by(answer.ours().len() as u64);
+                match sse {
+                    true => Reply {
+                        status,
+                        headers: {
+                            let mut h = headers.clone();
+                            h.remove(http::header::CONTENT_LENGTH);
+                            h
+                        },
+                        content_length: None,
+                        body: self.filtered(
+                            format,
+                            Box::pin(futures_util::stream::once({
+                                let raw = raw.clone();
+                                async move { Ok(raw) }
+                            })),
+                            extra.clone(),
+                            None,
+                        ),
+                    },
+                    false => {
+                        Reply::whole(status, headers.clone(), answer.clone().for_client(extra))
+                    }
+                }
+            };
+            if last {
+                return Ok((fallback("limit_reached", &extra), first));
+            }
+            let results = self.results(&answer.ours(), &offer, &mut room).await;
+            let Some(next) = answer.follow_up(&body, &results) else {
+                return Ok((fallback("failed", &extra), first));
+            };
+            let sent = upstream
+                .send(
+                    again.method.clone(),
+                    again.url.clone(),
+                    again.headers.clone(),
+                    Some(reqwest::Body::from(next.clone())),
+                )
+                .await;
+            match sent {
+                Ok(r) if r.status().is_success() => {
+                    extra.add(answer.value.get("usage"));
+                    reply = Reply::from(r);
+                    body = next;
+                }
+                Ok(r) => {
+                    tracing::warn!(status = %r.status(), "the request carrying condense's tool results failed; answering without them");
+                    return Ok((fallback("failed", &extra), first));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the request carrying condense's tool results failed; answering without them");
+                    return Ok((fallback("failed", &extra), first));
+                }
+            }
+        }
+    }
+
+    /// The result of each of condense's calls, the recalled texts sharing
+    /// the room left (which shrinks by what they take).
+    async fn results(
+        &self,
+        calls: &[Call],
+        offer: &Offer,
+        room: &mut usize,
+    ) -> Vec<(String, String)> {
+        let mut out = Vec::with_capacity(calls.len());
+        let share = (*room / calls.len().max(1)).max(1000);
+        for call in calls {
+            let text = match call.name.as_str() {
+                RECALL_TOOL => {
+                    let key = call.argument.as_deref().unwrap_or("").trim();
+                    match offer.originals.get(&self.state, key).await {
+                        Some(original) => {
+                            let text = within(&original, share);
+                            *room = room.saturating_sub(text.len());
+                            self.metrics
+                                .recalls_total
+                                .with_label_values(&["answered"])
+                                .inc();
+                            self.metrics.recalled_bytes_total.inc_by(text.len() as u64);
+                            text
+                        }
+                        None => {
+                            self.metrics
+                                .recalls_total
+                                .with_label_values(&["unknown_key"])
+                                .inc();
+                            format!(
+                                "[condense: nothing is stored under recall key {key:?}: it is not a key condense gave, or it expired. Go on without it.]"
+                            )
+                        }
+                    }
+                }
+                COMPRESS_TOOL => {
+                    self.metrics
+                        .agent_compactions_total
+                        .with_label_values(&["requested"])
+                        .inc();
+                    "[condense: noted; the conversation up to here will be compacted from the next request on.]".to_string()
+                }
+                _ => continue,
+            };
+            out.push((call.id.clone(), text));
+        }
+        out
+    }
+
+    /// Reads a stream until it tells whether it starts with one of
+    /// condense's calls: if not (or on the last round), the client gets it
+    /// from the start through the filter; if so, it is read to its end.
+    async fn read_stream(
+        &self,
+        format: Format,
+        reply: Reply,
+        extra: &Usage,
+        last: bool,
+        idle: Duration,
+    ) -> Result<Step, ProxyError> {
+        let Reply {
+            status,
+            headers,
+            mut body,
+            ..
+        } = reply;
+        let pass = |held: Bytes, body: BodyStream, mut headers: HeaderMap| {
+            // The filter may change the length.
+            headers.remove(http::header::CONTENT_LENGTH);
+            let head = futures_util::stream::once(async move { Ok(held) });
+            Step::Done(Reply {
+                status,
+                headers,
+                content_length: None,
+                body: self.filtered(
+                    format,
+                    Box::pin(head.chain(body)),
+                    extra.clone(),
+                    Some(if last { "limit_reached" } else { "stripped" }),
+                ),
+            })
+        };
+        if last {
+            return Ok(pass(Bytes::new(), body, headers));
+        }
+        let mut buf = BytesMut::new();
+        let mut scanned = 0;
+        let mut gather = Gather::new(format);
+        let mut decision = Decision::Hold;
+        loop {
+            let next = match tokio::time::timeout(idle, body.next()).await {
+                Ok(Some(Ok(chunk))) => chunk,
+                // The relay reports a failure or a stall as it does for any
+                // stream: what was held goes first.
+                Ok(Some(Err(e))) => {
+                    let failed = futures_util::stream::once(async move { Err(e) });
+                    return Ok(pass(buf.freeze(), Box::pin(failed), headers));
+                }
+                Err(_) => return Ok(pass(buf.freeze(), body, headers)),
+                Ok(None) => break,
+            };
+            buf.extend_from_slice(&next);
+            while let Some(end) = usage::find_event_end(&buf, scanned) {
+                if let Some((_, data)) = event_json(&buf[scanned..end]) {
+                    decision = gather.event(&data);
+                }
+                scanned = end;
+                if decision == Decision::Pass {
+                    return Ok(pass(buf.freeze(), body, headers));
+                }
+            }
+            if buf.len() > MAX_ANSWER_BYTES {
+                return Ok(pass(buf.freeze(), body, headers));
+            }
+        }
+        if let Some((_, data)) = event_json(&buf[scanned..]) {
+            decision = gather.event(&data);
+        }
+        let raw = buf.freeze();
+        match (decision, gather.answer()) {
+            (Decision::Ours, Some(answer)) if !answer.ours().is_empty() => Ok(Step::Ours {
+                answer,
+                raw,
+                status,
+                headers,
+                sse: true,
+            }),
+            _ => Ok(pass(raw, Box::pin(futures_util::stream::empty()), headers)),
+        }
+    }
+
+    /// `body` with each event edited by a [`Filter`]; the calls it takes
+    /// out are counted under `outcome`.
+    fn filtered(
+        &self,
+        format: Format,
+        body: BodyStream,
+        extra: Usage,
+        outcome: Option<&'static str>,
+    ) -> BodyStream {
+        let metrics = self.metrics.clone();
+        let outcome = outcome.unwrap_or("failed");
+        let state = (body, BytesMut::new(), Filter::new(format, extra), false);
+        Box::pin(futures_util::stream::unfold(
+            state,
+            move |(mut body, mut buf, mut filter, done)| {
+                let metrics = metrics.clone();
+                async move {
+                    if done {
+                        return None;
+                    }
+                    loop {
+                        match body.next().await {
+                            Some(Ok(chunk)) => {
+                                buf.extend_from_slice(&chunk);
+                                let mut out = Vec::new();
+                                let mut from = 0;
+                                while let Some(end) = usage::find_event_end(&buf, from) {
+                                    edit(&buf[from..end], &mut filter, &mut out);
+                                    from = end;
+                                }
+                                let _ = buf.split_to(from);
+                                if !out.is_empty() {
+                                    return Some((
+                                        Ok(Bytes::from(out)),
+                                        (body, buf, filter, false),
+                                    ));
+                                }
+                            }
+                            Some(Err(e)) => return Some((Err(e), (body, buf, filter, true))),
+                            None => {
+                                let mut out = Vec::new();
+                                if !buf.is_empty() {
+                                    edit(&buf, &mut filter, &mut out);
+                                }
+                                if filter.stripped > 0 {
+                                    metrics
+                                        .recalls_total
+                                        .with_label_values(&[outcome])
+                                        .inc_by(filter.stripped as u64);
+                                }
+                                if out.is_empty() {
+                                    return None;
+                                }
+                                return Some((
+                                    Ok(Bytes::from(out)),
+                                    (body, BytesMut::new(), filter, true),
+                                ));
+                            }
+                        }
+                    }
+                }
+            },
+        ))
+    }
+}
+
+/// Reads a JSON answer whole (one too large goes to the client as it is).
+async fn read_json(format: Format, reply: Reply, extra: &Usage) -> Result<Step, ProxyError> {
+    let Reply {
+        status,
+        headers,
+        mut body,
+        content_length,
+    } = reply;
+    let mut buf = BytesMut::new();
+    while let Some(chunk) = body.next().await {
+        match chunk {
+            Ok(c) => buf.extend_from_slice(&c),
+            Err(e) => {
+                let head = futures_util::stream::once(async move { Ok(buf.freeze()) });
+                let failed = futures_util::stream::once(async move { Err(e) });
+                return Ok(Step::Done(Reply {
+                    status,
+                    headers,
+                    content_length,
+                    body: Box::pin(head.chain(failed)),
+                }));
+            }
+        }
+        if buf.len() > MAX_ANSWER_BYTES {
+            let head = futures_util::stream::once(async move { Ok(buf.freeze()) });
+            return Ok(Step::Done(Reply {
+                status,
+                headers,
+                content_length,
+                body: Box::pin(head.chain(body)),
+            }));
+        }
+    }
+    let raw = buf.freeze();
+    let answer = Answer::parse(format, &raw);
+    match answer {
+        Some(answer) if !answer.ours().is_empty() => Ok(Step::Ours {
+            answer,
+            raw,
+            status,
+            headers,
+            sse: false,
+        }),
+        Some(answer) if !extra.is_empty() => Ok(Step::Done(Reply::whole(
+            status,
+            headers,
+            answer.for_client(extra),
+        ))),
+        _ => Ok(Step::Done(Reply::whole(status, headers, raw))),
+    }
+}
+
+/// The usage an answer reports, as the calibration reads it.
+fn usage_of(format: Format, raw: &Bytes, sse: bool) -> Option<usage::Usage> {
+    if sse {
+        let mut tap = SseTap::for_format(format, false);
+        tap.push(raw.clone());
+        tap.finish();
+        tap.usage()
+    } else {
+        let mut tap = JsonTap::for_format(format, Some(raw.len() as u64));
+        tap.push(raw);
+        tap.finish();
+        tap.usage()
+    }
+}
+
+/// An SSE event's text and its data as JSON (None for `[DONE]` and events
+/// without JSON data).
+fn event_json(event: &[u8]) -> Option<(&str, Value)> {
+    let text = std::str::from_utf8(event).ok()?;
+    let data: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(|d| d.strip_prefix(' ').unwrap_or(d))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let value: Value = serde_json::from_str(&data).ok()?;
+    Some((text, value))
+}
+
+/// One event through the filter, into `out`.
+fn edit(event: &[u8], filter: &mut Filter, out: &mut Vec<u8>) {
+    let Some((text, mut data)) = event_json(event) else {
+        out.extend_from_slice(event);
+        return;
+    };
+    match filter.event(&mut data) {
+        Edit::Keep => out.extend_from_slice(event),
+        Edit::Drop => {}
+        Edit::Changed => {
+            out.extend_from_slice(&usage::rebuild_event(text, data.to_string().as_bytes()))
+        }
+    }
+}

@@ -1,0 +1,559 @@
+//! condense's tools in a streamed answer: [`Gather`] reads the events of
+//! one answer, tells as early as it can whether the answer starts with a
+//! call of condense's tools, and gathers the events into the answer a JSON
+//! response would have been; [`Filter`] edits the events the client gets
+//! (a call of condense's tools after text already went out is taken out,
+//! and the usage of the rounds condense answered is added).
+
+use serde_json::{Value, json};
+
+use super::tools::{Answer, Usage};
+use super::{COMPRESS_TOOL, RECALL_TOOL};
+use crate::wire::Format;
+
+fn ours(name: Option<&str>) -> bool {
+    matches!(name, Some(RECALL_TOOL | COMPRESS_TOOL))
+}
+
+fn str_at<'a>(v: &'a Value, at: &str) -> Option<&'a str> {
+    v.pointer(at).and_then(Value::as_str)
+}
+
+/// What an answer's events tell so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Nothing yet (the start of the message, reasoning).
+    Hold,
+    /// The answer starts with text, or a call of the client's tools.
+    Pass,
+    /// The answer starts with a call of condense's tools.
+    Ours,
+}
+
+/// One streamed answer, gathered.
+pub struct Gather {
+    format: Format,
+    value: Value,
+    /// Chat: the tool calls by index.
+    calls: Vec<Value>,
+    /// Messages: a tool_use block's input JSON by block index.
+    partial: Vec<(usize, String)>,
+    decision: Decision,
+}
+
+impl Gather {
+    pub fn new(format: Format) -> Gather {
+        Gather {
+            format,
+            value: Value::Null,
+            calls: Vec::new(),
+            partial: Vec::new(),
+            decision: Decision::Hold,
+        }
+    }
+
+    /// Reads one event's data; returns what can be told once it is read
+    /// (once told, it stays).
+    pub fn event(&mut self, data: &Value) -> Decision {
+        let now = match self.format {
+            Format::Chat => self.chat(data),
+            Format::Messages => self.messages(data),
+            Format::Responses => self.responses(data),
+        };
+        if self.decision == Decision::Hold {
+            self.decision = now;
+        }
+        self.decision
+    }
+
+    fn chat(&mut self, data: &Value) -> Decision {
+        if self.value.is_null() {
+            self.value = json!({"id": data.get("id"), "object": "chat.completion",
+                "created": data.get("created"), "model": data.get("model"),
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": null},
+                    "finish_reason": null}]});
+        }
+        if let Some(u) = data.get("usage").filter(|u| u.is_object()) {
+            self.value["usage"] = u.clone();
+        }
+        let Some(choice) = data.pointer("/choices/0") else {
+            return Decision::Hold;
+        };
+        let mut now = Decision::Hold;
+        let delta = choice.get("delta").unwrap_or(&Value::Null);
+        if let Some(text) = delta.get("content").and_then(Value::as_str) {
+            if !text.is_empty() {
+                now = Decision::Pass;
+            }
+            let message = &mut self.value["choices"][0]["message"];
+            let before = message["content"].as_str().unwrap_or("").to_string();
+            message["content"] = json!(before + text);
+        }
+        if delta.get("refusal").is_some_and(|r| !r.is_null()) {
+            now = Decision::Pass;
+        }
+        for tc in delta
+            .get("tool_calls")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let i = tc.get("index").and_then(Value::as_u64).unwrap_or(0) as usize;
+            if i > 64 {
+                continue;
+            }
+            while self.calls.len() <= i {
+                self.calls.push(json!({"id": "", "type": "function",
+                    "function": {"name": "", "arguments": ""}}));
+            }
+            let call = &mut self.calls[i];
+            if let Some(id) = tc.get("id").and_then(Value::as_str) {
+                call["id"] = json!(id);
+            }
+            if let Some(name) = str_at(tc, "/function/name") {
+                let full = format!("{}{name}", call["function"]["name"].as_str().unwrap_or(""));
+                now = if ours(Some(&full)) {
+                    Decision::Ours
+                } else {
+                    Decision::Pass
+                };
+                call["function"]["name"] = json!(full);
+            }
+            if let Some(args) = str_at(tc, "/function/arguments") {
+                let full = format!(
+                    "{}{args}",
+                    call["function"]["arguments"].as_str().unwrap_or("")
+                );
+                call["function"]["arguments"] = json!(full);
+            }
+        }
+        if let Some(reason) = choice.get("finish_reason").filter(|r| !r.is_null()) {
+            self.value["choices"][0]["finish_reason"] = reason.clone();
+            if now == Decision::Hold {
+                now = Decision::Pass;
+            }
+        }
+        now
+    }
+
+    fn messages(&mut self, data: &Value) -> Decision {
+        let index = data
+            .get("index")
+            .and_then(Value::as_u64)
+            .map(|i| i as usize);
+        match data.get("type").and_then(Value::as_str) {
+            Some("message_start") => {
+                self.value = data.get("message").cloned().unwrap_or(json!({}));
+                if !self.value["content"].is_array() {
+                    self.value["content"] = json!([]);
+                }
+                Decision::Hold
+            }
+            Some("content_block_start") => {
+                let mut block = data.get("content_block").cloned().unwrap_or(json!({}));
+                let kind = str_at(&block, "/type").unwrap_or("").to_string();
+                let now = match kind.as_str() {
+                    "tool_use" if ours(str_at(&block, "/name")) => Decision::Ours,
+                    "thinking" | "redacted_thinking" => Decision::Hold,
+                    _ => Decision::Pass,
+                };
+                if kind == "tool_use" {
+                    block["input"] = json!({});
+                    self.partial.push((index.unwrap_or(0), String::new()));
+                }
+                if let Some(content) = self.value.get_mut("content").and_then(Value::as_array_mut) {
+                    content.push(block);
+                }
+                now
+            }
+            Some("content_block_delta") => {
+                let delta = data.get("delta").unwrap_or(&Value::Null);
+                let at = index.unwrap_or(0);
+                match str_at(delta, "/type") {
+                    Some("input_json_delta") => {
+                        if let Some((_, p)) = self.partial.iter_mut().find(|(i, _)| *i == at) {
+                            p.push_str(str_at(delta, "/partial_json").unwrap_or(""));
+                        }
+                    }
+                    Some(kind) => {
+                        let field = match kind {
+                            "text_delta" => "text",
+                            "thinking_delta" => "thinking",
+                            "signature_delta" => "signature",
+                            _ => return Decision::Hold,
+                        };
+                        if let Some(block) = self.value.pointer_mut(&format!("/content/{at}")) {
+                            let piece = str_at(delta, &format!("/{field}")).unwrap_or("");
+                            let before = block[field].as_str().unwrap_or("").to_string();
+                            block[field] = json!(before + piece);
+                        }
+                    }
+                    None => {}
+                }
+                Decision::Hold
+            }
+            Some("content_block_stop") => {
+                let at = index.unwrap_or(0);
+                if let Some((_, p)) = self.partial.iter().find(|(i, _)| *i == at)
+                    && let Ok(input) = serde_json::from_str::<Value>(p)
+                    && let Some(block) = self.value.pointer_mut(&format!("/content/{at}"))
+                {
+                    block["input"] = input;
+                }
+                Decision::Hold
+            }
+            Some("message_delta") => {
+                if let Some(d) = data.get("delta").and_then(Value::as_object) {
+                    for (k, v) in d {
+                        self.value[k] = v.clone();
+                    }
+                }
+                if let Some(Value::Object(u)) = data.get("usage") {
+                    if !self.value["usage"].is_object() {
+                        self.value["usage"] = json!({});
+                    }
+                    for (k, v) in u {
+                        self.value["usage"][k] = v.clone();
+                    }
+                }
+                Decision::Hold
+            }
+            Some("message_stop" | "error") => Decision::Pass,
+            _ => Decision::Hold,
+        }
+    }
+
+    fn responses(&mut self, data: &Value) -> Decision {
+        match data.get("type").and_then(Value::as_str) {
+            Some("response.output_item.added") => {
+                let item = data.get("item").unwrap_or(&Value::Null);
+                match str_at(item, "/type") {
+                    Some("function_call") if ours(str_at(item, "/name")) => Decision::Ours,
+                    Some("reasoning") => Decision::Hold,
+                    _ => Decision::Pass,
+                }
+            }
+            Some("response.completed" | "response.incomplete" | "response.failed") => {
+                self.value = data.get("response").cloned().unwrap_or(Value::Null);
+                Decision::Pass
+            }
+            Some("error") => Decision::Pass,
+            _ => Decision::Hold,
+        }
+    }
+
+    /// The gathered answer (None when the stream gave none).
+    pub fn answer(mut self) -> Option<Answer> {
+        if self.format == Format::Chat && !self.calls.is_empty() {
+            self.value["choices"][0]["message"]["tool_calls"] = Value::Array(self.calls);
+        }
+        self.value.is_object().then_some(Answer {
+            format: self.format,
+            value: self.value,
+        })
+    }
+}
+
+/// What to do with one event on its way to the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Edit {
+    Keep,
+    Drop,
+    Changed,
+}
+
+/// Edits the events of the answer the client gets.
+pub struct Filter {
+    format: Format,
+    /// The usage of the rounds condense answered.
+    extra: Usage,
+    /// Indices (tool call, content block or output item) of condense's
+    /// calls taken out so far.
+    dropped: Vec<u64>,
+    client_calls: bool,
+    /// How many calls were taken out.
+    pub stripped: usize,
+}
+
+impl Filter {
+    pub fn new(format: Format, extra: Usage) -> Filter {
+        Filter {
+            format,
+            extra,
+            dropped: Vec::new(),
+            client_calls: false,
+            stripped: 0,
+        }
+    }
+
+    /// The index `i` once the calls taken out before it are gone.
+    fn shifted(&self, i: u64) -> u64 {
+        i - self.dropped.iter().filter(|&&d| d < i).count() as u64
+    }
+
+    pub fn event(&mut self, data: &mut Value) -> Edit {
+        match self.format {
+            Format::Chat => self.chat(data),
+            Format::Messages => self.messages(data),
+            Format::Responses => self.responses(data),
+        }
+    }
+
+    fn usage(&self, usage: Option<&mut Value>) -> bool {
+        match usage {
+            Some(u) if u.is_object() && !self.extra.is_empty() => {
+                let mut holder = json!({"usage": u.take()});
+                self.extra.add_to(&mut holder);
+                *u = holder["usage"].take();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn chat(&mut self, data: &mut Value) -> Edit {
+        let mut changed = self.usage(data.get_mut("usage"));
+        let mut empty = false;
+        if let Some(choice) = data.pointer_mut("/choices/0") {
+            if let Some(calls) = choice
+                .pointer_mut("/delta/tool_calls")
+                .and_then(Value::as_array_mut)
+            {
+                for tc in calls.iter() {
+                    let i = tc.get("index").and_then(Value::as_u64).unwrap_or(0);
+                    if let Some(name) = str_at(tc, "/function/name") {
+                        if ours(Some(name)) {
+                            if !self.dropped.contains(&i) {
+                                self.dropped.push(i);
+                                self.stripped += 1;
+                            }
+                        } else {
+                            self.client_calls = true;
+                        }
+                    }
+                }
+                let before = calls.len();
+                calls.retain(|tc| {
+                    let i = tc.get("index").and_then(Value::as_u64).unwrap_or(0);
+                    !self.dropped.contains(&i)
+                });
+                changed |= calls.len() != before;
+                for tc in calls.iter_mut() {
+                    let i = tc.get("index").and_then(Value::as_u64).unwrap_or(0);
+                    let s = self.shifted(i);
+                    if s != i {
+                        tc["index"] = json!(s);
+                        changed = true;
+                    }
+                }
+                if calls.is_empty()
+                    && let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut)
+                {
+                    delta.remove("tool_calls");
+                    empty = delta.keys().all(|k| k == "role");
+                }
+            }
+            if choice.get("finish_reason").and_then(Value::as_str) == Some("tool_calls")
+                && !self.client_calls
+                && !self.dropped.is_empty()
+            {
+                choice["finish_reason"] = json!("stop");
+                changed = true;
+            }
+            if empty && choice.get("finish_reason").is_none_or(Value::is_null) {
+                return Edit::Drop;
+            }
+        }
+        if changed { Edit::Changed } else { Edit::Keep }
+    }
+
+    fn messages(&mut self, data: &mut Value) -> Edit {
+        let kind = data.get("type").and_then(Value::as_str).unwrap_or("");
+        match kind {
+            "message_start" => {
+                return match self.usage(data.pointer_mut("/message/usage")) {
+                    true => Edit::Changed,
+                    false => Edit::Keep,
+                };
+            }
+            "message_delta" => {
+                let mut changed = self.usage(data.get_mut("usage"));
+                if str_at(data, "/delta/stop_reason") == Some("tool_use")
+                    && !self.client_calls
+                    && !self.dropped.is_empty()
+                {
+                    data["delta"]["stop_reason"] = json!("end_turn");
+                    changed = true;
+                }
+                return if changed { Edit::Changed } else { Edit::Keep };
+            }
+            _ => {}
+        }
+        let Some(i) = data.get("index").and_then(Value::as_u64) else {
+            return Edit::Keep;
+        };
+        if kind == "content_block_start" && str_at(data, "/content_block/type") == Some("tool_use")
+        {
+            if ours(str_at(data, "/content_block/name")) {
+                self.dropped.push(i);
+                self.stripped += 1;
+            } else {
+                self.client_calls = true;
+            }
+        }
+        if self.dropped.contains(&i) {
+            return Edit::Drop;
+        }
+        let s = self.shifted(i);
+        if s == i {
+            return Edit::Keep;
+        }
+        data["index"] = json!(s);
+        Edit::Changed
+    }
+
+    fn responses(&mut self, data: &mut Value) -> Edit {
+        let kind = data.get("type").and_then(Value::as_str).unwrap_or("");
+        if matches!(
+            kind,
+            "response.completed" | "response.incomplete" | "response.failed"
+        ) {
+            let mut changed = self.usage(data.pointer_mut("/response/usage"));
+            if let Some(output) = data
+                .pointer_mut("/response/output")
+                .and_then(Value::as_array_mut)
+            {
+                let before = output.len();
+                output.retain(|i| {
+                    !(str_at(i, "/type") == Some("function_call") && ours(str_at(i, "/name")))
+                });
+                changed |= output.len() != before;
+            }
+            return if changed { Edit::Changed } else { Edit::Keep };
+        }
+        let Some(i) = data.get("output_index").and_then(Value::as_u64) else {
+            return Edit::Keep;
+        };
+        if kind == "response.output_item.added"
+            && str_at(data, "/item/type") == Some("function_call")
+        {
+            if ours(str_at(data, "/item/name")) {
+                self.dropped.push(i);
+                self.stripped += 1;
+            } else {
+                self.client_calls = true;
+            }
+        }
+        if self.dropped.contains(&i) {
+            return Edit::Drop;
+        }
+        let s = self.shifted(i);
+        if s == i {
+            return Edit::Keep;
+        }
+        data["output_index"] = json!(s);
+        Edit::Changed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(format: Format, events: &[Value]) -> (Decision, Option<Answer>) {
+        let mut g = Gather::new(format);
+        let mut d = Decision::Hold;
+        for e in events {
+            d = g.event(e);
+        }
+        (d, g.answer())
+    }
+
+    #[test]
+    fn a_chat_stream_that_starts_with_a_recall_is_gathered_whole() {
+        let events = [
+            json!({"id": "c", "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}),
+            json!({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1",
+                "type": "function", "function": {"name": RECALL_TOOL, "arguments": ""}}]}}]}),
+            json!({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
+                "function": {"arguments": "{\"key\":\"abc"}}]}}]}),
+            json!({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
+                "function": {"arguments": "defg\"}"}}]}, "finish_reason": "tool_calls"}]}),
+        ];
+        let mut g = Gather::new(Format::Chat);
+        assert_eq!(g.event(&events[0]), Decision::Hold);
+        assert_eq!(g.event(&events[1]), Decision::Ours);
+        g.event(&events[2]);
+        g.event(&events[3]);
+        let a = g.answer().unwrap();
+        let ours = a.ours();
+        assert_eq!(ours.len(), 1);
+        assert_eq!(ours[0].id, "call_1");
+        assert_eq!(ours[0].argument.as_deref(), Some("abcdefg"));
+
+        let text = [json!({"choices": [{"index": 0, "delta": {"content": "Hi"}}]})];
+        assert_eq!(run(Format::Chat, &text).0, Decision::Pass);
+    }
+
+    #[test]
+    fn a_late_chat_recall_is_taken_out_and_indices_close_up() {
+        let mut f = Filter::new(Format::Chat, Usage::default());
+        let mut start = json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "x",
+            "function": {"name": RECALL_TOOL, "arguments": ""}}]}}]});
+        assert_eq!(f.event(&mut start), Edit::Drop);
+        let mut args = json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
+            "function": {"arguments": "{}"}}]}}]});
+        assert_eq!(f.event(&mut args), Edit::Drop);
+        let mut theirs = json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 1, "id": "y",
+            "function": {"name": "read", "arguments": "{}"}}]}}]});
+        assert_eq!(f.event(&mut theirs), Edit::Changed);
+        assert_eq!(theirs["choices"][0]["delta"]["tool_calls"][0]["index"], 0);
+        let mut end =
+            json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]});
+        assert_eq!(f.event(&mut end), Edit::Keep);
+        assert_eq!(f.stripped, 1);
+    }
+
+    #[test]
+    fn messages_and_responses_streams_are_gathered_and_filtered() {
+        let events = [
+            json!({"type": "message_start", "message": {"id": "m", "role": "assistant", "content": [],
+                "usage": {"input_tokens": 7, "output_tokens": 1}}}),
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}}),
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "hm"}}),
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "sig"}}),
+            json!({"type": "content_block_stop", "index": 0}),
+            json!({"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "tu", "name": RECALL_TOOL, "input": {}}}),
+            json!({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{\"key\": \"abcdefg\"}"}}),
+            json!({"type": "content_block_stop", "index": 1}),
+            json!({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}}),
+            json!({"type": "message_stop"}),
+        ];
+        let (d, a) = run(Format::Messages, &events);
+        assert_eq!(d, Decision::Ours);
+        let a = a.unwrap();
+        assert_eq!(a.value["content"][0]["signature"], "sig");
+        assert_eq!(a.ours()[0].argument.as_deref(), Some("abcdefg"));
+        assert_eq!(a.value["usage"]["output_tokens"], 9);
+
+        // After text, the same call is taken out of what the client sees.
+        let mut extra = Usage::default();
+        extra.add(Some(&json!({"input_tokens": 100, "output_tokens": 10})));
+        let mut f = Filter::new(Format::Messages, extra);
+        let mut start = events[0].clone();
+        assert_eq!(f.event(&mut start), Edit::Changed);
+        assert_eq!(start["message"]["usage"]["input_tokens"], 107);
+        let mut tool = events[5].clone();
+        assert_eq!(f.event(&mut tool), Edit::Drop);
+        let mut delta = events[8].clone();
+        assert_eq!(f.event(&mut delta), Edit::Changed);
+        assert_eq!(delta["delta"]["stop_reason"], "end_turn");
+        assert_eq!(delta["usage"]["output_tokens"], 19);
+
+        let added = json!({"type": "response.output_item.added", "output_index": 0,
+            "item": {"type": "function_call", "name": RECALL_TOOL, "call_id": "c"}});
+        assert_eq!(run(Format::Responses, &[added]).0, Decision::Ours);
+        let reasoning = json!({"type": "response.output_item.added", "output_index": 0, "item": {"type": "reasoning"}});
+        assert_eq!(run(Format::Responses, &[reasoning]).0, Decision::Hold);
+    }
+}

@@ -1,0 +1,541 @@
+//! The tools condense offers and answers itself, in each wire format: their
+//! definitions, their calls found in a model's answer (a JSON body, or a
+//! stream's events gathered into one), the follow-up request that carries
+//! their results, and the answer the client sees without them.
+//!
+//! Answers are read as `serde_json::Value`: only requests that were offered
+//! a tool pay for it, and the answer is small next to the request.
+
+use bytes::Bytes;
+use serde_json::{Map, Value, json};
+
+use super::{COMPRESS_TOOL, RECALL_TOOL};
+use crate::chat::{ChatRequest, RawObject};
+use crate::wire::Format;
+
+const RECALL_DESCRIPTION: &str = "Returns the original text of something condense shortened or removed to fit the context window: a tool output, call arguments or earlier turns. Pass the key shown as `recall key: K` next to what was cut. Call it alone, when you need the exact text again.";
+const KEY_DESCRIPTION: &str = "The recall key, as shown after `recall key:`.";
+const COMPRESS_DESCRIPTION: &str = "Tells condense that a task or subtask is finished: the conversation up to here may then be compacted (older tool output shortened or summarized) from the next request on. Call it alone, at a task boundary, when the details so far will not be needed verbatim.";
+const REASON_DESCRIPTION: &str = "What was finished, in a few words.";
+
+/// Whether a request can be offered a tool: it carries a non-empty `tools`
+/// list (condense does not give tools to a request that has none).
+pub fn offered(req: &ChatRequest) -> bool {
+    req.field("tools").is_some_and(non_empty_list)
+}
+
+fn non_empty_list(raw: &[u8]) -> bool {
+    let t = raw.trim_ascii();
+    t.first() == Some(&b'[') && t[1..].trim_ascii() != b"]"
+}
+
+/// One of condense's tools in `format`'s shape.
+pub fn definition(format: Format, name: &str) -> Value {
+    let (description, param, param_description) = match name {
+        COMPRESS_TOOL => (COMPRESS_DESCRIPTION, "reason", REASON_DESCRIPTION),
+        _ => (RECALL_DESCRIPTION, "key", KEY_DESCRIPTION),
+    };
+    let schema = json!({
+        "type": "object",
+        "properties": {param: {"type": "string", "description": param_description}},
+        "required": [param],
+        "additionalProperties": false,
+    });
+    match format {
+        Format::Chat => json!({"type": "function", "function": {
+            "name": name, "description": description, "parameters": schema}}),
+        Format::Messages => {
+            json!({"name": name, "description": description, "input_schema": schema})
+        }
+        Format::Responses => json!({"type": "function", "name": name,
+            "description": description, "parameters": schema, "strict": true}),
+    }
+}
+
+/// `body` with `names` added to its `tools` (after the client's, so the
+/// client's tool definitions keep their bytes and their cached prefix).
+/// None when the body has no tool list, or already names one of them.
+pub fn offer(format: Format, body: &Bytes, names: &[&str]) -> Option<Bytes> {
+    let mut obj = RawObject::parse(body).ok()?;
+    let tools = obj.get("tools")?.trim_ascii();
+    if !non_empty_list(tools) || names.iter().any(|n| contains(tools, n)) {
+        return None;
+    }
+    let mut out = tools[..tools.len() - 1].to_vec();
+    for name in names {
+        out.push(b',');
+        out.extend_from_slice(definition(format, name).to_string().as_bytes());
+    }
+    out.push(b']');
+    obj.set("tools", Bytes::from(out));
+    Some(Bytes::from(obj.to_vec()))
+}
+
+fn contains(haystack: &[u8], name: &str) -> bool {
+    memchr::memmem::find(haystack, format!("\"{name}\"").as_bytes()).is_some()
+}
+
+/// A call of one of condense's tools.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Call {
+    pub id: String,
+    pub name: String,
+    /// The call's one string argument (`key` or `reason`), if it gave one.
+    pub argument: Option<String>,
+}
+
+/// A model's answer (a JSON response body, or a stream gathered into one),
+/// read for condense's own tool calls.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub format: Format,
+    pub value: Value,
+}
+
+impl Answer {
+    pub fn parse(format: Format, body: &[u8]) -> Option<Answer> {
+        let value: Value = serde_json::from_slice(body).ok()?;
+        value.is_object().then_some(Answer { format, value })
+    }
+
+    /// The answer's tool calls, with whether each is condense's own.
+    fn calls(&self) -> Vec<(Call, bool)> {
+        let mut out = Vec::new();
+        let ours = |name: &str| name == RECALL_TOOL || name == COMPRESS_TOOL;
+        let argument = |v: Option<&Value>| -> Option<String> {
+            let obj = match v? {
+                Value::String(s) => serde_json::from_str::<Value>(s).ok()?,
+                other => other.clone(),
+            };
+            let o = obj.as_object()?;
+            o.get("key")
+                .or_else(|| o.get("reason"))
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        };
+        let s = |v: Option<&Value>| v.and_then(Value::as_str).unwrap_or("").to_string();
+        match self.format {
+            Format::Chat => {
+                let calls = self.value.pointer("/choices/0/message/tool_calls");
+                for c in calls.and_then(Value::as_array).into_iter().flatten() {
+                    let name = s(c.pointer("/function/name"));
+                    let call = Call {
+                        id: s(c.get("id")),
+                        argument: argument(c.pointer("/function/arguments")),
+                        name,
+                    };
+                    let own = ours(&call.name);
+                    out.push((call, own));
+                }
+            }
+            Format::Messages => {
+                for b in blocks(&self.value) {
+                    if b.get("type").and_then(Value::as_str) == Some("tool_use") {
+                        let call = Call {
+                            id: s(b.get("id")),
+                            name: s(b.get("name")),
+                            argument: argument(b.get("input")),
+                        };
+                        let own = ours(&call.name);
+                        out.push((call, own));
+                    }
+                }
+            }
+            Format::Responses => {
+                let items = self.value.get("output").and_then(Value::as_array);
+                for item in items.into_iter().flatten() {
+                    match item.get("type").and_then(Value::as_str) {
+                        Some("function_call") => {
+                            let call = Call {
+                                id: s(item.get("call_id")),
+                                name: s(item.get("name")),
+                                argument: argument(item.get("arguments")),
+                            };
+                            let own = ours(&call.name);
+                            out.push((call, own));
+                        }
+                        Some("custom_tool_call" | "local_shell_call" | "computer_call") => {
+                            out.push((
+                                Call {
+                                    id: s(item.get("call_id")),
+                                    name: s(item.get("name")),
+                                    argument: None,
+                                },
+                                false,
+                            ));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// condense's own calls in the answer.
+    pub fn ours(&self) -> Vec<Call> {
+        self.calls()
+            .into_iter()
+            .filter(|(_, own)| *own)
+            .map(|(c, _)| c)
+            .collect()
+    }
+
+    /// How many calls of the client's own tools the answer makes.
+    pub fn theirs(&self) -> usize {
+        self.calls().iter().filter(|(_, own)| !own).count()
+    }
+
+    /// The numbers of the answer's `usage`.
+    pub fn usage(&self) -> Usage {
+        let mut u = Usage::default();
+        u.add(self.value.get("usage"));
+        u
+    }
+
+    /// The request that carries the results of condense's calls: `sent`
+    /// with the answer's turn appended (the client's own calls left out:
+    /// the model decides on them again once it has the results) and one
+    /// result per call. None when `sent` cannot take it.
+    pub fn follow_up(&self, sent: &Bytes, results: &[(String, String)]) -> Option<Bytes> {
+        let ours = self.ours();
+        let is_ours = |id: &str| ours.iter().any(|c| c.id == id);
+        match self.format {
+            Format::Chat => {
+                let message = self.value.pointer("/choices/0/message")?;
+                let calls: Vec<Value> = message
+                    .get("tool_calls")?
+                    .as_array()?
+                    .iter()
+                    .filter(|c| c.get("id").and_then(Value::as_str).is_some_and(is_ours))
+                    .cloned()
+                    .collect();
+                let content = message.get("content").cloned().unwrap_or(Value::Null);
+                let mut turn =
+                    vec![json!({"role": "assistant", "content": content, "tool_calls": calls})];
+                for (id, text) in results {
+                    turn.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
+                }
+                append(sent, "messages", &turn)
+            }
+            Format::Messages => {
+                let content: Vec<Value> = blocks(&self.value)
+                    .filter(|b| {
+                        b.get("type").and_then(Value::as_str) != Some("tool_use")
+                            || b.get("id").and_then(Value::as_str).is_some_and(is_ours)
+                    })
+                    .cloned()
+                    .collect();
+                let results: Vec<Value> = results
+                    .iter()
+                    .map(|(id, text)| json!({"type": "tool_result", "tool_use_id": id, "content": text}))
+                    .collect();
+                let turn = [
+                    json!({"role": "assistant", "content": content}),
+                    json!({"role": "user", "content": results}),
+                ];
+                append(sent, "messages", &turn)
+            }
+            Format::Responses => {
+                let mut turn = Vec::new();
+                for item in self.value.get("output")?.as_array()? {
+                    let kind = item.get("type").and_then(Value::as_str).unwrap_or("");
+                    let mut item = item.clone();
+                    match kind {
+                        // Without its encrypted content a reasoning item
+                        // refers to one stored on the server, which a
+                        // stateless request must not.
+                        "reasoning" if item.get("encrypted_content").is_none_or(Value::is_null) => {
+                            continue;
+                        }
+                        "reasoning" => {}
+                        "function_call" => {
+                            let id = item.get("call_id").and_then(Value::as_str);
+                            if !id.is_some_and(is_ours) {
+                                continue;
+                            }
+                            strip_id(&mut item);
+                        }
+                        "message" => strip_id(&mut item),
+                        _ => continue,
+                    }
+                    turn.push(item);
+                }
+                for (id, text) in results {
+                    turn.push(
+                        json!({"type": "function_call_output", "call_id": id, "output": text}),
+                    );
+                }
+                append(sent, "input", &turn)
+            }
+        }
+    }
+
+    /// The answer as the client sees it: condense's calls taken out (the
+    /// stop reason says "done" when no call of the client's is left), and
+    /// `extra` (the usage of the rounds condense answered) added to its
+    /// usage.
+    pub fn for_client(mut self, extra: &Usage) -> Bytes {
+        let ours = |v: &Value, name_at: &str| {
+            v.pointer(name_at)
+                .and_then(Value::as_str)
+                .is_some_and(|n| n == RECALL_TOOL || n == COMPRESS_TOOL)
+        };
+        match self.format {
+            Format::Chat => {
+                let choices = self.value.get_mut("choices").and_then(Value::as_array_mut);
+                for choice in choices.into_iter().flatten() {
+                    let Some(message) = choice.get_mut("message").and_then(Value::as_object_mut)
+                    else {
+                        continue;
+                    };
+                    let left = match message.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                        Some(calls) => {
+                            calls.retain(|c| !ours(c, "/function/name"));
+                            calls.len()
+                        }
+                        None => 0,
+                    };
+                    if left == 0 && message.remove("tool_calls").is_some() {
+                        if message.get("content").is_none_or(Value::is_null) {
+                            message.insert("content".into(), Value::String(String::new()));
+                        }
+                        if choice.get("finish_reason").and_then(Value::as_str) == Some("tool_calls")
+                        {
+                            choice["finish_reason"] = json!("stop");
+                        }
+                    }
+                }
+            }
+            Format::Messages => {
+                if let Some(content) = self.value.get_mut("content").and_then(Value::as_array_mut) {
+                    content.retain(|b| !ours(b, "/name"));
+                    let left = content
+                        .iter()
+                        .any(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"));
+                    if !left
+                        && self.value.get("stop_reason").and_then(Value::as_str) == Some("tool_use")
+                    {
+                        self.value["stop_reason"] = json!("end_turn");
+                    }
+                }
+            }
+            Format::Responses => {
+                if let Some(output) = self.value.get_mut("output").and_then(Value::as_array_mut) {
+                    output.retain(|i| !ours(i, "/name"));
+                }
+            }
+        }
+        extra.add_to(&mut self.value);
+        Bytes::from(self.value.to_string())
+    }
+}
+
+fn blocks(value: &Value) -> impl Iterator<Item = &Value> {
+    value
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+}
+
+fn strip_id(item: &mut Value) {
+    if let Some(o) = item.as_object_mut() {
+        o.remove("id");
+        o.remove("status");
+    }
+}
+
+/// `sent` with `items` appended to its list `key` (a string `input` becomes
+/// a list first).
+fn append(sent: &Bytes, key: &str, items: &[Value]) -> Option<Bytes> {
+    let mut obj = RawObject::parse(sent).ok()?;
+    let list = obj.get(key)?;
+    let mut list: Vec<Value> = match serde_json::from_slice::<Value>(list).ok()? {
+        Value::Array(a) => a,
+        Value::String(s) if key == "input" => vec![json!({"role": "user", "content": s})],
+        _ => return None,
+    };
+    list.extend(items.iter().cloned());
+    obj.set(key, Bytes::from(Value::Array(list).to_string()));
+    Some(Bytes::from(obj.to_vec()))
+}
+
+/// Token counts summed field by field over several answers' `usage`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Usage(Map<String, Value>);
+
+impl Usage {
+    /// Adds the integer fields of `usage` (and of its `*_details` objects).
+    pub fn add(&mut self, usage: Option<&Value>) {
+        if let Some(Value::Object(u)) = usage {
+            sum_into(&mut self.0, u);
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Adds these counts to the `usage` of a response object (where a
+    /// Responses stream's event holds it, under `response`).
+    pub fn add_to(&self, value: &mut Value) {
+        if self.0.is_empty() {
+            return;
+        }
+        if let Some(Value::Object(u)) = value.get_mut("usage") {
+            add_existing(u, &self.0);
+        }
+    }
+}
+
+/// Adds `from`'s numbers to the fields `into` has (a stream's usage event
+/// names only what it reports).
+fn add_existing(into: &mut Map<String, Value>, from: &Map<String, Value>) {
+    for (k, slot) in into.iter_mut() {
+        match (slot, from.get(k)) {
+            (Value::Object(a), Some(Value::Object(b))) => add_existing(a, b),
+            (slot @ Value::Number(_), Some(Value::Number(b))) => {
+                if let (Some(a), Some(b)) = (slot.as_u64(), b.as_u64()) {
+                    *slot = json!(a + b);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn sum_into(into: &mut Map<String, Value>, from: &Map<String, Value>) {
+    for (k, v) in from {
+        match (into.get_mut(k), v) {
+            (Some(Value::Object(a)), Value::Object(b)) => sum_into(a, b),
+            (Some(slot), Value::Number(b)) => {
+                if let (Some(a), Some(b)) = (slot.as_u64(), b.as_u64()) {
+                    *slot = json!(a + b);
+                }
+            }
+            (None, Value::Number(_) | Value::Object(_)) => {
+                into.insert(k.clone(), v.clone());
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(v: Value) -> Bytes {
+        Bytes::from(v.to_string())
+    }
+
+    #[test]
+    fn the_tool_goes_after_the_clients_and_only_once() {
+        let sent = body(
+            json!({"model": "m", "messages": [], "tools": [{"type": "function",
+            "function": {"name": "read", "parameters": {}}}]}),
+        );
+        let out = offer(Format::Chat, &sent, &[RECALL_TOOL]).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["tools"][0]["function"]["name"], "read");
+        assert_eq!(v["tools"][1]["function"]["name"], RECALL_TOOL);
+        assert_eq!(
+            v["tools"][1]["function"]["parameters"]["required"],
+            json!(["key"])
+        );
+        assert!(offer(Format::Chat, &out, &[RECALL_TOOL]).is_none());
+        let none = body(json!({"model": "m", "messages": [], "tools": []}));
+        assert!(offer(Format::Chat, &none, &[RECALL_TOOL]).is_none());
+        let anthropic = body(
+            json!({"model": "m", "messages": [], "tools": [{"name": "read", "input_schema": {}}]}),
+        );
+        let out = offer(Format::Messages, &anthropic, &[RECALL_TOOL, COMPRESS_TOOL]).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(
+            v["tools"][1]["input_schema"]["properties"]["key"]["type"],
+            "string"
+        );
+        assert_eq!(v["tools"][2]["name"], COMPRESS_TOOL);
+    }
+
+    #[test]
+    fn chat_answer_calls_are_told_apart_and_answered() {
+        let answer = json!({"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "content": null, "refusal": null, "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": RECALL_TOOL, "arguments": "{\"key\":\"abcdefgh\"}"}},
+                {"id": "b", "type": "function", "function": {"name": "read", "arguments": "{}"}}]}}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}});
+        let a = Answer::parse(Format::Chat, answer.to_string().as_bytes()).unwrap();
+        assert_eq!(
+            a.ours(),
+            vec![Call {
+                id: "a".into(),
+                name: RECALL_TOOL.into(),
+                argument: Some("abcdefgh".into())
+            }]
+        );
+        assert_eq!(a.theirs(), 1);
+        let sent = body(json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}));
+        let next = a
+            .follow_up(&sent, &[("a".into(), "the original".into())])
+            .unwrap();
+        let v: Value = serde_json::from_slice(&next).unwrap();
+        let m = v["messages"].as_array().unwrap();
+        assert_eq!(m.len(), 3);
+        assert_eq!(m[1]["tool_calls"].as_array().unwrap().len(), 1);
+        assert_eq!(
+            m[2],
+            json!({"role": "tool", "tool_call_id": "a", "content": "the original"})
+        );
+
+        let mut extra = Usage::default();
+        extra.add(answer.get("usage"));
+        let shown: Value = serde_json::from_slice(&a.for_client(&extra)).unwrap();
+        assert_eq!(shown["usage"]["prompt_tokens"], 20);
+        let calls = shown["choices"][0]["message"]["tool_calls"]
+            .as_array()
+            .unwrap();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0]["function"]["name"], "read");
+        assert_eq!(shown["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    #[test]
+    fn messages_and_responses_turns_keep_their_rules() {
+        let answer = json!({"type": "message", "role": "assistant", "stop_reason": "tool_use", "content": [
+            {"type": "thinking", "thinking": "t", "signature": "s"},
+            {"type": "tool_use", "id": "tu1", "name": RECALL_TOOL, "input": {"key": "abcdefgh"}}],
+            "usage": {"input_tokens": 5, "output_tokens": 1}});
+        let a = Answer::parse(Format::Messages, answer.to_string().as_bytes()).unwrap();
+        let sent = body(
+            json!({"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]}),
+        );
+        let v: Value = serde_json::from_slice(
+            &a.follow_up(&sent, &[("tu1".into(), "orig".into())])
+                .unwrap(),
+        )
+        .unwrap();
+        let m = v["messages"].as_array().unwrap();
+        assert_eq!(m[1]["content"][0]["signature"], "s");
+        assert_eq!(m[2]["content"][0]["tool_use_id"], "tu1");
+        let shown: Value = serde_json::from_slice(&a.for_client(&Usage::default())).unwrap();
+        assert_eq!(shown["stop_reason"], "end_turn");
+        assert_eq!(shown["content"].as_array().unwrap().len(), 1);
+
+        let answer = json!({"object": "response", "output": [
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": "e"},
+            {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": RECALL_TOOL, "arguments": "{\"key\":\"abcdefgh\"}", "status": "completed"}]});
+        let a = Answer::parse(Format::Responses, answer.to_string().as_bytes()).unwrap();
+        let sent = body(json!({"model": "m", "input": "hi"}));
+        let v: Value =
+            serde_json::from_slice(&a.follow_up(&sent, &[("c1".into(), "orig".into())]).unwrap())
+                .unwrap();
+        let input = v["input"].as_array().unwrap();
+        assert_eq!(input.len(), 4, "{input:?}");
+        assert_eq!(input[1]["id"], "rs_2");
+        assert!(input[2].get("id").is_none());
+        assert_eq!(input[3]["output"], "orig");
+    }
+}
