@@ -31,6 +31,7 @@ use crate::offline::{self, CompactOptions, OfflineError};
 use crate::pipeline::CachedCounter;
 use crate::proxy::upstream::{Upstream, UpstreamError};
 use crate::proxy::{Proxy, SetupError};
+use crate::recall::store::Originals;
 use crate::simulate::{CountRule, OverflowStyle, Simulator};
 use crate::tokens::Budget;
 use crate::wire::Format;
@@ -52,6 +53,9 @@ pub struct Strategy {
     pub stability: f64,
     pub uncached: u64,
     pub retention: Option<f64>,
+    /// Probes present, or in an original a recall key in the prompt gives
+    /// back (the baselines have no keys: their retention).
+    pub recoverable: Option<f64>,
     pub fits: bool,
 }
 
@@ -78,6 +82,8 @@ pub struct Totals {
     pub prefix_stability: f64,
     /// Mean over turns that had probes.
     pub probe_retention: Option<f64>,
+    /// The same, counting probes a recall key in the prompt gives back.
+    pub recoverable_retention: Option<f64>,
     pub turns_not_fit: usize,
 }
 
@@ -183,6 +189,7 @@ impl Suite {
 /// Tokens and turns summed, stability and retention averaged.
 fn mean<'a>(totals: impl Iterator<Item = &'a Totals>) -> Totals {
     let (mut out, mut n, mut kept, mut with_probes) = (Totals::default(), 0, 0.0, 0);
+    let mut recoverable = 0.0;
     for t in totals {
         out.tokens_sent += t.tokens_sent;
         out.uncached_tokens += t.uncached_tokens;
@@ -191,6 +198,7 @@ fn mean<'a>(totals: impl Iterator<Item = &'a Totals>) -> Totals {
         n += 1;
         if let Some(r) = t.probe_retention {
             kept += r;
+            recoverable += t.recoverable_retention.unwrap_or(r);
             with_probes += 1;
         }
     }
@@ -198,6 +206,7 @@ fn mean<'a>(totals: impl Iterator<Item = &'a Totals>) -> Totals {
         out.prefix_stability /= n as f64;
     }
     out.probe_retention = (with_probes > 0).then(|| kept / with_probes as f64);
+    out.recoverable_retention = (with_probes > 0).then(|| recoverable / with_probes as f64);
     out
 }
 
@@ -228,11 +237,13 @@ struct Track {
     totals: Totals,
     stable_tokens: u64,
     retention_sum: f64,
+    recoverable_sum: f64,
     retention_turns: usize,
 }
 
 impl Track {
-    /// Records one turn's request; `fits`: whether the provider took it.
+    /// Records one turn's request; `fits`: whether the provider took it;
+    /// `recallable`: the originals its recall keys give back.
     fn turn(
         &mut self,
         messages: &[Message],
@@ -240,6 +251,7 @@ impl Track {
         counter: &dyn Counter,
         probes: &[&Probe],
         fits: bool,
+        recallable: &str,
     ) -> Strategy {
         let costs: Vec<u64> = messages.iter().map(|m| counter.message(m.raw())).collect();
         let tokens = fixed + costs.iter().sum::<u64>();
@@ -255,12 +267,17 @@ impl Track {
             None => 0,
         };
         self.previous = Some(raws);
-        let retention = retention(messages, probes);
+        let hay = haystack(messages);
+        let (retention, recoverable) = (
+            share_kept(&hay, probes, ""),
+            share_kept(&hay, probes, recallable),
+        );
         self.totals.tokens_sent += tokens;
         self.totals.uncached_tokens += tokens - stable;
         self.stable_tokens += stable;
-        if let Some(r) = retention {
+        if let (Some(r), Some(rr)) = (retention, recoverable) {
             self.retention_sum += r;
+            self.recoverable_sum += rr;
             self.retention_turns += 1;
         }
         if !fits {
@@ -275,6 +292,7 @@ impl Track {
             },
             uncached: tokens - stable,
             retention,
+            recoverable,
             fits,
         }
     }
@@ -285,20 +303,46 @@ impl Track {
         } else {
             self.stable_tokens as f64 / self.totals.tokens_sent as f64
         };
+        let turns = self.retention_turns as f64;
         self.totals.probe_retention =
-            (self.retention_turns > 0).then(|| self.retention_sum / self.retention_turns as f64);
+            (self.retention_turns > 0).then(|| self.retention_sum / turns);
+        self.totals.recoverable_retention =
+            (self.retention_turns > 0).then(|| self.recoverable_sum / turns);
         self.totals
     }
 }
 
-/// The share of `probes` whose text is still present in `messages`.
-fn retention(messages: &[Message], probes: &[&Probe]) -> Option<f64> {
+/// The share of `probes` whose text is still present in `hay` (a
+/// request's [`haystack`]), or in `recallable`.
+fn share_kept(hay: &str, probes: &[&Probe], recallable: &str) -> Option<f64> {
     if probes.is_empty() {
         return None;
     }
-    let hay = haystack(messages);
-    let kept = probes.iter().filter(|p| hay.contains(&p.text)).count();
+    let kept = probes
+        .iter()
+        .filter(|p| hay.contains(&p.text) || recallable.contains(&p.text))
+        .count();
     Some(kept as f64 / probes.len() as f64)
+}
+
+/// The originals the recall keys in `hay` give back, as the proxy would
+/// answer them (from its state store), one after another.
+async fn recallable(proxy: &Proxy, hay: &str) -> String {
+    let originals = Originals {
+        scope: crate::recall::store::scope(&http::HeaderMap::new()),
+        own: Default::default(),
+    };
+    let mut keys: Vec<&str> = crate::recall::keys_in(hay).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    let mut out = String::new();
+    for k in keys {
+        if let Some(text) = originals.get(&proxy.state, k).await {
+            out.push_str(&text);
+            out.push('\n');
+        }
+    }
+    out
 }
 
 /// The text a probe is looked for in: message contents and tool-call
@@ -469,18 +513,20 @@ async fn run(
             .or(new.last())
             .map_or(turn_body, |(b, _)| b.clone());
         let forwarded = source.conversation_of(&sent)?;
+        let hay = haystack(forwarded.messages());
+        let recalled = recallable(&proxy, &hay).await;
         let condense = ours.turn(
             forwarded.messages(),
             fixed,
             &counter,
             &probes_here,
             (200..300).contains(&status),
+            &recalled,
         );
         let d = drop_oldest(prefix, fixed, budget.prompt_budget, &counter);
-        let drop_s = drop.turn(&d, fixed, &counter, &probes_here, accepts(&d));
+        let drop_s = drop.turn(&d, fixed, &counter, &probes_here, accepts(&d), "");
         let s = last_10_results(prefix, before, info.trigger * budget.prompt_budget as f64);
-        let sliding_s = sliding.turn(&s, fixed, &counter, &probes_here, accepts(&s));
-        let hay = haystack(forwarded.messages());
+        let sliding_s = sliding.turn(&s, fixed, &counter, &probes_here, accepts(&s), "");
         let lost = probes_here
             .iter()
             .filter(|pr| !hay.contains(&pr.text))
@@ -804,7 +850,7 @@ fn provider_line(p: &ProviderReport) -> String {
 /// The strategies' totals as a table.
 fn strategies(s: &mut String, condense: &Totals, drop_oldest: &Totals, last_10: &Totals) {
     s.push_str(
-        "strategy          tokens sent  uncached  prefix stability  probe retention  turns not fit\n",
+        "strategy          tokens sent  uncached  prefix stability  probe retention  recoverable  turns not fit\n",
     );
     for (name, t) in [
         ("condense", condense),
@@ -812,12 +858,14 @@ fn strategies(s: &mut String, condense: &Totals, drop_oldest: &Totals, last_10: 
         ("last_10_results", last_10),
     ] {
         s.push_str(&format!(
-            "{:<17} {:>11} {:>9} {:>17.3} {:>16} {:>14}\n",
+            "{:<17} {:>11} {:>9} {:>17.3} {:>16} {:>12} {:>14}\n",
             name,
             t.tokens_sent,
             t.uncached_tokens,
             t.prefix_stability,
             t.probe_retention
+                .map_or("-".to_string(), |v| format!("{v:.3}")),
+            t.recoverable_retention
                 .map_or("-".to_string(), |v| format!("{v:.3}")),
             t.turns_not_fit
         ));

@@ -45,6 +45,7 @@ pub fn masked(
     messages: &[Message],
     i: usize,
     placeholder_chars: usize,
+    recall: bool,
 ) -> Option<Bytes> {
     let m = &messages[i];
     match a.roles[i] {
@@ -55,7 +56,13 @@ pub fn masked(
             if text.starts_with(MARK) || text.len() <= placeholder_chars * 3 {
                 return None;
             }
-            with_string_field(m.raw(), "content", &placeholder(&text, placeholder_chars))
+            // A recall key takes the place of some key lines, so that a
+            // placeholder costs what it did without one.
+            let keep = match recall {
+                true => placeholder_chars.saturating_sub(crate::recall::TAG_CHARS),
+                false => placeholder_chars,
+            };
+            with_string_field(m.raw(), "content", &placeholder(&text, keep))
         }
         Role::Assistant => {
             shorten_args(m, ARGS_MAX_CHARS, ARG_VALUE_MAX_CHARS, ARG_VALUE_KEEP_CHARS)

@@ -361,7 +361,7 @@ pub fn compact_with(
                     ^ s.placeholder_chars as u64
                     ^ (u64::from(s.recall) << 32);
                 counter.derived(kind, messages[i].raw(), &mut || {
-                    let m = mask::masked(&a, messages, i, s.placeholder_chars)?;
+                    let m = mask::masked(&a, messages, i, s.placeholder_chars, s.recall)?;
                     match s.recall {
                         true => recall::tag(&m, &recall::key(messages[i].raw())).or(Some(m)),
                         false => Some(m),

@@ -333,9 +333,21 @@ impl Proxy {
             names.push(recall::COMPRESS_TOOL);
         }
         if !names.is_empty()
-            && let Some(body) = recall::tools::offer(writer.format(), &prepared.body, &names)
+            && let Some(offered) = recall::tools::offer(writer.format(), &prepared.body, &names)
         {
-            prepared.body = body;
+            // What the tools add is part of what is sent (and of what the
+            // upstream reports, which calibration compares it with).
+            let (upstream, _) = self.endpoint(writer.format());
+            let enc = self.tokens.model_info(upstream.base_url(), model).encoding;
+            let added = self
+                .tokens
+                .tools_tokens(&offered.after, enc)
+                .saturating_sub(self.tokens.tools_tokens(&offered.before, enc));
+            if let Some(r) = prepared.report.as_mut() {
+                r.raw_after = r.raw_after.map(|n| n + added);
+                r.tokens_after += (added as f64 * p.assessment.calibration_ratio).round() as u64;
+            }
+            prepared.body = offered.body;
             prepared.offer = Some(Box::new(Offer {
                 originals: Originals {
                     scope: String::new(),

@@ -17,7 +17,6 @@ pub mod store;
 pub mod stream;
 pub mod tools;
 
-use base64::Engine;
 use bytes::Bytes;
 use memchr::memmem;
 use serde_json::Value;
@@ -33,8 +32,14 @@ pub const COMPRESS_TOOL: &str = "compress_context";
 
 /// What precedes a key in condense's markers.
 const LABEL: &str = "recall key: ";
-/// Characters of a key: 72 bits of a 128-bit hash, URL-safe base64.
-const KEY_CHARS: usize = 12;
+/// Characters a key adds to a marker (` recall key: K;`).
+pub const TAG_CHARS: usize = LABEL.len() + KEY_CHARS + 2;
+/// Digits of a key: about 50 bits of a 128-bit hash. Keys are scoped to a
+/// client's credentials, so that is far from colliding; and a key costs
+/// prompt tokens on every masked message: digits cost one token per three
+/// in the tokenizers models use (5 here), where as many bits of base64
+/// cost 8 to 11.
+const KEY_CHARS: usize = 15;
 
 /// The recall key of a message with these exact bytes.
 pub fn key(raw: &[u8]) -> String {
@@ -53,10 +58,7 @@ pub fn span_key<'a>(raws: impl Iterator<Item = &'a [u8]>) -> String {
 }
 
 fn encode(h: u128) -> String {
-    let b = h.to_le_bytes();
-    let mut s = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&b[..9]);
-    s.truncate(KEY_CHARS);
-    s
+    format!("{:015}", h % 10u128.pow(KEY_CHARS as u32))
 }
 
 /// Whether `s` has the shape of a key (6–64 of `[A-Za-z0-9_-]`).

@@ -52,23 +52,37 @@ pub fn definition(format: Format, name: &str) -> Value {
     }
 }
 
+/// A body with condense's tools added.
+pub struct Offered {
+    pub body: Bytes,
+    /// The `tools` list before and after (for counting what was added).
+    pub before: Bytes,
+    pub after: Bytes,
+}
+
 /// `body` with `names` added to its `tools` (after the client's, so the
 /// client's tool definitions keep their bytes and their cached prefix).
 /// None when the body has no tool list, or already names one of them.
-pub fn offer(format: Format, body: &Bytes, names: &[&str]) -> Option<Bytes> {
+pub fn offer(format: Format, body: &Bytes, names: &[&str]) -> Option<Offered> {
     let mut obj = RawObject::parse(body).ok()?;
     let tools = obj.get("tools")?.trim_ascii();
     if !non_empty_list(tools) || names.iter().any(|n| contains(tools, n)) {
         return None;
     }
+    let before = Bytes::copy_from_slice(tools);
     let mut out = tools[..tools.len() - 1].to_vec();
     for name in names {
         out.push(b',');
         out.extend_from_slice(definition(format, name).to_string().as_bytes());
     }
     out.push(b']');
-    obj.set("tools", Bytes::from(out));
-    Some(Bytes::from(obj.to_vec()))
+    let after = Bytes::from(out);
+    obj.set("tools", after.clone());
+    Some(Offered {
+        body: Bytes::from(obj.to_vec()),
+        before,
+        after,
+    })
 }
 
 fn contains(haystack: &[u8], name: &str) -> bool {
@@ -108,10 +122,12 @@ impl Answer {
                 other => other.clone(),
             };
             let o = obj.as_object()?;
-            o.get("key")
-                .or_else(|| o.get("reason"))
-                .and_then(Value::as_str)
-                .map(str::to_string)
+            // A key of digits may come back as a number.
+            match o.get("key").or_else(|| o.get("reason"))? {
+                Value::String(s) => Some(s.clone()),
+                Value::Number(n) => Some(n.to_string()),
+                _ => None,
+            }
         };
         let s = |v: Option<&Value>| v.and_then(Value::as_str).unwrap_or("").to_string();
         match self.format {
@@ -436,7 +452,7 @@ mod tests {
             json!({"model": "m", "messages": [], "tools": [{"type": "function",
             "function": {"name": "read", "parameters": {}}}]}),
         );
-        let out = offer(Format::Chat, &sent, &[RECALL_TOOL]).unwrap();
+        let out = offer(Format::Chat, &sent, &[RECALL_TOOL]).unwrap().body;
         let v: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["tools"][0]["function"]["name"], "read");
         assert_eq!(v["tools"][1]["function"]["name"], RECALL_TOOL);
@@ -450,7 +466,9 @@ mod tests {
         let anthropic = body(
             json!({"model": "m", "messages": [], "tools": [{"name": "read", "input_schema": {}}]}),
         );
-        let out = offer(Format::Messages, &anthropic, &[RECALL_TOOL, COMPRESS_TOOL]).unwrap();
+        let out = offer(Format::Messages, &anthropic, &[RECALL_TOOL, COMPRESS_TOOL])
+            .unwrap()
+            .body;
         let v: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(
             v["tools"][1]["input_schema"]["properties"]["key"]["type"],

@@ -168,6 +168,11 @@ impl TokenService {
         }
     }
 
+    /// The tokens of a `tools` list (counted once per distinct list).
+    pub fn tools_tokens(&self, raw: &[u8], enc: Encoding) -> u64 {
+        self.cached(raw, enc, TOOLS_DOMAIN, || count::tools_tokens(enc, raw))
+    }
+
     /// The raw token count of a request; only messages not seen before are
     /// tokenized.
     pub fn count(&self, req: &ChatRequest, enc: Encoding) -> Count {
@@ -179,7 +184,7 @@ impl TokenService {
         let tools: u64 = ["tools", "functions"]
             .iter()
             .filter_map(|k| req.field(k))
-            .map(|raw| self.cached(raw, enc, TOOLS_DOMAIN, || count::tools_tokens(enc, raw)))
+            .map(|raw| self.tools_tokens(raw, enc))
             .sum();
         let total = count::REPLY_PRIMING + per_message.iter().sum::<u64>() + tools;
         Count {
