@@ -259,7 +259,10 @@ def test_a_long_conversation_is_compacted(compacting_condense, anthropic_upstrea
     assert forwarded[0] == messages[0]
     assert forwarded[-1] == messages[-1]
     assert sent["body"]["system"] == "You are a build assistant."
-    assert sent["body"]["tools"] == [READ_LOG]
+    # The client's tools come first, unchanged; condense offers its recall
+    # tool after them (the compacted request holds recall keys).
+    assert sent["body"]["tools"][0] == READ_LOG
+    assert [t["name"] for t in sent["body"]["tools"][1:]] == ["condense_recall"]
     actions = resp.headers.get("x-condense-actions")
     assert actions not in (None, "", "none"), resp.headers
 

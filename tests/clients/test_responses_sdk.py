@@ -403,7 +403,10 @@ def test_a_long_stateless_conversation_is_compacted(compacting_condense, small_u
     assert forwarded[0] == TASK
     assert forwarded[-3:] == items[-3:]
     assert sent["body"]["instructions"] == "You are a build assistant."
-    assert sent["body"]["tools"] == [READ_LOG]
+    # The client's tools come first, unchanged; condense offers its recall
+    # tool after them (the compacted request holds recall keys).
+    assert sent["body"]["tools"][0] == READ_LOG
+    assert [t["name"] for t in sent["body"]["tools"][1:]] == ["condense_recall"]
     assert sent["body"]["include"] == ["reasoning.encrypted_content"]
     assert sent["body"]["store"] is False
     actions = resp.headers.get("x-condense-actions")
