@@ -87,6 +87,7 @@ pub fn process(
         upstream: "",
         model,
         info,
+        due: None,
     };
     pipeline::process(
         tokens,

@@ -79,6 +79,7 @@ pub struct Pending {
 /// its checkpoint comes.
 struct Setup {
     limits: Limits,
+    due: Option<usize>,
     settings: CompactionConfig,
     replacement: Replacement,
     encoding: Encoding,
@@ -109,6 +110,9 @@ pub struct Subject<'a> {
     pub upstream: &'a str,
     pub model: &'a str,
     pub info: ModelInfo,
+    /// The model asked for the messages before this index to be compacted
+    /// (`compress_context`): they are, whatever the pressure.
+    pub due: Option<usize>,
 }
 
 /// Measures `req` for `subject`, and compacts it when its pressure reaches
@@ -127,8 +131,10 @@ pub fn process(
         upstream,
         model,
         info,
+        due,
     } = subject;
-    let forced = replacement.forced(req.messages().len());
+    let due = due.filter(|&d| d > 0 && d <= req.messages().len());
+    let forced = replacement.forced(req.messages().len()) || due.is_some();
     let assessment = tokens.assess_as(
         upstream,
         model,
@@ -166,6 +172,7 @@ pub fn process(
     settings.recall &= crate::recall::tools::offered(&req);
     let setup = Setup {
         limits,
+        due,
         settings,
         replacement: replacement.for_budget(limits.budget),
         encoding: info.encoding,
@@ -215,12 +222,13 @@ fn apply(
         encoding: setup.encoding,
         density: setup.density,
     };
-    let outcome = compaction::compact_with(
+    let outcome = compaction::compact_until(
         req.messages(),
         &setup.limits,
         &setup.settings,
         &counter,
         &setup.replacement,
+        setup.due,
     );
     let mut recallable = None;
     if let Some(messages) = outcome.messages.clone() {

@@ -25,6 +25,7 @@ use condense::server::Server;
 use serde_json::{Value, json};
 
 const RECALL: &str = "condense_recall";
+const COMPRESS: &str = "compress_context";
 
 #[derive(Default)]
 struct Model {
@@ -35,6 +36,8 @@ struct Model {
     always: AtomicBool,
     /// Ask for this key instead of the first one in the prompt.
     key: Mutex<Option<String>>,
+    /// Call `compress_context` when offered (once per conversation).
+    compress: AtomicBool,
 }
 
 impl Model {
@@ -109,6 +112,18 @@ async fn answer(State(model): State<Arc<Model>>, req: Request) -> Response {
         _ => None,
     };
     let n = model.requests.lock().unwrap().len();
+    let compress_offered = body["tools"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|t| t["name"] == COMPRESS || t["function"]["name"] == COMPRESS);
+    if model.compress.load(Ordering::SeqCst)
+        && compress_offered
+        && !text.contains("\"tool_call_id\":\"compress_")
+    {
+        let id = format!("compress_{n}");
+        return chat_call(COMPRESS, json!({"reason": "step one done"}), &id);
+    }
     let id = format!("recall_{n}");
     let lead = model.text_first.load(Ordering::SeqCst);
     let stream = body["stream"] == true;
@@ -193,6 +208,17 @@ fn chat(call: Option<String>, id: &str, lead: bool, stream: bool, prompt: u64) -
         "model": "agent-small", "choices": [], "usage": usage}),
     ));
     sse(events, true)
+}
+
+/// A chat answer calling `name` with `args` (JSON only).
+fn chat_call(name: &str, args: Value, id: &str) -> Response {
+    json_body(
+        json!({"id": "chatcmpl-2", "object": "chat.completion", "created": 1,
+        "model": "m", "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function",
+            "function": {"name": name, "arguments": args.to_string()}}]}}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}),
+    )
 }
 
 fn messages(call: Option<String>, id: &str, lead: bool, stream: bool, prompt: u64) -> Response {
@@ -680,4 +706,114 @@ async fn redis_replicas_answer_each_others_recall_keys() {
     assert_eq!(last["content"], first_output());
     a.shutdown().await.unwrap();
     b.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn compress_context_is_answered_and_the_next_request_is_compacted_up_to_that_point() {
+    let up = upstream().await;
+    let server = condense(&up, |c| c.compaction.agent_tool = true).await;
+    up.model.compress.store(true, Ordering::SeqCst);
+    // A session far below the trigger of a large window.
+    let mut session = chat_session(false);
+    session["model"] = json!("gpt-4o");
+    let (status, body) = send(&server, "/v1/chat/completions", &session).await;
+    assert_eq!(status, 200, "{body}");
+    let seen = up.model.requests();
+    assert_eq!(seen.len(), 2);
+    let tools: Vec<&Value> = seen[0].1["tools"].as_array().unwrap().iter().collect();
+    assert_eq!(
+        tools.len(),
+        2,
+        "run, then compress_context (no recall keys yet)"
+    );
+    assert_eq!(tools[1]["function"]["name"], COMPRESS);
+    assert_eq!(
+        tools[1]["function"]["parameters"]["required"],
+        json!(["reason"])
+    );
+    // The request went out as the client sent it: nothing was due yet.
+    assert!(!seen[0].1.to_string().contains("[condense:"));
+    let answer = seen[1].1["messages"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert!(
+        answer["content"].as_str().unwrap().contains("noted"),
+        "{answer}"
+    );
+    assert!(!body.contains(COMPRESS), "{body}");
+    assert_eq!(
+        metric(
+            &server,
+            "condense_agent_compactions_total{outcome=\"requested\"}"
+        )
+        .await,
+        1.0
+    );
+
+    // The conversation goes on: what came before the point is compacted,
+    // though the request is far below the trigger, and stays so.
+    let mut next = session.clone();
+    let messages = next["messages"].as_array_mut().unwrap();
+    messages.push(json!({"role": "assistant", "content": "Now the second step.", "tool_calls": [
+        {"id": "call_x", "type": "function", "function": {"name": "run", "arguments": "{\"cmd\":\"ls\"}"}}]}));
+    messages.push(json!({"role": "tool", "tool_call_id": "call_x", "content": output(20)}));
+    let mut sent = Vec::new();
+    for _ in 0..2 {
+        let before = up.model.requests().len();
+        let resp = reqwest::Client::new()
+            .post(format!(
+                "http://{}/v1/chat/completions",
+                server.local_addr()
+            ))
+            .header("authorization", "Bearer sk-test")
+            .header("x-api-key", "sk-test")
+            .header("content-type", "application/json")
+            .body(next.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let actions = resp.headers()["x-condense-actions"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert!(actions.contains("mask"), "{actions}");
+        resp.text().await.unwrap();
+        sent.push(up.model.requests()[before].1["messages"].clone());
+    }
+    let first = sent[0].as_array().unwrap();
+    assert!(
+        first[3]["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("[condense: recall key: ")
+    );
+    // The new turn after the point is untouched.
+    assert_eq!(first[first.len() - 1]["content"], output(20));
+    assert_eq!(sent[0], sent[1], "the same request compacts the same way");
+    assert_eq!(
+        metric(
+            &server,
+            "condense_agent_compactions_total{outcome=\"applied\"}"
+        )
+        .await,
+        2.0
+    );
+    // Another client's identical conversation has no point recorded.
+    let resp = reqwest::Client::new()
+        .post(format!(
+            "http://{}/v1/chat/completions",
+            server.local_addr()
+        ))
+        .header("authorization", "Bearer sk-other")
+        .header("content-type", "application/json")
+        .body(next.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["x-condense-actions"], "none");
+    server.shutdown().await.unwrap();
 }

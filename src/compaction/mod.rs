@@ -314,6 +314,21 @@ pub fn compact_with(
     counter: &dyn Counter,
     replacement: &Replacement,
 ) -> Outcome {
+    compact_until(messages, limits, s, counter, replacement, None)
+}
+
+/// [`compact_with`], with the messages before `due` compacted whatever the
+/// pressure: the model asked for it at that point (`compress_context`).
+/// The frontier stays there on every later request, so the prefix stays
+/// byte-identical as with any boundary.
+pub fn compact_until(
+    messages: &[Message],
+    limits: &Limits,
+    s: &Settings,
+    counter: &dyn Counter,
+    replacement: &Replacement,
+    due: Option<usize>,
+) -> Outcome {
     let full: Vec<u64> = messages.iter().map(|m| counter.message(m.raw())).collect();
     let before = limits.fixed + full.iter().sum::<u64>();
     let unchanged = |fits| Outcome {
@@ -325,7 +340,10 @@ pub fn compact_with(
         fits,
         span: None,
     };
-    if (before as f64) < s.trigger * limits.budget && !replacement.forced(messages.len()) {
+    if (before as f64) < s.trigger * limits.budget
+        && !replacement.forced(messages.len())
+        && due.is_none_or(|d| d == 0)
+    {
         return unchanged(true);
     }
     let a = Analysis::of(messages);
@@ -422,6 +440,12 @@ pub fn compact_with(
             drops: drop_policy(replacement, limits),
         },
     );
+    // The point the model asked for, up to the turn in progress.
+    let mut plan = plan;
+    if let Some(due) = due {
+        let last_assistant = (0..n).rev().find(|&i| a.roles[i] == Role::Assistant);
+        plan.frontier = plan.frontier.max(due.min(last_assistant.unwrap_or(0)));
+    }
     w.dropped = plan.dropped.clone();
 
     // prune or summarize (as planned)

@@ -100,9 +100,12 @@ impl Proxy {
         );
 
         // Prepare.
-        let (prepared, upstream_wait) = self.prepare(format, &bytes, opt_out, &headers).await;
+        // Recall keys and agent points belong to the client's credentials.
+        let scope = recall::store::scope(&parts.headers);
+        let (prepared, upstream_wait) = self
+            .prepare(format, &bytes, opt_out, &headers, &scope)
+            .await;
         report.clone_from(&prepared.report);
-        let client_headers = parts.headers;
 
         // Send.
         let guard = InflightGuard::new(self.metrics.clone());
@@ -140,7 +143,7 @@ impl Proxy {
         // Recall: condense's own tools answered. The originals go to the
         // state store first, for the replicas that get a later key.
         if let Some(offer) = prepared.offer.as_mut() {
-            offer.originals.scope = recall::store::scope(&client_headers);
+            offer.originals.scope.clone_from(&scope);
             self.recall_written
                 .remember(&self.state, &offer.originals)
                 .await;

@@ -16,7 +16,7 @@ use super::recall::Offer;
 use super::{BLOCKING_PREPARE_BYTES, Proxy};
 use crate::compaction::Replacement;
 use crate::pipeline;
-use crate::recall::{self, store::Originals};
+use crate::recall::{self, store::AgentPoint, store::Originals};
 use crate::summary::Summarizer;
 use crate::tokens::ModelInfo;
 use crate::wire::{Format, NotUnderstood, Parsed, Writer};
@@ -68,6 +68,7 @@ impl Proxy {
         bytes: &Bytes,
         opt_out: bool,
         headers: &HeaderMap,
+        scope: &str,
     ) -> (Prepared, Duration) {
         // A large Messages or Responses body is parsed item by item, which
         // is work for the blocking pool, as counting is.
@@ -111,6 +112,15 @@ impl Proxy {
         }
         self.shared_window(upstream.base_url(), &model).await;
         let info = self.tokens.model_info(upstream.base_url(), &model);
+        // Where the model asked for compaction (`compress_context`), and
+        // where this request would record it.
+        let point = (self.compaction.agent_tool && recall::tools::offered(&parsed.conversation))
+            .then(|| AgentPoint::of(scope, parsed.conversation.messages()))
+            .flatten();
+        let due = match &point {
+            Some(p) => p.recorded(&self.state).await,
+            None => None,
+        };
         let measured = if bytes.len() >= BLOCKING_PREPARE_BYTES
             && self
                 .tokens
@@ -118,16 +128,33 @@ impl Proxy {
                 >= BLOCKING_PREPARE_BYTES
         {
             let (this, body, name) = (self.clone(), bytes.clone(), model.clone());
-            self.off_workers(move || this.measure_or_forward(format, parsed, &body, &name, info))
-                .await
-                .unwrap_or_else(|| Err(Box::new(Prepared::unchanged(bytes.clone(), None))))
+            self.off_workers(move || {
+                this.measure_or_forward(format, parsed, &body, &name, info, due)
+            })
+            .await
+            .unwrap_or_else(|| Err(Box::new(Prepared::unchanged(bytes.clone(), None))))
         } else {
-            self.measure_or_forward(format, parsed, bytes, &model, info)
+            self.measure_or_forward(format, parsed, bytes, &model, info, due)
         };
-        let prepared = match measured {
+        let mut prepared = match measured {
             Ok(m) => self.complete(format, m, bytes, model, headers).await,
             Err(unchanged) => *unchanged,
         };
+        if due.is_some()
+            && prepared
+                .report
+                .as_ref()
+                .is_some_and(|r| r.actions != "none")
+        {
+            self.metrics
+                .agent_compactions_total
+                .with_label_values(&["applied"])
+                .inc();
+        }
+        if let Some(offer) = prepared.offer.as_mut() {
+            offer.originals.scope = scope.to_string();
+            offer.point = point;
+        }
         (prepared, waited)
     }
 
@@ -141,6 +168,7 @@ impl Proxy {
         body: &Bytes,
         model: &str,
         info: ModelInfo,
+        due: Option<usize>,
     ) -> Result<Measured, Box<Prepared>> {
         let replacement = self
             .summarizer
@@ -151,6 +179,7 @@ impl Proxy {
             upstream: upstream.base_url(),
             model,
             info,
+            due,
         };
         let Parsed {
             conversation,
@@ -321,16 +350,18 @@ impl Proxy {
         };
         // condense's tools, when the request can call them and has use
         // for them.
+        // compress_context first: it is offered on every request, and the
+        // recall tool joins it once a key appears.
         let mut names = Vec::new();
+        if self.compaction.agent_tool && offered {
+            names.push(recall::COMPRESS_TOOL);
+        }
         // Keys this request's compaction wrote, or keys the client's
         // messages hold already (a conversation another replica compacted).
         if p.recallable.is_some()
             || (self.compaction.recall && offered && recall::mentions_key(&prepared.body))
         {
             names.push(recall::RECALL_TOOL);
-        }
-        if self.compaction.agent_tool && offered {
-            names.push(recall::COMPRESS_TOOL);
         }
         if !names.is_empty()
             && let Some(offered) = recall::tools::offer(writer.format(), &prepared.body, &names)
@@ -355,6 +386,7 @@ impl Proxy {
                 },
                 // About three characters a token.
                 room_chars: usize::try_from(room.saturating_mul(3)).unwrap_or(usize::MAX),
+                point: None,
             }));
         }
         Some(prepared)

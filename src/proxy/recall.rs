@@ -25,7 +25,7 @@ use super::relay::{BodyStream, Reply};
 use super::upstream::Upstream;
 use super::usage::{self, JsonTap, SseTap};
 use crate::error::ProxyError;
-use crate::recall::store::{Originals, within};
+use crate::recall::store::{AgentPoint, Originals, within};
 use crate::recall::stream::{Decision, Edit, Filter, Gather};
 use crate::recall::tools::{Answer, Call, Usage};
 use crate::recall::{COMPRESS_TOOL, RECALL_TOOL};
@@ -40,6 +40,9 @@ pub struct Offer {
     pub originals: Originals,
     /// Characters of recalled text the prompt has room for.
     pub room_chars: usize,
+    /// Where this request's conversation stands, recorded when the model
+    /// calls `compress_context`.
+    pub point: Option<AgentPoint>,
 }
 
 /// Where the follow-up requests go.
@@ -206,6 +209,9 @@ impl Proxy {
                     }
                 }
                 COMPRESS_TOOL => {
+                    if let Some(point) = &offer.point {
+                        point.record(&self.state).await;
+                    }
                     self.metrics
                         .agent_compactions_total
                         .with_label_values(&["requested"])

@@ -246,7 +246,7 @@ impl Proxy {
             .unwrap_or(0);
         let window = info.window;
         let (p, writer) = self
-            .measure_or_forward(format, parsed, original, model, info)
+            .measure_or_forward(format, parsed, original, model, info, None)
             .ok()?;
         let p = self.checkpointed(format, p, model, headers, false).await?;
         let outcome = p.outcome.as_ref()?;

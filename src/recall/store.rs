@@ -10,6 +10,7 @@ use http::HeaderMap;
 
 use super::Recallable;
 use crate::cache::{Bounded, PreHashed};
+use crate::chat::Message;
 use crate::compaction::text::head_tail;
 use crate::state::StateStore;
 
@@ -105,6 +106,58 @@ impl Written {
     }
 }
 
+/// Where a conversation stood when its model called `compress_context`:
+/// stored under `agent:{scope}:{identity}` (the identity: a hash of the
+/// messages up to the first user message, the task) as the number of
+/// messages and a hash of them, so that a later request of the same
+/// conversation finds it and checks it still starts that way.
+pub struct AgentPoint {
+    key: String,
+    hashes: Vec<u64>,
+}
+
+impl AgentPoint {
+    /// The point at the end of `messages`; None for a conversation without
+    /// a user message.
+    pub fn of(scope: &str, messages: &[Message]) -> Option<AgentPoint> {
+        let task = messages.iter().position(|m| m.role() == Some("user"))?;
+        let hashes: Vec<u64> = messages
+            .iter()
+            .map(|m| xxhash_rust::xxh3::xxh3_64(m.raw()))
+            .collect();
+        let identity = fold(&hashes[..=task]);
+        Some(AgentPoint {
+            key: format!("agent:{scope}:{identity:016x}"),
+            hashes,
+        })
+    }
+
+    /// The point recorded for this conversation, if it still starts as it
+    /// did then.
+    pub async fn recorded(&self, store: &StateStore) -> Option<usize> {
+        let value = store.get(&self.key).await?;
+        let (n, hash) = value.split_once(':')?;
+        let n: usize = n.parse().ok()?;
+        let matches = n <= self.hashes.len() && format!("{:016x}", fold(&self.hashes[..n])) == hash;
+        matches.then_some(n)
+    }
+
+    /// Records this point.
+    pub async fn record(&self, store: &StateStore) {
+        let n = self.hashes.len();
+        let value = format!("{n}:{:016x}", fold(&self.hashes));
+        store.put(&self.key, &value).await;
+    }
+}
+
+fn fold(hashes: &[u64]) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for x in hashes {
+        h.update(&x.to_le_bytes());
+    }
+    h.digest()
+}
+
 /// A recalled text within `max_chars`: cut in the middle, saying so, when
 /// it is longer.
 pub fn within(text: &str, max_chars: usize) -> String {
@@ -122,7 +175,6 @@ pub fn within(text: &str, max_chars: usize) -> String {
 mod tests {
     use super::*;
 
-    use crate::chat::Message;
     use crate::compaction::Fates;
     use bytes::Bytes;
 
@@ -163,6 +215,39 @@ mod tests {
             own: Recallable::default(),
         };
         assert_eq!(other.get(&store, &k).await, None);
+    }
+
+    #[tokio::test]
+    async fn a_point_is_found_again_only_by_the_conversation_that_recorded_it() {
+        let store = StateStore::memory(1 << 20, Duration::from_secs(60));
+        let msg = |s: &str| Message::from_bytes(Bytes::from(s.to_string()));
+        let mut conv = vec![
+            msg(r#"{"role":"system","content":"s"}"#),
+            msg(r#"{"role":"user","content":"task"}"#),
+            msg(r#"{"role":"assistant","content":"a"}"#),
+        ];
+        let at = AgentPoint::of("scope", &conv).unwrap();
+        assert_eq!(at.recorded(&store).await, None);
+        at.record(&store).await;
+        conv.push(msg(r#"{"role":"user","content":"more"}"#));
+        let later = AgentPoint::of("scope", &conv).unwrap();
+        assert_eq!(later.recorded(&store).await, Some(3));
+        // Another client, or the same task with another history, does not.
+        assert_eq!(
+            AgentPoint::of("other", &conv)
+                .unwrap()
+                .recorded(&store)
+                .await,
+            None
+        );
+        conv[2] = msg(r#"{"role":"assistant","content":"b"}"#);
+        assert_eq!(
+            AgentPoint::of("scope", &conv)
+                .unwrap()
+                .recorded(&store)
+                .await,
+            None
+        );
     }
 
     #[test]
