@@ -66,6 +66,7 @@ fn run(svc: &TokenService, config: &Config, body: &Bytes) -> usize {
             upstream: "",
             model: "gpt-4o",
             info,
+            due: None,
         },
         req,
         body,

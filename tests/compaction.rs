@@ -966,6 +966,7 @@ fn forwarded(svc: &TokenService, body: &Bytes, window: u64) -> (Bytes, f64) {
             upstream: "u",
             model: "gpt-4o",
             info,
+            due: None,
         },
         ChatRequest::parse(body).unwrap(),
         body,

@@ -250,6 +250,7 @@ pub(crate) fn decide(view: ChatRequest, body: &Bytes, model: &str, window: u64) 
             upstream: "",
             model,
             info,
+            due: None,
         },
         view,
         body,
