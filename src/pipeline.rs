@@ -79,6 +79,9 @@ pub struct Pending {
 /// its checkpoint comes.
 struct Setup {
     limits: Limits,
+    /// Tokens `limits.fixed` holds for the tools condense may offer (the
+    /// request as compacted does not have them yet).
+    reserve: u64,
     due: Option<usize>,
     settings: CompactionConfig,
     replacement: Replacement,
@@ -162,26 +165,49 @@ pub fn process(
     // calibration does not move; what is reported uses the observed one.
     let plan = assessment.plan_ratio.max(f64::MIN_POSITIVE);
     let ratio = assessment.calibration_ratio;
+    let mut settings = compaction_config.for_model(info.trigger, info.target);
+    // A recall key is of use only to a model that can call the tool.
+    let offered = crate::recall::tools::offered(&req);
+    settings.recall &= offered;
+    // Room for the tools condense may add to the request it sends (with
+    // the density floor a provider that counts by characters gets).
+    let density = info
+        .correction
+        .as_ref()
+        .and_then(|c| c.density)
+        .unwrap_or(0.0);
+    let reserve = [
+        (settings.recall, crate::recall::RECALL_TOOL),
+        (settings.agent_tool && offered, crate::recall::COMPRESS_TOOL),
+    ]
+    .iter()
+    .filter(|(on, _)| *on)
+    .map(|(_, name)| {
+        let def = format!(
+            "[{}]",
+            crate::recall::tools::definition(crate::wire::Format::Chat, name)
+        );
+        let counted = tokens.tools_tokens(def.as_bytes(), info.encoding);
+        match density > 0.0 {
+            true => crate::tokens::floored(counted, def.len(), density),
+            false => counted,
+        }
+    })
+    .sum();
     let limits = Limits {
         budget: assessment.budget.prompt_budget as f64 / plan,
         window: assessment.budget.window as f64 / plan,
-        fixed: count.total - count.per_message.iter().sum::<u64>(),
+        fixed: count.total - count.per_message.iter().sum::<u64>() + reserve,
     };
-    let mut settings = compaction_config.for_model(info.trigger, info.target);
-    // A recall key is of use only to a model that can call the tool.
-    settings.recall &= crate::recall::tools::offered(&req);
     let setup = Setup {
         limits,
+        reserve,
         due,
         settings,
         replacement: replacement.for_budget(limits.budget),
         encoding: info.encoding,
         ratio,
-        density: info
-            .correction
-            .as_ref()
-            .and_then(|c| c.density)
-            .unwrap_or(0.0),
+        density,
     };
     apply(tokens, req, assessment, setup)
 }
@@ -241,15 +267,17 @@ fn apply(
     }
     let ratio = setup.ratio;
     // With a density floor the outcome is counted in floored units, which
-    // the ratio was made for; calibration wants the plain count.
+    // the ratio was made for; calibration wants the plain count. (The tools
+    // condense offers are counted when it adds them.)
+    let after = outcome.tokens_after.saturating_sub(setup.reserve);
     let raw_after = if setup.density > 0.0 {
         tokens.count(&req, setup.encoding).total
     } else {
-        outcome.tokens_after
+        after
     };
     let pending = outcome.span.clone().map(|span| Pending { span, setup });
     Processed {
-        tokens_after: (outcome.tokens_after as f64 * ratio).round() as u64,
+        tokens_after: (after as f64 * ratio).round() as u64,
         raw_after: Some(raw_after),
         request: req,
         assessment,

@@ -93,9 +93,10 @@ fn assert_valid(sent: &Value, original: &Value) {
             assert!(theirs.contains(&b), "{b}");
         }
     }
-    for key in ["system", "tools", "thinking", "max_tokens", "model"] {
+    for key in ["system", "thinking", "max_tokens", "model"] {
         assert_eq!(sent[key], original[key], "{key} untouched");
     }
+    common::assert_client_tools_first(&sent["tools"], &original["tools"]);
 }
 
 #[tokio::test]

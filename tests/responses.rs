@@ -38,7 +38,11 @@ fn session(turns: usize, stream: bool) -> Value {
 }
 
 async fn harness(window: u64, provider_window: u64) -> Harness {
-    let h = Harness::with(|c| c.models = vec![profile("gpt-5-codex", window)]).await;
+    let h = Harness::with(|c| {
+        c.models = vec![profile("gpt-5-codex", window)];
+        c.compaction.recall = std::env::var("NORECALL").is_err();
+    })
+    .await;
     h.mock.set_provider(Simulator::new(
         CountRule::Chars(3.6),
         provider_window,
@@ -73,7 +77,6 @@ fn assert_valid(sent: &Value, original: &Value) {
     }
     for key in [
         "instructions",
-        "tools",
         "store",
         "include",
         "prompt_cache_key",
@@ -81,6 +84,7 @@ fn assert_valid(sent: &Value, original: &Value) {
     ] {
         assert_eq!(sent[key], original[key], "{key} untouched");
     }
+    common::assert_client_tools_first(&sent["tools"], &original["tools"]);
 }
 
 #[tokio::test]

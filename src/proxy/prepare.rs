@@ -55,6 +55,16 @@ impl Prepared {
     }
 }
 
+/// What condense may add to a request beyond compacting it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Own {
+    /// Its tools (`condense_recall`, `compress_context`) may be offered,
+    /// and rewrites carry recall keys; not on an overflow retry.
+    pub tools: bool,
+    /// The model asked for compaction up to this message.
+    pub due: Option<usize>,
+}
+
 /// A measured request on its way: the pipeline's result and how it is
 /// written back.
 pub type Measured = (pipeline::Processed, Writer);
@@ -129,12 +139,26 @@ impl Proxy {
         {
             let (this, body, name) = (self.clone(), bytes.clone(), model.clone());
             self.off_workers(move || {
-                this.measure_or_forward(format, parsed, &body, &name, info, due)
+                this.measure_or_forward(
+                    format,
+                    parsed,
+                    &body,
+                    &name,
+                    info,
+                    Own { tools: true, due },
+                )
             })
             .await
             .unwrap_or_else(|| Err(Box::new(Prepared::unchanged(bytes.clone(), None))))
         } else {
-            self.measure_or_forward(format, parsed, bytes, &model, info, due)
+            self.measure_or_forward(
+                format,
+                parsed,
+                bytes,
+                &model,
+                info,
+                Own { tools: true, due },
+            )
         };
         let mut prepared = match measured {
             Ok(m) => self.complete(format, m, bytes, model, headers).await,
@@ -168,8 +192,9 @@ impl Proxy {
         body: &Bytes,
         model: &str,
         info: ModelInfo,
-        due: Option<usize>,
+        own: Own,
     ) -> Result<Measured, Box<Prepared>> {
+        let Own { tools, due } = own;
         let replacement = self
             .summarizer
             .as_ref()
@@ -185,10 +210,23 @@ impl Proxy {
             conversation,
             writer,
         } = parsed;
+        // Without condense's tools, rewrites carry no recall keys (the
+        // model could not use them) and no room is kept for the tools.
+        let plain;
+        let settings = if tools {
+            &self.compaction
+        } else {
+            plain = crate::config::CompactionConfig {
+                recall: false,
+                agent_tool: false,
+                ..self.compaction.clone()
+            };
+            &plain
+        };
         std::panic::catch_unwind(AssertUnwindSafe(|| {
             pipeline::process(
                 &self.tokens,
-                &self.compaction,
+                settings,
                 subject,
                 conversation,
                 body,
@@ -222,7 +260,7 @@ impl Proxy {
         let Some(p) = self.checkpointed(format, p, &model, headers, true).await else {
             return self.forward_unchanged(body, &model);
         };
-        match std::panic::catch_unwind(AssertUnwindSafe(|| self.ready(p, &writer, &model))) {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.ready(p, &writer, &model, true))) {
             Ok(Some(prepared)) => prepared,
             Ok(None) | Err(_) => self.forward_unchanged(body, &model),
         }
@@ -274,6 +312,7 @@ impl Proxy {
         p: pipeline::Processed,
         writer: &Writer,
         model: &str,
+        offer_tools: bool,
     ) -> Option<Prepared> {
         // Another format writes the decisions back into its own body first:
         // when that fails, nothing was done.
@@ -363,7 +402,8 @@ impl Proxy {
         {
             names.push(recall::RECALL_TOOL);
         }
-        if !names.is_empty()
+        if offer_tools
+            && !names.is_empty()
             && let Some(offered) = recall::tools::offer(writer.format(), &prepared.body, &names)
         {
             // What the tools add is part of what is sent (and of what the

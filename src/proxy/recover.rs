@@ -10,7 +10,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use http::HeaderMap;
 
-use super::prepare::Prepared;
+use super::prepare::{Own, Prepared};
 use super::{BLOCKING_PREPARE_BYTES, Proxy, body};
 use crate::error::ProxyError;
 use crate::overflow;
@@ -246,14 +246,17 @@ impl Proxy {
             .unwrap_or(0);
         let window = info.window;
         let (p, writer) = self
-            .measure_or_forward(format, parsed, original, model, info, None)
+            .measure_or_forward(format, parsed, original, model, info, Own::default())
             .ok()?;
         let p = self.checkpointed(format, p, model, headers, false).await?;
         let outcome = p.outcome.as_ref()?;
         if outcome.messages.is_none() || p.tokens_after + completion > window {
             return None;
         }
-        std::panic::catch_unwind(AssertUnwindSafe(|| self.ready(p, &writer, model)))
+        // The retry carries nothing condense would add (no tools, no recall
+        // keys): it is sized to the window just learned, and the next
+        // request gets them again.
+        std::panic::catch_unwind(AssertUnwindSafe(|| self.ready(p, &writer, model, false)))
             .ok()
             .flatten()
     }

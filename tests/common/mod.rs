@@ -519,6 +519,29 @@ pub fn coding_session(model: &str, turns: usize, think: usize, lines: usize) -> 
     json!({"model": model, "messages": messages, "max_tokens": 256})
 }
 
+/// The client's tools went upstream unchanged and first; after them, at
+/// most condense's own (`condense_recall`, `compress_context`).
+pub fn assert_client_tools_first(sent: &Value, original: &Value) {
+    let (Some(sent), Some(original)) = (sent.as_array(), original.as_array()) else {
+        assert_eq!(sent, original, "tools untouched");
+        return;
+    };
+    assert_eq!(
+        &sent[..original.len()],
+        &original[..],
+        "client tools first, untouched"
+    );
+    for extra in &sent[original.len()..] {
+        let name = extra["name"]
+            .as_str()
+            .or(extra["function"]["name"].as_str());
+        assert!(
+            matches!(name, Some("condense_recall" | "compress_context")),
+            "{extra}"
+        );
+    }
+}
+
 pub fn chat_body(stream: bool) -> Value {
     json!({
         "model": "gpt-4o",
