@@ -143,7 +143,11 @@ impl Gather {
             .map(|i| i as usize);
         match data.get("type").and_then(Value::as_str) {
             Some("message_start") => {
-                self.value = data.get("message").cloned().unwrap_or(json!({}));
+                self.value = data
+                    .get("message")
+                    .filter(|m| m.is_object())
+                    .cloned()
+                    .unwrap_or(json!({}));
                 if !self.value["content"].is_array() {
                     self.value["content"] = json!([]);
                 }
@@ -182,7 +186,11 @@ impl Gather {
                             "signature_delta" => "signature",
                             _ => return Decision::Hold,
                         };
-                        if let Some(block) = self.value.pointer_mut(&format!("/content/{at}")) {
+                        if let Some(block) = self
+                            .value
+                            .pointer_mut(&format!("/content/{at}"))
+                            .filter(|b| b.is_object())
+                        {
                             let piece = str_at(delta, &format!("/{field}")).unwrap_or("");
                             let before = block[field].as_str().unwrap_or("").to_string();
                             block[field] = json!(before + piece);
@@ -196,13 +204,19 @@ impl Gather {
                 let at = index.unwrap_or(0);
                 if let Some((_, p)) = self.partial.iter().find(|(i, _)| *i == at)
                     && let Ok(input) = serde_json::from_str::<Value>(p)
-                    && let Some(block) = self.value.pointer_mut(&format!("/content/{at}"))
+                    && let Some(block) = self
+                        .value
+                        .pointer_mut(&format!("/content/{at}"))
+                        .filter(|b| b.is_object())
                 {
                     block["input"] = input;
                 }
                 Decision::Hold
             }
             Some("message_delta") => {
+                if !self.value.is_object() {
+                    self.value = json!({"content": []});
+                }
                 if let Some(d) = data.get("delta").and_then(Value::as_object) {
                     for (k, v) in d {
                         self.value[k] = v.clone();
@@ -283,6 +297,18 @@ impl Filter {
             dropped: Vec::new(),
             client_calls: false,
             stripped: 0,
+        }
+    }
+
+    /// Takes out the call at `index` (and every later event of it).
+    fn drop(&mut self, index: Option<u64>) {
+        match index {
+            Some(i) if self.dropped.contains(&i) => {}
+            Some(i) => {
+                self.dropped.push(i);
+                self.stripped += 1;
+            }
+            None => self.stripped += 1,
         }
     }
 
@@ -369,6 +395,16 @@ impl Filter {
 
     fn messages(&mut self, data: &mut Value) -> Edit {
         let kind = data.get("type").and_then(Value::as_str).unwrap_or("");
+        let index = data.get("index").and_then(Value::as_u64);
+        if str_at(data, "/content_block/type") == Some("tool_use") {
+            if ours(str_at(data, "/content_block/name")) {
+                self.drop(index);
+                return Edit::Drop;
+            }
+            if kind == "content_block_start" {
+                self.client_calls = true;
+            }
+        }
         match kind {
             "message_start" => {
                 return match self.usage(data.pointer_mut("/message/usage")) {
@@ -389,18 +425,9 @@ impl Filter {
             }
             _ => {}
         }
-        let Some(i) = data.get("index").and_then(Value::as_u64) else {
+        let Some(i) = index else {
             return Edit::Keep;
         };
-        if kind == "content_block_start" && str_at(data, "/content_block/type") == Some("tool_use")
-        {
-            if ours(str_at(data, "/content_block/name")) {
-                self.dropped.push(i);
-                self.stripped += 1;
-            } else {
-                self.client_calls = true;
-            }
-        }
         if self.dropped.contains(&i) {
             return Edit::Drop;
         }
@@ -414,10 +441,23 @@ impl Filter {
 
     fn responses(&mut self, data: &mut Value) -> Edit {
         let kind = data.get("type").and_then(Value::as_str).unwrap_or("");
-        if matches!(
-            kind,
-            "response.completed" | "response.incomplete" | "response.failed"
-        ) {
+        let index = data.get("output_index").and_then(Value::as_u64);
+        // An event that carries one of condense's calls (`added`, or a
+        // `done` without it) goes, and takes its output index with it.
+        if str_at(data, "/item/type") == Some("function_call") {
+            if ours(str_at(data, "/item/name")) {
+                self.drop(index);
+                return Edit::Drop;
+            }
+            if kind == "response.output_item.added" {
+                self.client_calls = true;
+            }
+        }
+        // The whole response (`response.completed`, `incomplete`, `failed`).
+        if data
+            .pointer("/response/output")
+            .is_some_and(Value::is_array)
+        {
             let mut changed = self.usage(data.pointer_mut("/response/usage"));
             if let Some(output) = data
                 .pointer_mut("/response/output")
@@ -431,19 +471,9 @@ impl Filter {
             }
             return if changed { Edit::Changed } else { Edit::Keep };
         }
-        let Some(i) = data.get("output_index").and_then(Value::as_u64) else {
+        let Some(i) = index else {
             return Edit::Keep;
         };
-        if kind == "response.output_item.added"
-            && str_at(data, "/item/type") == Some("function_call")
-        {
-            if ours(str_at(data, "/item/name")) {
-                self.dropped.push(i);
-                self.stripped += 1;
-            } else {
-                self.client_calls = true;
-            }
-        }
         if self.dropped.contains(&i) {
             return Edit::Drop;
         }
@@ -512,6 +542,30 @@ mod tests {
             json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]});
         assert_eq!(f.event(&mut end), Edit::Keep);
         assert_eq!(f.stripped, 1);
+    }
+
+    #[test]
+    fn malformed_events_neither_panic_nor_let_a_call_through() {
+        // Found by the fuzz target: a block that is not an object, a
+        // message that is not one, calls in events of unknown types.
+        let mut g = Gather::new(Format::Messages);
+        g.event(&json!({"type": "message_start", "message": 7}));
+        g.event(&json!({"type": "message_start", "message": {"content": [3]}}));
+        g.event(&json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "x"}}));
+        g.event(&json!({"type": "content_block_stop", "index": 0}));
+        assert!(g.answer().is_some());
+        let mut f = Filter::new(Format::Responses, Usage::default());
+        let mut odd = json!({"type": "response.output_item.idded",
+            "item": {"type": "function_call", "name": RECALL_TOOL}});
+        assert_eq!(f.event(&mut odd), Edit::Drop);
+        let mut whole = json!({"type": "reesponse.completed", "response": {"output": [
+            {"type": "function_call", "name": RECALL_TOOL}]}});
+        assert_eq!(f.event(&mut whole), Edit::Changed);
+        assert_eq!(whole["response"]["output"], json!([]));
+        let mut f = Filter::new(Format::Messages, Usage::default());
+        let mut delta = json!({"type": "message_delta", "delta": {},
+            "content_block": {"type": "tool_use", "name": RECALL_TOOL}});
+        assert_eq!(f.event(&mut delta), Edit::Drop);
     }
 
     #[test]

@@ -19,9 +19,13 @@ const COMPRESS_DESCRIPTION: &str = "Tells condense that a task or subtask is fin
 const REASON_DESCRIPTION: &str = "What was finished, in a few words.";
 
 /// Whether a request can be offered a tool: it carries a non-empty `tools`
-/// list (condense does not give tools to a request that has none).
+/// list (condense does not give tools to a request that has none), and
+/// asks for one answer (chat's `n`: condense reads the first choice).
 pub fn offered(req: &ChatRequest) -> bool {
     req.field("tools").is_some_and(non_empty_list)
+        && req
+            .field("n")
+            .is_none_or(|n| matches!(n.trim_ascii(), b"1" | b"null"))
 }
 
 fn non_empty_list(raw: &[u8]) -> bool {
