@@ -163,8 +163,10 @@ fn small_body(stream: bool) -> Bytes {
 }
 
 /// An agent conversation of about `bytes` bytes: tool calls and results,
-/// for a model condense gives a 32k window, so it is compacted.
-fn agent_body(bytes: usize, stream: bool) -> Bytes {
+/// for a model condense gives a 32k window, so it is compacted; with
+/// `tools`, it declares its tool as agents do, so condense also keeps the
+/// originals and offers `condense_recall`.
+fn agent_body(bytes: usize, stream: bool, tools: bool) -> Bytes {
     let mut messages = vec![
         serde_json::json!({"role": "system", "content": "You are a coding agent. Use the tools."}),
         serde_json::json!({"role": "user", "content": "Fix the failing test in src/parser.rs"}),
@@ -181,10 +183,13 @@ fn agent_body(bytes: usize, stream: bool) -> Bytes {
         messages.push(serde_json::json!({"role": "assistant", "content": format!("Looked at file {i}; moving on.")}));
         i += 1;
     }
-    Bytes::from(
-        serde_json::json!({"model": "bench-agent", "messages": messages, "stream": stream})
-            .to_string(),
-    )
+    let mut body = serde_json::json!({"model": "bench-agent", "messages": messages, "stream": stream});
+    if tools {
+        body["tools"] = serde_json::json!([{"type": "function", "function": {"name": "run",
+            "description": "Runs a shell command", "parameters": {"type": "object",
+            "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}}]);
+    }
+    Bytes::from(body.to_string())
 }
 
 /// Reads a whole response; a stream must end with `[DONE]`.
@@ -378,12 +383,17 @@ fn main() {
         ("small stream", small_body(true), rate),
         (
             "agent 300 KB JSON, compacted",
-            agent_body(300 * 1024, false),
+            agent_body(300 * 1024, false, false),
             agent_rate,
         ),
         (
             "agent 300 KB stream, compacted",
-            agent_body(300 * 1024, true),
+            agent_body(300 * 1024, true, false),
+            agent_rate,
+        ),
+        (
+            "agent 300 KB JSON with tools, compacted, recall offered",
+            agent_body(300 * 1024, false, true),
             agent_rate,
         ),
     ];

@@ -79,9 +79,6 @@ pub struct Pending {
 /// its checkpoint comes.
 struct Setup {
     limits: Limits,
-    /// Tokens `limits.fixed` holds for the tools condense may offer (the
-    /// request as compacted does not have them yet).
-    reserve: u64,
     due: Option<usize>,
     settings: CompactionConfig,
     replacement: Replacement,
@@ -169,39 +166,22 @@ pub fn process(
     // A recall key is of use only to a model that can call the tool.
     let offered = crate::recall::tools::offered(&req);
     settings.recall &= offered;
-    // Room for the tools condense may add to the request it sends (with
-    // the density floor a provider that counts by characters gets).
+    // The tools condense may add (about 110 tokens) are not planned for:
+    // the budget's margins hold them, keeping them out keeps the plan's
+    // boundaries where they are without them, and an overflow retry goes
+    // without them.
+    let limits = Limits {
+        budget: assessment.budget.prompt_budget as f64 / plan,
+        window: assessment.budget.window as f64 / plan,
+        fixed: count.total - count.per_message.iter().sum::<u64>(),
+    };
     let density = info
         .correction
         .as_ref()
         .and_then(|c| c.density)
         .unwrap_or(0.0);
-    let reserve = [
-        (settings.recall, crate::recall::RECALL_TOOL),
-        (settings.agent_tool && offered, crate::recall::COMPRESS_TOOL),
-    ]
-    .iter()
-    .filter(|(on, _)| *on)
-    .map(|(_, name)| {
-        let def = format!(
-            "[{}]",
-            crate::recall::tools::definition(crate::wire::Format::Chat, name)
-        );
-        let counted = tokens.tools_tokens(def.as_bytes(), info.encoding);
-        match density > 0.0 {
-            true => crate::tokens::floored(counted, def.len(), density),
-            false => counted,
-        }
-    })
-    .sum();
-    let limits = Limits {
-        budget: assessment.budget.prompt_budget as f64 / plan,
-        window: assessment.budget.window as f64 / plan,
-        fixed: count.total - count.per_message.iter().sum::<u64>() + reserve,
-    };
     let setup = Setup {
         limits,
-        reserve,
         due,
         settings,
         replacement: replacement.for_budget(limits.budget),
@@ -269,7 +249,7 @@ fn apply(
     // With a density floor the outcome is counted in floored units, which
     // the ratio was made for; calibration wants the plain count. (The tools
     // condense offers are counted when it adds them.)
-    let after = outcome.tokens_after.saturating_sub(setup.reserve);
+    let after = outcome.tokens_after;
     let raw_after = if setup.density > 0.0 {
         tokens.count(&req, setup.encoding).total
     } else {
