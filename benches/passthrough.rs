@@ -183,7 +183,8 @@ fn agent_body(bytes: usize, stream: bool, tools: bool) -> Bytes {
         messages.push(serde_json::json!({"role": "assistant", "content": format!("Looked at file {i}; moving on.")}));
         i += 1;
     }
-    let mut body = serde_json::json!({"model": "bench-agent", "messages": messages, "stream": stream});
+    let mut body =
+        serde_json::json!({"model": "bench-agent", "messages": messages, "stream": stream});
     if tools {
         body["tools"] = serde_json::json!([{"type": "function", "function": {"name": "run",
             "description": "Runs a shell command", "parameters": {"type": "object",

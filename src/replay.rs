@@ -337,7 +337,7 @@ async fn recallable(proxy: &Proxy, hay: &str) -> String {
     keys.dedup();
     let mut out = String::new();
     for k in keys {
-        if let Some(text) = originals.get(&proxy.state, k).await {
+        if let Some(text) = originals.get(&proxy.recall_state, k).await {
             out.push_str(&text);
             out.push('\n');
         }

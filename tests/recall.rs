@@ -22,6 +22,7 @@ use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use condense::config::Config;
 use condense::server::Server;
+use futures_util::StreamExt;
 use serde_json::{Value, json};
 
 const RECALL: &str = "condense_recall";
@@ -38,6 +39,8 @@ struct Model {
     key: Mutex<Option<String>>,
     /// Call `compress_context` when offered (once per conversation).
     compress: AtomicBool,
+    /// Answer 200 with the start of a JSON body, then nothing.
+    stall: AtomicBool,
 }
 
 impl Model {
@@ -111,6 +114,11 @@ async fn answer(State(model): State<Arc<Model>>, req: Request) -> Response {
         Some(k) if offered && (!answered || model.always.load(Ordering::SeqCst)) => Some(k),
         _ => None,
     };
+    if model.stall.load(Ordering::SeqCst) {
+        let start = futures_util::stream::once(async { Ok::<_, std::io::Error>("{\"id\":") });
+        let body = Body::from_stream(start.chain(futures_util::stream::pending()));
+        return ([("content-type", "application/json")], body).into_response();
+    }
     let n = model.requests.lock().unwrap().len();
     let compress_offered = body["tools"]
         .as_array()
@@ -815,5 +823,34 @@ async fn compress_context_is_answered_and_the_next_request_is_compacted_up_to_th
         .await
         .unwrap();
     assert_eq!(resp.headers()["x-condense-actions"], "none");
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_json_answer_that_stalls_is_relayed_under_the_idle_timeout() {
+    let up = upstream().await;
+    let server = condense(&up, |c| c.upstream.idle_timeout_seconds = 1.0).await;
+    up.model.stall.store(true, Ordering::SeqCst);
+    // Offered the tool, condense reads the answer for its calls; a stalled
+    // one still reaches the client (cut off by the relay), never hangs.
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        let resp = reqwest::Client::new()
+            .post(format!(
+                "http://{}/v1/chat/completions",
+                server.local_addr()
+            ))
+            .header("content-type", "application/json")
+            .body(chat_session(false).to_string())
+            .send()
+            .await
+            .unwrap();
+        (resp.status().as_u16(), resp.bytes().await.is_err())
+    })
+    .await;
+    // The status the upstream gave, then the body cut off as any stalled
+    // body is.
+    assert_eq!(reply.ok(), Some((200, true)), "the client request hung");
+    let tools = up.model.requests()[0].1["tools"].as_array().unwrap().len();
+    assert_eq!(tools, 2, "the stalled request was offered the tool");
     server.shutdown().await.unwrap();
 }

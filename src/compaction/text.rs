@@ -85,6 +85,15 @@ pub fn head_tail(s: &str, keep: usize) -> String {
     if s.len() <= keep || s.contains(MARK) {
         return s.to_string();
     }
+    cut_middle(s, keep)
+}
+
+/// `s` cut to about `keep` bytes, its head and tail kept, whatever it
+/// holds (see [`head_tail`] for text condense may have cut before).
+pub fn cut_middle(s: &str, keep: usize) -> String {
+    if s.len() <= keep {
+        return s.to_string();
+    }
     let head_len = floor_boundary(s, keep * 2 / 3);
     let tail_start = ceil_boundary(s, s.len() - (keep - keep * 2 / 3));
     let elided = &s[head_len..tail_start];

@@ -142,16 +142,17 @@ impl Proxy {
 
         // Recall: condense's own tools answered. The originals go to the
         // state store first, for the replicas that get a later key.
-        if let Some(offer) = prepared.offer.as_mut() {
-            offer.originals.scope.clone_from(&scope);
+        if let Some(offer) = prepared.offer.as_ref() {
             self.recall_written
-                .remember(&self.state, &offer.originals)
+                .remember(&self.recall_state, &offer.originals)
                 .await;
         }
-        let (resp, first_usage) = match (prepared.offer.take(), again) {
+        let (resp, first_round) = match (prepared.offer.take(), again) {
             (Some(offer), Some(again)) if resp.status().is_success() => {
-                self.answer_tools(format, *offer, prepared.body.clone(), resp, again, upstream)
-                    .await?
+                let answered = self
+                    .answer_tools(format, *offer, prepared.body.clone(), resp, again, upstream)
+                    .await?;
+                (answered.reply, answered.first_round)
             }
             _ => (Reply::from(resp), None),
         };
@@ -182,9 +183,10 @@ impl Proxy {
         let mut on_usage = learner.map(|l| l.on_usage(counted));
         // After condense answered its tools, the final answer's usage
         // covers requests larger than the one prepared: calibration learns
-        // from the first round's.
-        if let Some(usage) = first_usage
+        // from the first round's, or not at all.
+        if let Some(first) = first_round
             && let Some(learn) = on_usage.take()
+            && let Some(usage) = first
         {
             learn(usage);
         }

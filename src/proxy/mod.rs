@@ -80,6 +80,10 @@ pub struct Proxy {
     /// None when `summary.enabled` is false.
     summarizer: Option<Summarizer>,
     pub state: Arc<StateStore>,
+    /// Recall originals and agent points, apart from `state` so that they
+    /// never crowd checkpoints out of the in-process store's bytes (the
+    /// same Redis, when there is one).
+    pub recall_state: Arc<StateStore>,
     /// When each model's shared learned window was last looked up.
     window_checks: Bounded<u64, Instant, PreHashed>,
     max_body_bytes: u64,
@@ -127,6 +131,7 @@ impl Proxy {
         upstream: Upstream,
     ) -> Result<Proxy, SetupError> {
         let state = Arc::new(StateStore::new(&config.state, Some(metrics.clone()))?);
+        let recall_state = Arc::new(StateStore::new(&config.state, Some(metrics.clone()))?);
         let summarizer = if config.summary.enabled {
             Some(Summarizer::new(
                 &config.summary,
@@ -149,6 +154,7 @@ impl Proxy {
             anthropic,
             summarizer,
             state,
+            recall_state,
             window_checks: Bounded::hashed(4096, 4096, one),
             credentials: Credentials::new(&config.auth, config.upstream.api_key.as_ref()),
             tokens: Arc::new(TokenService::new(config.clone(), &metrics)),

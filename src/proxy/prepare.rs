@@ -128,7 +128,7 @@ impl Proxy {
             .then(|| AgentPoint::of(scope, parsed.conversation.messages()))
             .flatten();
         let due = match &point {
-            Some(p) => p.recorded(&self.state).await,
+            Some(p) => p.recorded(&self.recall_state).await,
             None => None,
         };
         let measured = if bytes.len() >= BLOCKING_PREPARE_BYTES

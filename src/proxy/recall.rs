@@ -12,7 +12,7 @@
 //! a follow-up request fails, or the limit is reached, the client gets the
 //! answer it would have got, without condense's calls.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
@@ -31,9 +31,16 @@ use crate::recall::tools::{Answer, Call, Usage};
 use crate::recall::{COMPRESS_TOOL, RECALL_TOOL};
 use crate::wire::Format;
 
-/// Largest JSON answer read for condense's calls (a larger one is relayed
-/// as it comes).
+/// Largest answer read for condense's calls (a larger one is relayed as it
+/// comes).
 const MAX_ANSWER_BYTES: usize = 8 << 20;
+/// Longest a stream is held back before it shows whether it starts with
+/// condense's call (a long reasoning phase then reaches the client as it
+/// comes, and a call after it is taken out).
+const MAX_HOLD: Duration = Duration::from_secs(20);
+/// Longest SSE event the filter edits; past it, the rest of the stream is
+/// relayed as it is.
+const MAX_EVENT_BYTES: usize = 1 << 20;
 
 /// What a request was offered, and what answers the offer.
 pub struct Offer {
@@ -66,10 +73,17 @@ enum Step {
     },
 }
 
+/// The answer for the client once condense's calls are answered.
+pub struct Answered {
+    pub reply: Reply,
+    /// Set when the model called condense's tools: the usage of the first
+    /// round (what the request as prepared cost), if it could be read.
+    /// Calibration must not read the final answer's then.
+    pub first_round: Option<Option<usage::Usage>>,
+}
+
 impl Proxy {
-    /// The answer for the client, with condense's calls answered; and, when
-    /// condense answered any, the usage of the first round (what the
-    /// request as prepared cost, for calibration).
+    /// The answer for the client, with condense's calls answered.
     pub(super) async fn answer_tools(
         &self,
         format: Format,
@@ -78,10 +92,10 @@ impl Proxy {
         resp: reqwest::Response,
         again: Again,
         upstream: &Upstream,
-    ) -> Result<(Reply, Option<usage::Usage>), ProxyError> {
+    ) -> Result<Answered, ProxyError> {
         let max = self.compaction.max_recalls;
         let mut extra = Usage::default();
-        let mut first = None;
+        let mut first_round = None;
         let mut body = sent;
         let mut reply = Reply::from(resp);
         let mut room = offer.room_chars;
@@ -94,10 +108,10 @@ impl Proxy {
                     self.read_stream(format, reply, &extra, last, upstream.idle_timeout)
                         .await
                 }
-                false => read_json(format, reply, &extra).await,
+                false => read_json(format, reply, &extra, upstream.idle_timeout).await,
             };
             let (answer, raw, status, headers, sse) = match step? {
-                Step::Done(r) => return Ok((r, first)),
+                Step::Done(reply) => return Ok(Answered { reply, first_round }),
                 Step::Ours {
                     answer,
                     raw,
@@ -107,14 +121,17 @@ impl Proxy {
                 } => (answer, raw, status, headers, sse),
             };
             if round == 1 {
-                first = usage_of(format, &raw, sse);
+                first_round = Some(usage_of(format, &raw, sse));
             }
             // What the client gets if this round is the last.
-            let fallback = |outcome: &str, extra: &Usage| {
-                self.metrics
-                    .recalls_total
-                    .with_label_values(&[outcome])
-                    .inc_by(answer.ours().len() as u64);
+            // (A stream's filter counts the calls it takes out itself.)
+            let fallback = |outcome: &'static str, extra: &Usage| {
+                if !sse {
+                    self.metrics
+                        .recalls_total
+                        .with_label_values(&[outcome])
+                        .inc_by(answer.ours().len() as u64);
+                }
                 match sse {
                     true => Reply {
                         status,
@@ -131,7 +148,7 @@ impl Proxy {
                                 async move { Ok(raw) }
                             })),
                             extra.clone(),
-                            None,
+                            outcome,
                         ),
                     },
                     false => {
@@ -140,11 +157,17 @@ impl Proxy {
                 }
             };
             if last {
-                return Ok((fallback("limit_reached", &extra), first));
+                return Ok(Answered {
+                    reply: fallback("limit_reached", &extra),
+                    first_round,
+                });
             }
             let results = self.results(&answer.ours(), &offer, &mut room).await;
             let Some(next) = answer.follow_up(&body, &results) else {
-                return Ok((fallback("failed", &extra), first));
+                return Ok(Answered {
+                    reply: fallback("failed", &extra),
+                    first_round,
+                });
             };
             let sent = upstream
                 .send(
@@ -162,11 +185,17 @@ impl Proxy {
                 }
                 Ok(r) => {
                     tracing::warn!(status = %r.status(), "the request carrying condense's tool results failed; answering without them");
-                    return Ok((fallback("failed", &extra), first));
+                    return Ok(Answered {
+                        reply: fallback("failed", &extra),
+                        first_round,
+                    });
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "the request carrying condense's tool results failed; answering without them");
-                    return Ok((fallback("failed", &extra), first));
+                    return Ok(Answered {
+                        reply: fallback("failed", &extra),
+                        first_round,
+                    });
                 }
             }
         }
@@ -186,7 +215,7 @@ impl Proxy {
             let text = match call.name.as_str() {
                 RECALL_TOOL => {
                     let key = call.argument.as_deref().unwrap_or("").trim();
-                    match offer.originals.get(&self.state, key).await {
+                    match offer.originals.get(&self.recall_state, key).await {
                         Some(original) => {
                             let text = within(&original, share);
                             *room = room.saturating_sub(text.len());
@@ -210,7 +239,7 @@ impl Proxy {
                 }
                 COMPRESS_TOOL => {
                     if let Some(point) = &offer.point {
-                        point.record(&self.state).await;
+                        point.record(&self.recall_state).await;
                     }
                     self.metrics
                         .agent_compactions_total
@@ -254,7 +283,7 @@ impl Proxy {
                     format,
                     Box::pin(head.chain(body)),
                     extra.clone(),
-                    Some(if last { "limit_reached" } else { "stripped" }),
+                    if last { "limit_reached" } else { "stripped" },
                 ),
             })
         };
@@ -265,8 +294,15 @@ impl Proxy {
         let mut scanned = 0;
         let mut gather = Gather::new(format);
         let mut decision = Decision::Hold;
+        let hold_until = Instant::now() + MAX_HOLD;
         loop {
-            let next = match tokio::time::timeout(idle, body.next()).await {
+            // Held back (reasoning) no longer than MAX_HOLD; once it is
+            // condense's call, read under the idle timeout alone.
+            let wait = match decision {
+                Decision::Hold => idle.min(hold_until.saturating_duration_since(Instant::now())),
+                _ => idle,
+            };
+            let next = match tokio::time::timeout(wait, body.next()).await {
                 Ok(Some(Ok(chunk))) => chunk,
                 // The relay reports a failure or a stall as it does for any
                 // stream: what was held goes first.
@@ -314,67 +350,96 @@ impl Proxy {
         format: Format,
         body: BodyStream,
         extra: Usage,
-        outcome: Option<&'static str>,
+        outcome: &'static str,
     ) -> BodyStream {
-        let metrics = self.metrics.clone();
-        let outcome = outcome.unwrap_or("failed");
-        let state = (body, BytesMut::new(), Filter::new(format, extra), false);
-        Box::pin(futures_util::stream::unfold(
-            state,
-            move |(mut body, mut buf, mut filter, done)| {
-                let metrics = metrics.clone();
-                async move {
-                    if done {
-                        return None;
-                    }
-                    loop {
-                        match body.next().await {
-                            Some(Ok(chunk)) => {
-                                buf.extend_from_slice(&chunk);
-                                let mut out = Vec::new();
-                                let mut from = 0;
-                                while let Some(end) = usage::find_event_end(&buf, from) {
-                                    edit(&buf[from..end], &mut filter, &mut out);
-                                    from = end;
-                                }
-                                let _ = buf.split_to(from);
-                                if !out.is_empty() {
-                                    return Some((
-                                        Ok(Bytes::from(out)),
-                                        (body, buf, filter, false),
-                                    ));
-                                }
-                            }
-                            Some(Err(e)) => return Some((Err(e), (body, buf, filter, true))),
-                            None => {
-                                let mut out = Vec::new();
-                                if !buf.is_empty() {
-                                    edit(&buf, &mut filter, &mut out);
-                                }
-                                if filter.stripped > 0 {
-                                    metrics
-                                        .recalls_total
-                                        .with_label_values(&[outcome])
-                                        .inc_by(filter.stripped as u64);
-                                }
-                                if out.is_empty() {
-                                    return None;
-                                }
-                                return Some((
-                                    Ok(Bytes::from(out)),
-                                    (body, BytesMut::new(), filter, true),
-                                ));
-                            }
+        let state = Edited {
+            body,
+            buf: BytesMut::new(),
+            scanned: 0,
+            filter: Filter::new(format, extra),
+            raw: false,
+            done: false,
+            metrics: self.metrics.clone(),
+            outcome,
+        };
+        Box::pin(futures_util::stream::unfold(state, |mut st| async move {
+            if st.done {
+                return None;
+            }
+            loop {
+                match st.body.next().await {
+                    Some(Ok(chunk)) if st.raw => return Some((Ok(chunk), st)),
+                    Some(Ok(chunk)) => {
+                        st.buf.extend_from_slice(&chunk);
+                        let mut out = Vec::new();
+                        let mut from = 0;
+                        while let Some(end) = usage::find_event_end(&st.buf, from.max(st.scanned)) {
+                            edit(&st.buf[from..end], &mut st.filter, &mut out);
+                            from = end;
+                            st.scanned = 0;
+                        }
+                        let _ = st.buf.split_to(from);
+                        // The unfinished event is not scanned again, but
+                        // for a blank line split between chunks.
+                        st.scanned = st.buf.len().saturating_sub(2);
+                        if st.buf.len() > MAX_EVENT_BYTES {
+                            st.raw = true;
+                            out.extend_from_slice(&st.buf.split());
+                        }
+                        if !out.is_empty() {
+                            return Some((Ok(Bytes::from(out)), st));
                         }
                     }
+                    Some(Err(e)) => {
+                        st.done = true;
+                        return Some((Err(e), st));
+                    }
+                    None => {
+                        st.done = true;
+                        let mut out = Vec::new();
+                        if !st.buf.is_empty() {
+                            let rest = st.buf.split();
+                            edit(&rest, &mut st.filter, &mut out);
+                        }
+                        if st.filter.stripped > 0 {
+                            st.metrics
+                                .recalls_total
+                                .with_label_values(&[st.outcome])
+                                .inc_by(st.filter.stripped as u64);
+                        }
+                        return (!out.is_empty()).then(|| (Ok(Bytes::from(out)), st));
+                    }
                 }
-            },
-        ))
+            }
+        }))
     }
 }
 
-/// Reads a JSON answer whole (one too large goes to the client as it is).
-async fn read_json(format: Format, reply: Reply, extra: &Usage) -> Result<Step, ProxyError> {
+/// A stream on its way through the [`Filter`].
+struct Edited {
+    body: BodyStream,
+    /// The unfinished event.
+    buf: BytesMut,
+    /// Where in `buf` to look for the event's end.
+    scanned: usize,
+    filter: Filter,
+    /// An event past MAX_EVENT_BYTES came: the rest goes as it is.
+    raw: bool,
+    done: bool,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+    /// The outcome the calls taken out are counted under.
+    outcome: &'static str,
+}
+
+/// Reads a JSON answer whole (one too large, or that stalls longer than
+/// `idle` between chunks, goes to the client as it is, under the relay's
+/// own idle timeout).
+async fn read_json(
+    format: Format,
+    reply: Reply,
+    extra: &Usage,
+    idle: Duration,
+) -> Result<Step, ProxyError> {
     let Reply {
         status,
         headers,
@@ -382,7 +447,20 @@ async fn read_json(format: Format, reply: Reply, extra: &Usage) -> Result<Step, 
         content_length,
     } = reply;
     let mut buf = BytesMut::new();
-    while let Some(chunk) = body.next().await {
+    loop {
+        let chunk = match tokio::time::timeout(idle, body.next()).await {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => break,
+            Err(_) => {
+                let head = futures_util::stream::once(async move { Ok(buf.freeze()) });
+                return Ok(Step::Done(Reply {
+                    status,
+                    headers,
+                    content_length,
+                    body: Box::pin(head.chain(body)),
+                }));
+            }
+        };
         match chunk {
             Ok(c) => buf.extend_from_slice(&c),
             Err(e) => {

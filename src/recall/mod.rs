@@ -30,6 +30,11 @@ pub const RECALL_TOOL: &str = "condense_recall";
 /// The tool the model asks for compaction with (`compaction.agent_tool`).
 pub const COMPRESS_TOOL: &str = "compress_context";
 
+/// Whether a tool name is one of condense's own.
+pub fn is_own_tool(name: &str) -> bool {
+    name == RECALL_TOOL || name == COMPRESS_TOOL
+}
+
 /// What precedes a key in condense's markers.
 const LABEL: &str = "recall key: ";
 /// Characters a key adds to a marker (` recall key: K;`).

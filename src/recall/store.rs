@@ -4,6 +4,7 @@
 //! key found (or guessed) by one client never returns another's text.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use http::HeaderMap;
@@ -11,7 +12,7 @@ use http::HeaderMap;
 use super::Recallable;
 use crate::cache::{Bounded, PreHashed};
 use crate::chat::Message;
-use crate::compaction::text::head_tail;
+use crate::compaction::text::cut_middle;
 use crate::state::StateStore;
 
 /// Headers a client's credentials come in.
@@ -61,13 +62,20 @@ pub struct Written {
     /// An entry is written again once it is this old (the store's time to
     /// live runs from the last write).
     refresh: Duration,
+    /// Background writes to Redis under way (at most MAX_WRITERS; past
+    /// that, originals are written on a later request).
+    writers: Arc<AtomicUsize>,
 }
+
+/// Background Redis writes at once.
+const MAX_WRITERS: usize = 16;
 
 impl Written {
     pub fn new(entries: usize, ttl: Duration) -> Written {
         Written {
             at: Bounded::hashed(entries, entries as u64, |_: &u64, _: &Instant| 1),
             refresh: ttl / 2,
+            writers: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -76,6 +84,10 @@ impl Written {
     /// request up; a key the request needs itself is answered from the
     /// request).
     pub async fn remember(&self, store: &Arc<StateStore>, originals: &Originals) {
+        let redis = store.kind() == "redis";
+        if redis && self.writers.load(Ordering::Relaxed) >= MAX_WRITERS {
+            return;
+        }
         let mut todo = Vec::new();
         for key in originals.own.keys() {
             let full = store_key(&originals.scope, key);
@@ -91,12 +103,14 @@ impl Written {
         if todo.is_empty() {
             return;
         }
-        if store.kind() == "redis" {
-            let store = store.clone();
+        if redis {
+            let (store, writers) = (store.clone(), self.writers.clone());
+            writers.fetch_add(1, Ordering::Relaxed);
             tokio::spawn(async move {
                 for (k, v) in todo {
                     store.put(&k, &v).await;
                 }
+                writers.fetch_sub(1, Ordering::Relaxed);
             });
         } else {
             for (k, v) in todo {
@@ -167,7 +181,7 @@ pub fn within(text: &str, max_chars: usize) -> String {
     format!(
         "[condense: the original is {} chars; cut to fit the context window]\n{}",
         text.len(),
-        head_tail(text, max_chars)
+        cut_middle(text, max_chars)
     )
 }
 
@@ -257,5 +271,8 @@ mod tests {
         assert!(cut.starts_with("[condense: the original is 5000 chars"));
         assert!(cut.len() < 700);
         assert_eq!(within("short", 500), "short");
+        // An original that holds condense's own markers is cut too.
+        let marked = format!("[condense: x]\n{text}");
+        assert!(within(&marked, 500).len() < 700);
     }
 }

@@ -12,7 +12,7 @@ use super::{COMPRESS_TOOL, RECALL_TOOL};
 use crate::wire::Format;
 
 fn ours(name: Option<&str>) -> bool {
-    matches!(name, Some(RECALL_TOOL | COMPRESS_TOOL))
+    name.is_some_and(super::is_own_tool)
 }
 
 fn str_at<'a>(v: &'a Value, at: &str) -> Option<&'a str> {
@@ -92,6 +92,13 @@ impl Gather {
         if delta.get("refusal").is_some_and(|r| !r.is_null()) {
             now = Decision::Pass;
         }
+        for key in super::tools::REASONING_FIELDS {
+            if let Some(piece) = delta.get(*key).and_then(Value::as_str) {
+                let message = &mut self.value["choices"][0]["message"];
+                let before = message[*key].as_str().unwrap_or("").to_string();
+                message[*key] = json!(before + piece);
+            }
+        }
         for tc in delta
             .get("tool_calls")
             .and_then(Value::as_array)
@@ -112,8 +119,15 @@ impl Gather {
             }
             if let Some(name) = str_at(tc, "/function/name") {
                 let full = format!("{}{name}", call["function"]["name"].as_str().unwrap_or(""));
+                // A name may come in pieces: one that may still become one
+                // of condense's tools tells nothing yet.
                 now = if ours(Some(&full)) {
                     Decision::Ours
+                } else if [RECALL_TOOL, COMPRESS_TOOL]
+                    .iter()
+                    .any(|t| t.starts_with(&full))
+                {
+                    Decision::Hold
                 } else {
                     Decision::Pass
                 };
@@ -523,6 +537,17 @@ mod tests {
 
         let text = [json!({"choices": [{"index": 0, "delta": {"content": "Hi"}}]})];
         assert_eq!(run(Format::Chat, &text).0, Decision::Pass);
+        // A name in pieces: nothing is told until it can no longer be ours.
+        let piece = |name: &str| {
+            json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
+                "function": {"name": name}}]}}]})
+        };
+        let mut g = Gather::new(Format::Chat);
+        assert_eq!(g.event(&piece("condense_")), Decision::Hold);
+        assert_eq!(g.event(&piece("recall")), Decision::Ours);
+        let mut g = Gather::new(Format::Chat);
+        assert_eq!(g.event(&piece("condense_")), Decision::Hold);
+        assert_eq!(g.event(&piece("x")), Decision::Pass);
     }
 
     #[test]

@@ -9,23 +9,44 @@
 use bytes::Bytes;
 use serde_json::{Map, Value, json};
 
-use super::{COMPRESS_TOOL, RECALL_TOOL};
+use super::COMPRESS_TOOL;
 use crate::chat::{ChatRequest, RawObject};
 use crate::wire::Format;
+
+/// Fields of a chat assistant message that hold its reasoning.
+pub const REASONING_FIELDS: &[&str] = &["reasoning_content", "reasoning"];
 
 const RECALL_DESCRIPTION: &str = "Returns the original text of something condense shortened or removed to fit the context window: a tool output, call arguments or earlier turns. Pass the key shown as `recall key: K` next to what was cut. Call it alone, when you need the exact text again.";
 const KEY_DESCRIPTION: &str = "The recall key, as shown after `recall key:`.";
 const COMPRESS_DESCRIPTION: &str = "Tells condense that a task or subtask is finished: the conversation up to here may then be compacted (older tool output shortened or summarized) from the next request on. Call it alone, at a task boundary, when the details so far will not be needed verbatim.";
 const REASON_DESCRIPTION: &str = "What was finished, in a few words.";
 
-/// Whether a request can be offered a tool: it carries a non-empty `tools`
-/// list (condense does not give tools to a request that has none), and
-/// asks for one answer (chat's `n`: condense reads the first choice).
+/// A field of a format's view: the server keeps the request and its answer
+/// (a Responses request with `store` not false).
+pub const SERVER_KEEPS: &str = "x-condense-server-keeps";
+
+/// Whether a request can be offered condense's tools:
+/// - it carries a non-empty `tools` list (condense gives no tools to a
+///   request that has none);
+/// - the model chooses whether to call one (`tool_choice` absent, `auto`
+///   or `{"type": "auto"}`: a forced call could be spent on condense's
+///   tools, and `none` calls nothing);
+/// - it asks for one answer (chat's `n`: condense reads the first choice);
+/// - the server keeps nothing of it (a Responses `store` not false would
+///   keep condense's turns where a later request could find them).
 pub fn offered(req: &ChatRequest) -> bool {
+    let choice_free = |c: &[u8]| {
+        let c = c.trim_ascii();
+        matches!(c, b"\"auto\"" | b"null")
+            || serde_json::from_slice::<Value>(c)
+                .is_ok_and(|v| v.get("type").and_then(Value::as_str) == Some("auto"))
+    };
     req.field("tools").is_some_and(non_empty_list)
+        && req.field("tool_choice").is_none_or(choice_free)
         && req
             .field("n")
             .is_none_or(|n| matches!(n.trim_ascii(), b"1" | b"null"))
+        && req.field(SERVER_KEEPS).is_none()
 }
 
 fn non_empty_list(raw: &[u8]) -> bool {
@@ -119,7 +140,7 @@ impl Answer {
     /// The answer's tool calls, with whether each is condense's own.
     fn calls(&self) -> Vec<(Call, bool)> {
         let mut out = Vec::new();
-        let ours = |name: &str| name == RECALL_TOOL || name == COMPRESS_TOOL;
+        let ours = super::is_own_tool;
         let argument = |v: Option<&Value>| -> Option<String> {
             let obj = match v? {
                 Value::String(s) => serde_json::from_str::<Value>(s).ok()?,
@@ -231,8 +252,17 @@ impl Answer {
                     .cloned()
                     .collect();
                 let content = message.get("content").cloned().unwrap_or(Value::Null);
-                let mut turn =
-                    vec![json!({"role": "assistant", "content": content, "tool_calls": calls})];
+                let mut assistant =
+                    json!({"role": "assistant", "content": content, "tool_calls": calls});
+                // Reasoning some servers send beside the content (DeepSeek's
+                // `reasoning_content`, OpenRouter's `reasoning`) goes back with
+                // the calls it led to, as their tool loops expect.
+                for key in REASONING_FIELDS {
+                    if let Some(r) = message.get(*key).filter(|r| !r.is_null()) {
+                        assistant[*key] = r.clone();
+                    }
+                }
+                let mut turn = vec![assistant];
                 for (id, text) in results {
                     turn.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
                 }
@@ -299,7 +329,7 @@ impl Answer {
         let ours = |v: &Value, name_at: &str| {
             v.pointer(name_at)
                 .and_then(Value::as_str)
-                .is_some_and(|n| n == RECALL_TOOL || n == COMPRESS_TOOL)
+                .is_some_and(super::is_own_tool)
         };
         match self.format {
             Format::Chat => {
@@ -445,6 +475,7 @@ fn sum_into(into: &mut Map<String, Value>, from: &Map<String, Value>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::recall::RECALL_TOOL;
 
     fn body(v: Value) -> Bytes {
         Bytes::from(v.to_string())
@@ -479,6 +510,42 @@ mod tests {
             "string"
         );
         assert_eq!(v["tools"][2]["name"], COMPRESS_TOOL);
+    }
+
+    #[test]
+    fn only_requests_whose_model_chooses_freely_and_statelessly_get_tools() {
+        let req = |extra: Value| {
+            let mut v = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "read"}}]});
+            for (k, x) in extra.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            ChatRequest::parse(&body(v)).unwrap()
+        };
+        assert!(offered(&req(json!({}))));
+        assert!(offered(&req(json!({"tool_choice": "auto", "n": 1}))));
+        assert!(offered(&req(json!({"tool_choice": {"type": "auto"}}))));
+        assert!(!offered(&req(json!({"tool_choice": "required"}))));
+        assert!(!offered(&req(json!({"tool_choice": {"type": "any"}}))));
+        assert!(!offered(&req(
+            json!({"tool_choice": {"type": "function", "function": {"name": "read"}}})
+        )));
+        assert!(!offered(&req(json!({"n": 2}))));
+        assert!(!offered(&req(json!({"tools": []}))));
+        assert!(!offered(&req(json!({SERVER_KEEPS: true}))));
+        // A Responses request the server keeps (store absent or true).
+        let responses = |store: Value| {
+            let mut v = json!({"model": "m", "input": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "name": "read"}]});
+            if !store.is_null() {
+                v["store"] = store;
+            }
+            let r = crate::wire::responses::ResponsesRequest::parse(&body(v)).unwrap();
+            offered(&r.view().0)
+        };
+        assert!(responses(json!(false)));
+        assert!(!responses(json!(true)));
+        assert!(!responses(Value::Null));
     }
 
     #[test]

@@ -271,7 +271,7 @@ impl MessagesRequest {
             }
         }
         let mut fields = RawObject::default();
-        for key in ["model", "max_tokens", "tools"] {
+        for key in ["model", "max_tokens", "tools", "tool_choice"] {
             if let Some(v) = self.fields.get(key) {
                 fields.set(key, Bytes::copy_from_slice(v));
             }

@@ -285,10 +285,20 @@ impl ResponsesRequest {
             ("model", "model"),
             ("max_output_tokens", "max_tokens"),
             ("tools", "tools"),
+            ("tool_choice", "tool_choice"),
         ] {
             if let Some(v) = self.fields.get(from) {
                 fields.set(to, Bytes::copy_from_slice(v));
             }
+        }
+        // With `store` (true by default) the server keeps what this
+        // request and its answer hold, and a later request may go on from
+        // it: condense's tools must then stay out of it.
+        if self.fields.get("store").map(<[u8]>::trim_ascii) != Some(b"false") {
+            fields.set(
+                crate::recall::tools::SERVER_KEEPS,
+                Bytes::from_static(b"true"),
+            );
         }
         (ChatRequest::assembled(fields, messages), Origins(origins))
     }
