@@ -368,7 +368,34 @@ impl Proxy {
             .budget
             .prompt_budget
             .saturating_sub(p.tokens_after);
+        // condense's tools, when the request can call them and has use for
+        // them: compress_context first (it is offered on every request),
+        // the recall tool joining it once a key appears (this request's
+        // compaction wrote one, or the client's messages hold one already,
+        // from a conversation another replica compacted).
+        let mut names = Vec::new();
+        if offer_tools && self.compaction.agent_tool && offered {
+            names.push(recall::COMPRESS_TOOL);
+        }
+        if offer_tools
+            && (p.recallable.is_some()
+                || (self.compaction.recall
+                    && offered
+                    && recall::mentions_key(p.request.messages())))
+        {
+            names.push(recall::RECALL_TOOL);
+        }
+        let format = writer.format();
+        // The tool lists before and after, when they were added.
+        let mut tools = None;
         let (body, strip_usage) = match written {
+            Some(body) if !names.is_empty() => match recall::tools::offer(format, &body, &names) {
+                Some(o) => {
+                    tools = Some((o.before, o.after));
+                    (o.body, false)
+                }
+                None => (body, false),
+            },
             Some(body) => (body, false),
             None => {
                 let mut chat = p.request;
@@ -376,6 +403,14 @@ impl Proxy {
                     self.stream_usage && chat.is_stream() && !chat.client_wants_stream_usage();
                 if strip {
                     chat.request_stream_usage();
+                }
+                // In place: the body is written once.
+                if !names.is_empty()
+                    && let Some(before) = chat.field("tools").map(Bytes::copy_from_slice)
+                    && let Some(after) = recall::tools::extended(format, &before, &names)
+                {
+                    chat.set_field("tools", after.clone());
+                    tools = Some((before, after));
                 }
                 (chat.to_bytes(), strip)
             }
@@ -387,38 +422,19 @@ impl Proxy {
             report: Some(report),
             offer: None,
         };
-        // condense's tools, when the request can call them and has use
-        // for them.
-        // compress_context first: it is offered on every request, and the
-        // recall tool joins it once a key appears.
-        let mut names = Vec::new();
-        if self.compaction.agent_tool && offered {
-            names.push(recall::COMPRESS_TOOL);
-        }
-        // Keys this request's compaction wrote, or keys the client's
-        // messages hold already (a conversation another replica compacted).
-        if p.recallable.is_some()
-            || (self.compaction.recall && offered && recall::mentions_key(&prepared.body))
-        {
-            names.push(recall::RECALL_TOOL);
-        }
-        if offer_tools
-            && !names.is_empty()
-            && let Some(offered) = recall::tools::offer(writer.format(), &prepared.body, &names)
-        {
+        if let Some((before, after)) = tools {
             // What the tools add is part of what is sent (and of what the
             // upstream reports, which calibration compares it with).
-            let (upstream, _) = self.endpoint(writer.format());
+            let (upstream, _) = self.endpoint(format);
             let enc = self.tokens.model_info(upstream.base_url(), model).encoding;
             let added = self
                 .tokens
-                .tools_tokens(&offered.after, enc)
-                .saturating_sub(self.tokens.tools_tokens(&offered.before, enc));
+                .tools_tokens(&after, enc)
+                .saturating_sub(self.tokens.tools_tokens(&before, enc));
             if let Some(r) = prepared.report.as_mut() {
                 r.raw_after = r.raw_after.map(|n| n + added);
                 r.tokens_after += (added as f64 * p.assessment.calibration_ratio).round() as u64;
             }
-            prepared.body = offered.body;
             prepared.offer = Some(Box::new(Offer {
                 originals: Originals {
                     scope: String::new(),

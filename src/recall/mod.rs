@@ -92,9 +92,10 @@ pub fn tag(raw: &[u8], key: &str) -> Option<Bytes> {
     Some(Bytes::from(out))
 }
 
-/// Whether a body mentions a recall key at all.
-pub fn mentions_key(body: &[u8]) -> bool {
-    memmem::find(body, LABEL.as_bytes()).is_some()
+/// Whether any of `messages` mentions a recall key.
+pub fn mentions_key(messages: &[Message]) -> bool {
+    let finder = memmem::Finder::new(LABEL.as_bytes());
+    messages.iter().any(|m| finder.find(m.raw()).is_some())
 }
 
 /// The recall keys `text` holds, in order.

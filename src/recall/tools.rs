@@ -90,24 +90,30 @@ pub struct Offered {
 /// None when the body has no tool list, or already names one of them.
 pub fn offer(format: Format, body: &Bytes, names: &[&str]) -> Option<Offered> {
     let mut obj = RawObject::parse(body).ok()?;
-    let tools = obj.get("tools")?.trim_ascii();
-    if !non_empty_list(tools) || names.iter().any(|n| contains(tools, n)) {
-        return None;
-    }
-    let before = Bytes::copy_from_slice(tools);
-    let mut out = tools[..tools.len() - 1].to_vec();
-    for name in names {
-        out.push(b',');
-        out.extend_from_slice(definition(format, name).to_string().as_bytes());
-    }
-    out.push(b']');
-    let after = Bytes::from(out);
+    let before = Bytes::copy_from_slice(obj.get("tools")?);
+    let after = extended(format, &before, names)?;
     obj.set("tools", after.clone());
     Some(Offered {
         body: Bytes::from(obj.to_vec()),
         before,
         after,
     })
+}
+
+/// A `tools` list with `names` added after the client's; None when it is
+/// empty or not a list, or already names one of them.
+pub fn extended(format: Format, tools: &[u8], names: &[&str]) -> Option<Bytes> {
+    let tools = tools.trim_ascii();
+    if !non_empty_list(tools) || names.iter().any(|n| contains(tools, n)) {
+        return None;
+    }
+    let mut out = tools[..tools.len() - 1].to_vec();
+    for name in names {
+        out.push(b',');
+        out.extend_from_slice(definition(format, name).to_string().as_bytes());
+    }
+    out.push(b']');
+    Some(Bytes::from(out))
 }
 
 fn contains(haystack: &[u8], name: &str) -> bool {
