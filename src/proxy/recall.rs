@@ -521,13 +521,7 @@ fn usage_of(format: Format, raw: &Bytes, sse: bool) -> Option<usage::Usage> {
 /// An SSE event's text and its data as JSON (None for `[DONE]` and events
 /// without JSON data).
 fn event_json(event: &[u8]) -> Option<(&str, Value)> {
-    let text = std::str::from_utf8(event).ok()?;
-    let data: String = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data:"))
-        .map(|d| d.strip_prefix(' ').unwrap_or(d))
-        .collect::<Vec<_>>()
-        .join("\n");
+    let (text, data) = usage::event_data(event)?;
     let value: Value = serde_json::from_str(&data).ok()?;
     Some((text, value))
 }

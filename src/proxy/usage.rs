@@ -354,6 +354,12 @@ impl SseTap {
 
 /// The data of an SSE event as a JSON object, with the event's text.
 fn parse_event(event: &[u8]) -> Option<(&str, RawObject)> {
+    let (text, data) = event_data(event)?;
+    Some((text, RawObject::parse(&Bytes::from(data)).ok()?))
+}
+
+/// An SSE event's text and its data (its `data:` lines joined).
+pub(crate) fn event_data(event: &[u8]) -> Option<(&str, String)> {
     let text = std::str::from_utf8(event).ok()?;
     let data: String = text
         .lines()
@@ -361,7 +367,7 @@ fn parse_event(event: &[u8]) -> Option<(&str, RawObject)> {
         .map(|d| d.strip_prefix(' ').unwrap_or(d))
         .collect::<Vec<_>>()
         .join("\n");
-    Some((text, RawObject::parse(&Bytes::from(data)).ok()?))
+    Some((text, data))
 }
 
 /// Whether an event finishes a choice: it has a `finish_reason` that is not

@@ -331,6 +331,23 @@ impl Filter {
         i - self.dropped.iter().filter(|&&d| d < i).count() as u64
     }
 
+    /// An event of the block or item at `index` (under `key`): gone with a
+    /// call taken out, else moved up past the ones taken out before it.
+    fn reindex(&self, data: &mut Value, key: &str, index: Option<u64>) -> Edit {
+        let Some(i) = index else {
+            return Edit::Keep;
+        };
+        if self.dropped.contains(&i) {
+            return Edit::Drop;
+        }
+        let s = self.shifted(i);
+        if s == i {
+            return Edit::Keep;
+        }
+        data[key] = json!(s);
+        Edit::Changed
+    }
+
     pub fn event(&mut self, data: &mut Value) -> Edit {
         match self.format {
             Format::Chat => self.chat(data),
@@ -439,18 +456,7 @@ impl Filter {
             }
             _ => {}
         }
-        let Some(i) = index else {
-            return Edit::Keep;
-        };
-        if self.dropped.contains(&i) {
-            return Edit::Drop;
-        }
-        let s = self.shifted(i);
-        if s == i {
-            return Edit::Keep;
-        }
-        data["index"] = json!(s);
-        Edit::Changed
+        self.reindex(data, "index", index)
     }
 
     fn responses(&mut self, data: &mut Value) -> Edit {
@@ -485,18 +491,7 @@ impl Filter {
             }
             return if changed { Edit::Changed } else { Edit::Keep };
         }
-        let Some(i) = index else {
-            return Edit::Keep;
-        };
-        if self.dropped.contains(&i) {
-            return Edit::Drop;
-        }
-        let s = self.shifted(i);
-        if s == i {
-            return Edit::Keep;
-        }
-        data["output_index"] = json!(s);
-        Edit::Changed
+        self.reindex(data, "output_index", index)
     }
 }
 
