@@ -1,8 +1,10 @@
 //! The request path of the conversation routes (`/v1/chat/completions`,
-//! `/v1/messages`), as its phases: read the request, prepare it (measure,
-//! compact, summarize: `prepare.rs`), send it, recover from a context
-//! overflow (`recover.rs`), respond with the usage tap. The format decides
-//! only where the request goes and how its body is read and written back.
+//! `/v1/messages`, `/v1/responses`), as its phases: read the request,
+//! prepare it (measure, compact, summarize, offer condense's tools:
+//! `prepare.rs`), send it, recover from a context overflow (`recover.rs`),
+//! answer the model's calls of condense's tools (`recall.rs`), respond with
+//! the usage tap. The format decides only where the request goes and how
+//! its body is read and written back.
 
 use std::sync::Arc;
 use std::time::Instant;

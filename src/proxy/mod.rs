@@ -2,10 +2,11 @@
 //!
 //! `passthrough` streams any request to its upstream and the response back,
 //! untouched. The conversation routes (chat completions, Anthropic
-//! Messages) go through phases, one file each: `conversation` reads the
-//! request and runs the phases in order, `prepare` measures and compacts
-//! it, `recover` retries once after a context overflow, and `respond`
-//! (here) relays the answer with the usage tap.
+//! Messages, Responses) go through phases, one file each: `conversation`
+//! reads the request and runs the phases in order, `prepare` measures and
+//! compacts it (and offers condense's tools), `recover` retries once after
+//! a context overflow, `recall` answers the model's calls of condense's
+//! tools, and `respond` (here) relays the answer with the usage tap.
 
 pub mod auth;
 pub mod body;
