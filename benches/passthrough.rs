@@ -111,6 +111,10 @@ fn start_condense(upstream: SocketAddr) -> (Child, SocketAddr) {
             "CONDENSE_UPSTREAM__BASE_URL",
             format!("http://{upstream}/v1"),
         )
+        .env(
+            "CONDENSE_UPSTREAM__ANTHROPIC_BASE_URL",
+            format!("http://{upstream}/v1"),
+        )
         .env("CONDENSE_LOG__LEVEL", "warn,condense=info")
         // The agent conversation's model is unknown: this window applies.
         .env("CONDENSE_DEFAULT_CONTEXT_WINDOW", "32768")
@@ -146,6 +150,33 @@ fn memory_mib(pid: u32) -> (f64, f64) {
             .map_or(f64::NAN, |kb| kb / 1024.0)
     };
     (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// The small request as an Anthropic Messages body, and as a stateless
+/// Responses one (the mock answers them in chat's shape: what is measured
+/// is condense's work on the request).
+fn small_messages_body() -> Bytes {
+    Bytes::from(
+        serde_json::json!({
+            "model": "claude-sonnet-4-5",
+            "max_tokens": 64,
+            "system": "You are a helpful assistant.",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        })
+        .to_string(),
+    )
+}
+
+fn small_responses_body() -> Bytes {
+    Bytes::from(
+        serde_json::json!({
+            "model": "gpt-4o",
+            "instructions": "You are a helpful assistant.",
+            "input": [{"role": "user", "content": "What is the capital of France?"}],
+            "store": false,
+        })
+        .to_string(),
+    )
 }
 
 fn small_body(stream: bool) -> Bytes {
@@ -370,8 +401,10 @@ fn main() {
         .pool_max_idle_per_host(256)
         .build()
         .unwrap();
-    let direct_url = format!("http://{upstream}/v1/chat/completions");
-    let proxy_url = format!("http://{proxy}/v1/chat/completions");
+    let direct = |path: &str| format!("http://{upstream}{path}");
+    let proxied = |path: &str| format!("http://{proxy}{path}");
+    const CHAT: &str = "/v1/chat/completions";
+    let proxy_url = proxied(CHAT);
 
     println!(
         "condense load benchmark: {rate} small / {agent_rate} agent req/s for {secs} s per phase; saturation {concurrency} workers for {sat_secs} s"
@@ -380,20 +413,35 @@ fn main() {
     println!("| body | path | p50 ms | p99 ms | p99.9 ms | errors | max send lag ms |");
     println!("|---|---|---|---|---|---|---|");
     let bodies = [
-        ("small JSON", small_body(false), rate),
-        ("small stream", small_body(true), rate),
+        ("small JSON", CHAT, small_body(false), rate),
+        ("small stream", CHAT, small_body(true), rate),
+        (
+            "small Messages JSON",
+            "/v1/messages",
+            small_messages_body(),
+            rate,
+        ),
+        (
+            "small Responses JSON",
+            "/v1/responses",
+            small_responses_body(),
+            rate,
+        ),
         (
             "agent 300 KB JSON, compacted",
+            CHAT,
             agent_body(300 * 1024, false, false),
             agent_rate,
         ),
         (
             "agent 300 KB stream, compacted",
+            CHAT,
             agent_body(300 * 1024, true, false),
             agent_rate,
         ),
         (
             "agent 300 KB JSON with tools, compacted, recall offered",
+            CHAT,
             agent_body(300 * 1024, false, true),
             agent_rate,
         ),
@@ -402,7 +450,7 @@ fn main() {
     let actions = rt.block_on(async {
         let r = client
             .post(&proxy_url)
-            .body(bodies[2].1.clone())
+            .body(agent_body(300 * 1024, false, false))
             .send()
             .await
             .unwrap();
@@ -413,8 +461,9 @@ fn main() {
     });
     println!("agent conversation through condense: x-condense-actions: {actions}\n");
     let mut added = Vec::new();
-    for (name, body, rate) in &bodies {
+    for (name, path, body, rate) in &bodies {
         let rate = *rate;
+        let (direct_url, proxy_url) = (direct(path), proxied(path));
         // Warm both paths (connections, allocator) before measuring.
         rt.block_on(fixed_rate(&client, &direct_url, body, rate, 1.0));
         rt.block_on(fixed_rate(&client, &proxy_url, body, rate, 1.0));
@@ -445,7 +494,8 @@ fn main() {
     }
     println!("\n| body | direct req/s | proxied req/s | ratio | errors (direct/proxied) |");
     println!("|---|---|---|---|---|");
-    for (name, body, _) in &bodies {
+    for (name, path, body, _) in &bodies {
+        let (direct_url, proxy_url) = (direct(path), proxied(path));
         let (d, de) = rt.block_on(saturation(
             &client,
             &direct_url,
