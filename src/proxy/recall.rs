@@ -59,6 +59,15 @@ pub struct Again {
     pub headers: HeaderMap,
 }
 
+/// How a stream is read: the usage of earlier rounds, the client's tool
+/// names, whether this is the last round, the idle timeout.
+struct Read<'a> {
+    extra: &'a Usage,
+    client_tools: &'a [String],
+    last: bool,
+    idle: Duration,
+}
+
 /// One upstream answer, read as far as needed.
 enum Step {
     /// The answer for the client.
@@ -94,6 +103,8 @@ impl Proxy {
         upstream: &Upstream,
     ) -> Result<Answered, ProxyError> {
         let max = self.compaction.max_recalls;
+        // Told apart from condense's when a name is streamed in pieces.
+        let client_tools = crate::recall::tools::client_tool_names(&sent);
         let mut extra = Usage::default();
         let mut first_round = None;
         let mut body = sent;
@@ -105,8 +116,13 @@ impl Proxy {
             round += 1;
             let step = match reply.is_sse() {
                 true => {
-                    self.read_stream(format, reply, &extra, last, upstream.idle_timeout)
-                        .await
+                    let read = Read {
+                        extra: &extra,
+                        client_tools: &client_tools,
+                        last,
+                        idle: upstream.idle_timeout,
+                    };
+                    self.read_stream(format, reply, read).await
                 }
                 false => read_json(format, reply, &extra, upstream.idle_timeout).await,
             };
@@ -148,6 +164,7 @@ impl Proxy {
                                 async move { Ok(raw) }
                             })),
                             extra.clone(),
+                            &client_tools,
                             outcome,
                         ),
                     },
@@ -261,10 +278,14 @@ impl Proxy {
         &self,
         format: Format,
         reply: Reply,
-        extra: &Usage,
-        last: bool,
-        idle: Duration,
+        read: Read<'_>,
     ) -> Result<Step, ProxyError> {
+        let Read {
+            extra,
+            client_tools,
+            last,
+            idle,
+        } = read;
         let Reply {
             status,
             headers,
@@ -283,6 +304,7 @@ impl Proxy {
                     format,
                     Box::pin(head.chain(body)),
                     extra.clone(),
+                    client_tools,
                     if last { "limit_reached" } else { "stripped" },
                 ),
             })
@@ -292,7 +314,7 @@ impl Proxy {
         }
         let mut buf = BytesMut::new();
         let mut scanned = 0;
-        let mut gather = Gather::new(format);
+        let mut gather = Gather::new(format).with_client_tools(client_tools.to_vec());
         let mut decision = Decision::Hold;
         let hold_until = Instant::now() + MAX_HOLD;
         loop {
@@ -350,13 +372,14 @@ impl Proxy {
         format: Format,
         body: BodyStream,
         extra: Usage,
+        client_tools: &[String],
         outcome: &'static str,
     ) -> BodyStream {
         let state = Edited {
             body,
             buf: BytesMut::new(),
             scanned: 0,
-            filter: Filter::new(format, extra),
+            filter: Filter::new(format, extra).with_client_tools(client_tools.to_vec()),
             raw: false,
             done: false,
             metrics: self.metrics.clone(),

@@ -15,6 +15,33 @@ fn ours(name: Option<&str>) -> bool {
     name.is_some_and(super::is_own_tool)
 }
 
+/// What a tool name (or its first pieces, as some servers stream it) is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Named {
+    /// One of condense's tools, or the start of one that none of the
+    /// client's tools starts with.
+    Ours,
+    /// The start of one of condense's tools and of a client's tool alike.
+    Unknown,
+    Theirs,
+}
+
+fn named(name: &str, client_tools: &[String]) -> Named {
+    if super::is_own_tool(name) {
+        return Named::Ours;
+    }
+    if ![RECALL_TOOL, COMPRESS_TOOL]
+        .iter()
+        .any(|t| t.starts_with(name))
+    {
+        return Named::Theirs;
+    }
+    match client_tools.iter().any(|c| c.starts_with(name)) {
+        true => Named::Unknown,
+        false => Named::Ours,
+    }
+}
+
 fn str_at<'a>(v: &'a Value, at: &str) -> Option<&'a str> {
     v.pointer(at).and_then(Value::as_str)
 }
@@ -39,6 +66,8 @@ pub struct Gather {
     /// Messages: a tool_use block's input JSON by block index.
     partial: Vec<(usize, String)>,
     decision: Decision,
+    /// The names of the client's tools.
+    client_tools: Vec<String>,
 }
 
 impl Gather {
@@ -49,7 +78,15 @@ impl Gather {
             calls: Vec::new(),
             partial: Vec::new(),
             decision: Decision::Hold,
+            client_tools: Vec::new(),
         }
+    }
+
+    /// Told the names of the client's tools (a name that comes in pieces
+    /// is then told apart sooner).
+    pub fn with_client_tools(mut self, names: Vec<String>) -> Gather {
+        self.client_tools = names;
+        self
     }
 
     /// Reads one event's data; returns what can be told once it is read
@@ -120,16 +157,11 @@ impl Gather {
             if let Some(name) = str_at(tc, "/function/name") {
                 let full = format!("{}{name}", call["function"]["name"].as_str().unwrap_or(""));
                 // A name may come in pieces: one that may still become one
-                // of condense's tools tells nothing yet.
-                now = if ours(Some(&full)) {
-                    Decision::Ours
-                } else if [RECALL_TOOL, COMPRESS_TOOL]
-                    .iter()
-                    .any(|t| t.starts_with(&full))
-                {
-                    Decision::Hold
-                } else {
-                    Decision::Pass
+                // of condense's tools or a client's tool tells nothing yet.
+                now = match named(&full, &self.client_tools) {
+                    Named::Ours => Decision::Ours,
+                    Named::Unknown => Decision::Hold,
+                    Named::Theirs => Decision::Pass,
                 };
                 call["function"]["name"] = json!(full);
             }
@@ -301,6 +333,10 @@ pub struct Filter {
     client_calls: bool,
     /// How many calls were taken out.
     pub stripped: usize,
+    /// The names of the client's tools.
+    client_tools: Vec<String>,
+    /// Chat: the name of each tool call so far, by index.
+    names: Vec<(u64, String)>,
 }
 
 impl Filter {
@@ -311,7 +347,17 @@ impl Filter {
             dropped: Vec::new(),
             client_calls: false,
             stripped: 0,
+            client_tools: Vec::new(),
+            names: Vec::new(),
         }
+    }
+
+    /// Told the names of the client's tools: a chat call whose name comes
+    /// in pieces is then taken out from its first piece, when that can
+    /// only start one of condense's tools.
+    pub fn with_client_tools(mut self, names: Vec<String>) -> Filter {
+        self.client_tools = names;
+        self
     }
 
     /// Takes out the call at `index` (and every later event of it).
@@ -378,14 +424,24 @@ impl Filter {
             {
                 for tc in calls.iter() {
                     let i = tc.get("index").and_then(Value::as_u64).unwrap_or(0);
-                    if let Some(name) = str_at(tc, "/function/name") {
-                        if ours(Some(name)) {
-                            if !self.dropped.contains(&i) {
+                    if let Some(piece) = str_at(tc, "/function/name") {
+                        let full = match self.names.iter_mut().find(|(at, _)| *at == i) {
+                            Some((_, n)) => {
+                                n.push_str(piece);
+                                n.clone()
+                            }
+                            None => {
+                                self.names.push((i, piece.to_string()));
+                                piece.to_string()
+                            }
+                        };
+                        match named(&full, &self.client_tools) {
+                            Named::Ours if !self.dropped.contains(&i) => {
                                 self.dropped.push(i);
                                 self.stripped += 1;
                             }
-                        } else {
-                            self.client_calls = true;
+                            Named::Ours => {}
+                            Named::Unknown | Named::Theirs => self.client_calls = true,
                         }
                     }
                 }
@@ -532,15 +588,19 @@ mod tests {
 
         let text = [json!({"choices": [{"index": 0, "delta": {"content": "Hi"}}]})];
         assert_eq!(run(Format::Chat, &text).0, Decision::Pass);
-        // A name in pieces: nothing is told until it can no longer be ours.
+        // A name in pieces: told at once when only condense's tools start
+        // that way, else once it can no longer be one of them.
         let piece = |name: &str| {
             json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
                 "function": {"name": name}}]}}]})
         };
         let mut g = Gather::new(Format::Chat);
+        assert_eq!(g.event(&piece("condense_")), Decision::Ours);
+        let client = || vec!["condense_logs".to_string()];
+        let mut g = Gather::new(Format::Chat).with_client_tools(client());
         assert_eq!(g.event(&piece("condense_")), Decision::Hold);
         assert_eq!(g.event(&piece("recall")), Decision::Ours);
-        let mut g = Gather::new(Format::Chat);
+        let mut g = Gather::new(Format::Chat).with_client_tools(client());
         assert_eq!(g.event(&piece("condense_")), Decision::Hold);
         assert_eq!(g.event(&piece("x")), Decision::Pass);
     }
@@ -562,6 +622,22 @@ mod tests {
             json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]});
         assert_eq!(f.event(&mut end), Edit::Keep);
         assert_eq!(f.stripped, 1);
+
+        // A name in pieces is taken out from its first piece, when no
+        // client tool starts the same way.
+        let piece = |i: u64, name: &str| {
+            json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": i,
+                "function": {"name": name}}]}}]})
+        };
+        let mut f =
+            Filter::new(Format::Chat, Usage::default()).with_client_tools(vec!["read".into()]);
+        assert_eq!(f.event(&mut piece(0, "condense_")), Edit::Drop);
+        assert_eq!(f.event(&mut piece(0, "recall")), Edit::Drop);
+        assert_eq!(f.event(&mut piece(1, "re")), Edit::Changed);
+        assert_eq!(f.stripped, 1);
+        let mut g = Gather::new(Format::Chat).with_client_tools(vec!["condense_logs".into()]);
+        assert_eq!(g.event(&piece(0, "condense_")), Decision::Hold);
+        assert_eq!(g.event(&piece(0, "logs")), Decision::Pass);
     }
 
     #[test]

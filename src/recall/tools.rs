@@ -116,6 +116,24 @@ pub fn extended(format: Format, tools: &[u8], names: &[&str]) -> Option<Bytes> {
     Some(Bytes::from(out))
 }
 
+/// The names of the client's own tools in a request body (any format).
+pub fn client_tool_names(body: &Bytes) -> Vec<String> {
+    let tools = RawObject::parse(body)
+        .ok()
+        .and_then(|o| serde_json::from_slice::<Vec<Value>>(o.get("tools")?).ok())
+        .unwrap_or_default();
+    tools
+        .iter()
+        .filter_map(|t| {
+            t.pointer("/function/name")
+                .or_else(|| t.get("name"))
+                .and_then(Value::as_str)
+        })
+        .filter(|n| !super::is_own_tool(n))
+        .map(str::to_string)
+        .collect()
+}
+
 fn contains(haystack: &[u8], name: &str) -> bool {
     memchr::memmem::find(haystack, format!("\"{name}\"").as_bytes()).is_some()
 }
