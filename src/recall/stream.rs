@@ -435,7 +435,13 @@ impl Filter {
                                 piece.to_string()
                             }
                         };
-                        match named(&full, &self.client_tools) {
+                        // A client that replaces the name with each piece
+                        // would see the piece itself.
+                        let named = match super::is_own_tool(piece) {
+                            true => Named::Ours,
+                            false => named(&full, &self.client_tools),
+                        };
+                        match named {
                             Named::Ours if !self.dropped.contains(&i) => {
                                 self.dropped.push(i);
                                 self.stripped += 1;
