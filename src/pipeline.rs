@@ -175,11 +175,6 @@ pub fn process(
         window: assessment.budget.window as f64 / plan,
         fixed: count.total - count.per_message.iter().sum::<u64>(),
     };
-    let density = info
-        .correction
-        .as_ref()
-        .and_then(|c| c.density)
-        .unwrap_or(0.0);
     let setup = Setup {
         limits,
         due,
@@ -187,7 +182,11 @@ pub fn process(
         replacement: replacement.for_budget(limits.budget),
         encoding: info.encoding,
         ratio,
-        density,
+        density: info
+            .correction
+            .as_ref()
+            .and_then(|c| c.density)
+            .unwrap_or(0.0),
     };
     apply(tokens, req, assessment, setup)
 }
@@ -249,15 +248,14 @@ fn apply(
     // With a density floor the outcome is counted in floored units, which
     // the ratio was made for; calibration wants the plain count. (The tools
     // condense offers are counted when it adds them.)
-    let after = outcome.tokens_after;
     let raw_after = if setup.density > 0.0 {
         tokens.count(&req, setup.encoding).total
     } else {
-        after
+        outcome.tokens_after
     };
     let pending = outcome.span.clone().map(|span| Pending { span, setup });
     Processed {
-        tokens_after: (after as f64 * ratio).round() as u64,
+        tokens_after: (outcome.tokens_after as f64 * ratio).round() as u64,
         raw_after: Some(raw_after),
         request: req,
         assessment,

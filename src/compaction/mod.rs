@@ -419,7 +419,7 @@ pub fn compact_until(
                 content_text(messages[i].content()).is_some_and(|t| extract::reports_error(&t));
         }
     }
-    let plan = plan::plan(
+    let mut plan = plan::plan(
         &a,
         &plan::Costs {
             full: &w.cost,
@@ -441,7 +441,6 @@ pub fn compact_until(
         },
     );
     // The point the model asked for, up to the turn in progress.
-    let mut plan = plan;
     if let Some(due) = due {
         let last_assistant = (0..n).rev().find(|&i| a.roles[i] == Role::Assistant);
         plan.frontier = plan.frontier.max(due.min(last_assistant.unwrap_or(0)));

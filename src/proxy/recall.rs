@@ -159,10 +159,7 @@ impl Proxy {
                         content_length: None,
                         body: self.filtered(
                             format,
-                            Box::pin(futures_util::stream::once({
-                                let raw = raw.clone();
-                                async move { Ok(raw) }
-                            })),
+                            Reply::prefixed(raw.clone(), Box::pin(futures_util::stream::empty())),
                             extra.clone(),
                             &client_tools,
                             outcome,
@@ -295,14 +292,13 @@ impl Proxy {
         let pass = |held: Bytes, body: BodyStream, mut headers: HeaderMap| {
             // The filter may change the length.
             headers.remove(http::header::CONTENT_LENGTH);
-            let head = futures_util::stream::once(async move { Ok(held) });
             Step::Done(Reply {
                 status,
                 headers,
                 content_length: None,
                 body: self.filtered(
                     format,
-                    Box::pin(head.chain(body)),
+                    Reply::prefixed(held, body),
                     extra.clone(),
                     client_tools,
                     if last { "limit_reached" } else { "stripped" },
@@ -470,41 +466,29 @@ async fn read_json(
         content_length,
     } = reply;
     let mut buf = BytesMut::new();
+    // What was read goes first, then the rest (or the failure) as it comes.
+    let pass = |held: BytesMut, rest: BodyStream| {
+        Ok(Step::Done(Reply {
+            status,
+            headers: headers.clone(),
+            content_length,
+            body: Reply::prefixed(held.freeze(), rest),
+        }))
+    };
     loop {
-        let chunk = match tokio::time::timeout(idle, body.next()).await {
-            Ok(Some(chunk)) => chunk,
+        match tokio::time::timeout(idle, body.next()).await {
+            Ok(Some(Ok(chunk))) => buf.extend_from_slice(&chunk),
+            Ok(Some(Err(e))) => {
+                return pass(
+                    buf,
+                    Box::pin(futures_util::stream::once(async move { Err(e) })),
+                );
+            }
             Ok(None) => break,
-            Err(_) => {
-                let head = futures_util::stream::once(async move { Ok(buf.freeze()) });
-                return Ok(Step::Done(Reply {
-                    status,
-                    headers,
-                    content_length,
-                    body: Box::pin(head.chain(body)),
-                }));
-            }
-        };
-        match chunk {
-            Ok(c) => buf.extend_from_slice(&c),
-            Err(e) => {
-                let head = futures_util::stream::once(async move { Ok(buf.freeze()) });
-                let failed = futures_util::stream::once(async move { Err(e) });
-                return Ok(Step::Done(Reply {
-                    status,
-                    headers,
-                    content_length,
-                    body: Box::pin(head.chain(failed)),
-                }));
-            }
+            Err(_) => return pass(buf, body),
         }
         if buf.len() > MAX_ANSWER_BYTES {
-            let head = futures_util::stream::once(async move { Ok(buf.freeze()) });
-            return Ok(Step::Done(Reply {
-                status,
-                headers,
-                content_length,
-                body: Box::pin(head.chain(body)),
-            }));
+            return pass(buf, body);
         }
     }
     let raw = buf.freeze();

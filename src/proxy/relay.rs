@@ -177,6 +177,12 @@ impl Reply {
         }
     }
 
+    /// `head`, then the rest of the body as it comes: an answer condense
+    /// read part of before deciding to pass it on.
+    pub fn prefixed(head: Bytes, rest: BodyStream) -> BodyStream {
+        Box::pin(futures_util::stream::once(async move { Ok(head) }).chain(rest))
+    }
+
     pub fn is_sse(&self) -> bool {
         self.headers
             .get(http::header::CONTENT_TYPE)
