@@ -158,19 +158,7 @@ impl Setup {
     }
 
     async fn metric(&self, series: &str) -> f64 {
-        let text = self
-            .client
-            .get(format!("http://{}/metrics", self.server.local_addr()))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        text.lines()
-            .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-            .unwrap_or(0.0)
+        common::metric_at(self.server.local_addr(), series).await
     }
 
     /// condense still answers a good request.

@@ -363,19 +363,14 @@ fn output(t: usize) -> String {
 
 /// A chat session long enough for an 8k window, with tools.
 fn chat_session(stream: bool) -> Value {
-    let mut messages = vec![
-        json!({"role": "system", "content": "You are a coding agent."}),
-        json!({"role": "user", "content": "Fix the failing test in src/parser.rs"}),
-    ];
-    for t in 0..12 {
-        let id = format!("call_{t}");
-        messages.push(json!({"role": "assistant", "content": format!("Reading file {t}."), "tool_calls": [{"id": id, "type": "function", "function": {"name": "run", "arguments": format!("{{\"cmd\":\"cat src/m{t}.rs\"}}")}}]}));
-        messages.push(json!({"role": "tool", "tool_call_id": id, "content": output(t)}));
-    }
-    json!({"model": "agent-small", "messages": messages, "max_tokens": 256, "stream": stream,
-        "stream_options": {"include_usage": true},
-        "tools": [{"type": "function", "function": {"name": "run", "description": "Runs a command",
-            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]})
+    // The shared coding session: its tool outputs are `output(t)`.
+    let mut session = common::coding_session("agent-small", 12, 0, 60);
+    session["stream"] = json!(stream);
+    session["stream_options"] = json!({"include_usage": true});
+    session["tools"] = json!([{"type": "function", "function": {"name": "run",
+        "description": "Runs a command",
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]);
+    session
 }
 
 fn messages_session(stream: bool) -> Value {
@@ -427,16 +422,7 @@ async fn send(server: &Server, path: &str, body: &Value) -> (u16, String) {
 }
 
 async fn metric(server: &Server, series: &str) -> f64 {
-    let text = reqwest::get(format!("http://{}/metrics", server.local_addr()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(0.0)
+    common::metric_at(server.local_addr(), series).await
 }
 
 /// The text a streamed chat answer carries, and whether any chunk had a

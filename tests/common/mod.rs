@@ -475,10 +475,7 @@ impl Harness {
 
     /// The value of one metric series (`name{labels}` exactly as rendered).
     pub async fn metric(&self, series: &str) -> Option<f64> {
-        let text = self.metrics().await;
-        text.lines()
-            .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        series_value(&self.metrics().await, series)
     }
 
     pub async fn shutdown(mut self) {
@@ -486,6 +483,27 @@ impl Harness {
             s.shutdown().await.unwrap();
         }
     }
+}
+
+/// The value of one metric series (`name{labels}` exactly as rendered) in
+/// a `/metrics` text.
+pub fn series_value(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// The value of one metric series of the condense at `addr` (0 when it
+/// has none).
+pub async fn metric_at(addr: SocketAddr, series: &str) -> f64 {
+    let text = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    series_value(&text, series).unwrap_or(0.0)
 }
 
 /// A `[[models]]` profile: `pattern` gets a `window`-token context window.
