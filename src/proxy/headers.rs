@@ -23,6 +23,12 @@ pub const X_CONDENSE: HeaderName = HeaderName::from_static("x-condense");
 
 /// Removes hop-by-hop headers, including those listed in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    if !headers.contains_key(header::CONNECTION) {
+        for name in &HOP_BY_HOP {
+            headers.remove(name);
+        }
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -50,8 +56,7 @@ pub fn to_upstream(client: &HeaderMap, keep_length: bool) -> HeaderMap {
 }
 
 /// The headers to send the client for the upstream's response headers.
-pub fn to_client(upstream: &HeaderMap) -> HeaderMap {
-    let mut headers = upstream.clone();
+pub fn to_client(mut headers: HeaderMap) -> HeaderMap {
     strip_hop_by_hop(&mut headers);
     headers
 }

@@ -67,7 +67,9 @@ impl ListingFetcher {
         self.attempted_at
             .store(self.started.elapsed().as_secs().max(1), Ordering::Relaxed);
         let started = Instant::now();
-        match tokio::time::timeout(TIMEOUT, fetch(upstream, request_headers)).await {
+        // Boxed: the fetch's future is large, and every request's future
+        // would carry its room.
+        match tokio::time::timeout(TIMEOUT, Box::pin(fetch(upstream, request_headers))).await {
             Ok(Some(body)) => {
                 let n = listings.learn(upstream.base_url(), &body);
                 tracing::info!(

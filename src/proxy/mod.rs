@@ -298,7 +298,7 @@ impl Proxy {
             .with_label_values(&[route])
             .observe((headers_at - timing.sent).as_secs_f64());
         let status = resp.status;
-        let headers = headers::to_client(&resp.headers);
+        let headers = headers::to_client(resp.headers);
         let body = relay::relay(
             resp.body,
             tap,

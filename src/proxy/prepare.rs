@@ -295,7 +295,9 @@ impl Proxy {
                     client_headers,
                     p,
                 );
-                match AssertUnwindSafe(work).catch_unwind().await {
+                // Boxed: a large future only the requests that summarize
+                // need room for.
+                match AssertUnwindSafe(Box::pin(work)).catch_unwind().await {
                     Ok((_, Some(Err(_)))) if !mechanical_fallback => None,
                     Ok((p, _)) => Some(p),
                     Err(_) => None,

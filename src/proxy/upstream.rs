@@ -12,6 +12,7 @@ use std::time::Duration;
 use http::{HeaderMap, Method};
 use url::Url;
 
+use crate::cache::Bounded;
 use crate::config::UpstreamConfig;
 use crate::error::ProxyError;
 
@@ -36,6 +37,18 @@ pub struct Upstream {
     first_byte_timeout: Duration,
     pub idle_timeout: Duration,
     pub connect_timeout: Duration,
+    /// URLs of paths (without a query) mapped lately: every request to a
+    /// route would otherwise check and parse the same URL again.
+    mapped: Bounded<String, Url>,
+}
+
+/// Longest path whose URL is remembered.
+const MAPPED_PATH_BYTES: usize = 256;
+
+fn mapped_cache() -> Bounded<String, Url> {
+    Bounded::new(1024, 1 << 20, |path, url| {
+        (path.len() + url.as_str().len() + 64) as u64
+    })
 }
 
 impl Upstream {
@@ -59,6 +72,7 @@ impl Upstream {
             first_byte_timeout: Duration::from_secs_f64(config.first_byte_timeout_seconds),
             idle_timeout: Duration::from_secs_f64(config.idle_timeout_seconds),
             connect_timeout,
+            mapped: mapped_cache(),
         })
     }
 
@@ -86,6 +100,7 @@ impl Upstream {
             first_byte_timeout: self.first_byte_timeout,
             idle_timeout: self.idle_timeout,
             connect_timeout: self.connect_timeout,
+            mapped: mapped_cache(),
         })
     }
 
@@ -97,6 +112,18 @@ impl Upstream {
     /// The upstream URL for a client path and query: `/v1/<rest>` and
     /// `/<rest>` both map to `<base_url>/<rest>`.
     pub fn url_for(&self, path: &str, query: Option<&str>) -> Result<Url, ProxyError> {
+        if query.is_some() || path.len() > MAPPED_PATH_BYTES {
+            return self.map_url(path, query);
+        }
+        if let Some(url) = self.mapped.get(path) {
+            return Ok(url);
+        }
+        let url = self.map_url(path, None)?;
+        self.mapped.insert(path.to_string(), url.clone());
+        Ok(url)
+    }
+
+    fn map_url(&self, path: &str, query: Option<&str>) -> Result<Url, ProxyError> {
         let rest = match path.strip_prefix("/v1") {
             Some(r) if r.is_empty() || r.starts_with('/') => r,
             _ => path,
@@ -295,6 +322,32 @@ mod tests {
             u.url_for("/v1/files/a;b/100%25", None).unwrap().path(),
             "/tenant-a/v1/files/a;b/100%25"
         );
+    }
+
+    #[test]
+    fn remembered_urls_are_the_ones_mapped_each_time() {
+        for base in [
+            "http://127.0.0.1:9000/v1/",
+            "https://gw.example/tenant-a/v1",
+        ] {
+            let u = upstream(base);
+            for p in ["/v1/chat/completions", "/messages", "/v1/files/f-1"] {
+                // Mapped, then remembered: the same URL both times.
+                for _ in 0..2 {
+                    assert_eq!(u.url_for(p, None).unwrap(), u.map_url(p, None).unwrap());
+                }
+                assert!(u.mapped.get(p).is_some(), "{p}");
+                assert_eq!(
+                    u.url_for(p, Some("beta=true")).unwrap().query(),
+                    Some("beta=true")
+                );
+            }
+            // A refused path is refused every time, and never remembered.
+            for _ in 0..2 {
+                assert!(u.url_for("/v1/../x", None).is_err());
+            }
+            assert!(u.mapped.get("/v1/../x").is_none());
+        }
     }
 
     #[test]

@@ -113,8 +113,15 @@ pub struct TokenService {
     /// Upper bounds on windows from overflow errors without numbers.
     pub bounds: Bounds,
     profiles: Vec<ModelProfile>,
+    /// Which profile each model name seen lately matched (an index into
+    /// `profiles`): matching walks every profile's pattern, and a request
+    /// asks for its model's more than once.
+    matched: crate::cache::Bounded<String, Option<usize>>,
     config: Arc<Config>,
 }
+
+/// Bytes of model names whose matched profile is remembered.
+const MATCHED_BYTES: u64 = 1 << 20;
 
 impl TokenService {
     pub fn new(config: Arc<Config>, metrics: &Metrics) -> TokenService {
@@ -130,13 +137,27 @@ impl TokenService {
             overflows: Listings::default(),
             bounds: Bounds::default(),
             profiles: config.models.clone(),
+            matched: crate::cache::Bounded::new(4096, MATCHED_BYTES, |k, _| k.len() as u64 + 32),
             config,
         }
     }
 
+    /// The profile `model` matches, if any.
+    fn profile(&self, model: &str) -> Option<&ModelProfile> {
+        let index = match self.matched.get(model) {
+            Some(i) => i,
+            None => {
+                let i = models::best_profile_index(&self.profiles, model);
+                self.matched.insert(model.to_string(), i);
+                i
+            }
+        };
+        index.and_then(|i| self.profiles.get(i))
+    }
+
     /// The window, encoding and thresholds for a model on an upstream.
     pub fn model_info(&self, upstream: &str, model: &str) -> ModelInfo {
-        let profile = models::best_profile(&self.profiles, model);
+        let profile = self.profile(model);
         let listed = self.listings.window(upstream, model);
         let (window, source) = match (listed, profile) {
             (Some(l), Some(p)) if p.context_window < l => (p.context_window, WindowSource::Profile),

@@ -105,6 +105,11 @@ const MAX_MATCHED_NAME: usize = 256;
 /// The profile for a model name, if any matches. A name (or part after the
 /// last `/`) longer than [`MAX_MATCHED_NAME`] matches none.
 pub fn best_profile<'a>(profiles: &'a [ModelProfile], model: &str) -> Option<&'a ModelProfile> {
+    best_profile_index(profiles, model).and_then(|i| profiles.get(i))
+}
+
+/// Where in `profiles` the [`best_profile`] for `model` is.
+pub fn best_profile_index(profiles: &[ModelProfile], model: &str) -> Option<usize> {
     let short = model.rsplit('/').next().unwrap_or(model);
     let pick = |name: &str| {
         if name.len() > MAX_MATCHED_NAME {
@@ -112,9 +117,11 @@ pub fn best_profile<'a>(profiles: &'a [ModelProfile], model: &str) -> Option<&'a
         }
         profiles
             .iter()
-            .filter(|p| glob_match(&p.pattern, name))
+            .enumerate()
+            .filter(|(_, p)| glob_match(&p.pattern, name))
             // max_by_key keeps the last of equal keys: later entries win ties.
-            .max_by_key(|p| specificity(&p.pattern))
+            .max_by_key(|(_, p)| specificity(&p.pattern))
+            .map(|(i, _)| i)
     };
     pick(model).or_else(|| if short != model { pick(short) } else { None })
 }
