@@ -10,6 +10,17 @@
 //! how many completed, and condense's memory meanwhile. condense's resident
 //! memory is reported idle, during the slow streams, and at its peak.
 //!
+//! First, one connection and one request at a time (the latency a single
+//! agent sees): each body straight to the upstream and through condense,
+//! taking turns request by request, with condense's CPU time per request.
+//! Beside condense, the same phase can measure a baseline build of it
+//! (`BENCH_BASELINE=<path to a condense binary>`) and the bare relay
+//! (`BENCH_BARE_RELAY=target/release/examples/bare_relay`, after `cargo
+//! build --release --example bare_relay`): the least a relay on the same
+//! stack (tokio, axum, reqwest) costs, so the floor under condense's own
+//! figures. `BENCH_SERIAL_REQUESTS` (default 3000) sets the requests per
+//! body and target.
+//!
 //! Run: `cargo bench --bench passthrough`. Knobs (environment):
 //! `BENCH_RATE` (small requests/s, default 1000), `BENCH_AGENT_RATE` (agent
 //! requests/s, default 50), `BENCH_SECONDS` (per fixed-rate phase, default
@@ -105,7 +116,12 @@ fn start_mock() -> SocketAddr {
 }
 
 fn start_condense(upstream: SocketAddr) -> (Child, SocketAddr) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_condense"))
+    start_condense_from(env!("CARGO_BIN_EXE_condense"), upstream)
+}
+
+/// condense built from `binary` (this build's, or a baseline's).
+fn start_condense_from(binary: &str, upstream: SocketAddr) -> (Child, SocketAddr) {
+    let mut child = Command::new(binary)
         .env("CONDENSE_SERVER__LISTEN", "127.0.0.1:0")
         .env(
             "CONDENSE_UPSTREAM__BASE_URL",
@@ -198,6 +214,12 @@ fn small_body(stream: bool) -> Bytes {
 /// `tools`, it declares its tool as agents do, so condense also keeps the
 /// originals and offers `condense_recall`.
 fn agent_body(bytes: usize, stream: bool, tools: bool) -> Bytes {
+    agent_body_for("bench-agent", bytes, stream, tools)
+}
+
+/// The same conversation for `model`: for gpt-4o (a 128k window) 200 KB
+/// stays below the trigger and is only measured and forwarded.
+fn agent_body_for(model: &str, bytes: usize, stream: bool, tools: bool) -> Bytes {
     let mut messages = vec![
         serde_json::json!({"role": "system", "content": "You are a coding agent. Use the tools."}),
         serde_json::json!({"role": "user", "content": "Fix the failing test in src/parser.rs"}),
@@ -214,8 +236,7 @@ fn agent_body(bytes: usize, stream: bool, tools: bool) -> Bytes {
         messages.push(serde_json::json!({"role": "assistant", "content": format!("Looked at file {i}; moving on.")}));
         i += 1;
     }
-    let mut body =
-        serde_json::json!({"model": "bench-agent", "messages": messages, "stream": stream});
+    let mut body = serde_json::json!({"model": model, "messages": messages, "stream": stream});
     if tools {
         body["tools"] = serde_json::json!([{"type": "function", "function": {"name": "run",
             "description": "Runs a shell command", "parameters": {"type": "object",
@@ -273,6 +294,132 @@ async fn slow_streams(url: &str, n: usize, secs: u64, pid: u32) -> (usize, f64) 
     }
     let peak = sampler.await.unwrap_or(f64::NAN);
     (done, peak)
+}
+
+/// CPU time condense has used so far (all its threads, user and system),
+/// from `/proc/<pid>/task/*/schedstat` in nanoseconds.
+fn cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// A relay measured in the one-connection phase: condense, or the bare
+/// relay (`examples/bare_relay.rs`) that shows what the stack alone costs.
+struct Relay {
+    name: &'static str,
+    addr: SocketAddr,
+    pid: u32,
+}
+
+/// One relay's figures in the one-connection phase.
+struct Serial {
+    p50: f64,
+    cpu_us: f64,
+    errors: usize,
+}
+
+/// One connection to each target, one request at a time, the targets
+/// taking turns request by request (so all see the same machine): the
+/// p50 straight to the upstream, and for each relay its p50 and its CPU
+/// time per request.
+async fn serial(
+    upstream: SocketAddr,
+    relays: &[Relay],
+    path: &str,
+    body: &Bytes,
+    n: usize,
+) -> (f64, Vec<Serial>) {
+    let one = || {
+        reqwest::Client::builder()
+            .pool_max_idle_per_host(1)
+            .build()
+            .unwrap()
+    };
+    let mut targets = vec![(one(), format!("http://{upstream}{path}"))];
+    for r in relays {
+        targets.push((one(), format!("http://{}{path}", r.addr)));
+    }
+    let send = |client: &reqwest::Client, url: &str| {
+        let req = client
+            .post(url)
+            .header("content-type", "application/json")
+            .body(body.clone());
+        async move {
+            let t = Instant::now();
+            let ok = match req.send().await {
+                Ok(r) => r.status().is_success() && complete(r).await,
+                Err(_) => false,
+            };
+            (t.elapsed(), ok)
+        }
+    };
+    // Warm every connection.
+    for _ in 0..50 {
+        for (client, url) in &targets {
+            send(client, url).await;
+        }
+    }
+    let mut times = vec![Vec::with_capacity(n); targets.len()];
+    let mut errors = vec![0; targets.len()];
+    // Each relay is idle while the others run: its CPU time over the loop
+    // is what its own requests cost, work done after the client has its
+    // answer (the access log, the metrics) included.
+    let before: Vec<u64> = relays.iter().map(|r| cpu_ns(r.pid)).collect();
+    for _ in 0..n {
+        for (i, (client, url)) in targets.iter().enumerate() {
+            let (t, ok) = send(client, url).await;
+            times[i].push(t);
+            errors[i] += usize::from(!ok);
+        }
+    }
+    let cpu: Vec<u64> = relays
+        .iter()
+        .zip(&before)
+        .map(|(r, b)| cpu_ns(r.pid).saturating_sub(*b))
+        .collect();
+    for t in &mut times {
+        t.sort();
+    }
+    let direct = pct(&times[0], 0.5);
+    let out = (0..relays.len())
+        .map(|i| Serial {
+            p50: pct(&times[i + 1], 0.5),
+            cpu_us: cpu[i] as f64 / n as f64 / 1000.0,
+            errors: errors[0] + errors[i + 1],
+        })
+        .collect();
+    (direct, out)
+}
+
+/// The bare relay, when `BENCH_BARE_RELAY` names its binary (build it with
+/// `cargo build --release --example bare_relay`).
+fn start_bare(upstream: SocketAddr) -> Option<(Child, SocketAddr)> {
+    let path = std::env::var("BENCH_BARE_RELAY").ok()?;
+    let mut child = Command::new(path)
+        .arg("127.0.0.1:0")
+        .env("UPSTREAM", format!("http://{upstream}"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("cannot start the bare relay");
+    let stdout = child.stdout.take().unwrap();
+    let line = BufReader::new(stdout).lines().next();
+    match line
+        .and_then(Result::ok)
+        .and_then(|l| l.strip_prefix("listen=")?.parse().ok())
+    {
+        Some(addr) => Some((child, addr)),
+        None => {
+            let _ = child.kill();
+            let _ = child.wait();
+            None
+        }
+    }
 }
 
 struct Phase {
@@ -410,8 +557,6 @@ fn main() {
         "condense load benchmark: {rate} small / {agent_rate} agent req/s for {secs} s per phase; saturation {concurrency} workers for {sat_secs} s"
     );
     println!("condense idle RSS: {idle_rss:.1} MiB\n");
-    println!("| body | path | p50 ms | p99 ms | p99.9 ms | errors | max send lag ms |");
-    println!("|---|---|---|---|---|---|---|");
     let bodies = [
         ("small JSON", CHAT, small_body(false), rate),
         ("small stream", CHAT, small_body(true), rate),
@@ -426,6 +571,12 @@ fn main() {
             "/v1/responses",
             small_responses_body(),
             rate,
+        ),
+        (
+            "agent 200 KB JSON, below the trigger",
+            CHAT,
+            agent_body_for("gpt-4o", 200 * 1024, false, false),
+            agent_rate,
         ),
         (
             "agent 300 KB JSON, compacted",
@@ -460,6 +611,58 @@ fn main() {
             .unwrap_or_default()
     });
     println!("agent conversation through condense: x-condense-actions: {actions}\n");
+    let serial_n = env_f64("BENCH_SERIAL_REQUESTS", 3000.0) as usize;
+    let bare = start_bare(upstream);
+    let mut relays = vec![Relay {
+        name: "condense",
+        addr: proxy,
+        pid: child.id(),
+    }];
+    // A baseline condense (another build) measured beside this one.
+    let baseline = std::env::var("BENCH_BASELINE")
+        .ok()
+        .map(|path| start_condense_from(&path, upstream));
+    if let Some((b, addr)) = &baseline {
+        relays.push(Relay {
+            name: "condense baseline",
+            addr: *addr,
+            pid: b.id(),
+        });
+    }
+    if let Some((b, addr)) = &bare {
+        relays.push(Relay {
+            name: "bare relay",
+            addr: *addr,
+            pid: b.id(),
+        });
+    }
+    println!(
+        "One connection, one request at a time, direct and through each relay taking turns ({serial_n} each):\n"
+    );
+    println!(
+        "| body | relay | direct p50 ms | relayed p50 ms | added p50 ms | relay CPU µs/request | errors |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (name, path, body, _) in &bodies {
+        let (direct_p50, per) = rt.block_on(serial(upstream, &relays, path, body, serial_n));
+        for (r, s) in relays.iter().zip(per) {
+            println!(
+                "| {name} | {} | {direct_p50:.3} | {:.3} | {:.3} | {:.0} | {} |",
+                r.name,
+                s.p50,
+                s.p50 - direct_p50,
+                s.cpu_us,
+                s.errors
+            );
+        }
+    }
+    for (mut b, _) in bare.into_iter().chain(baseline) {
+        let _ = b.kill();
+        let _ = b.wait();
+    }
+    println!("\nAt a fixed rate, many connections:\n");
+    println!("| body | path | p50 ms | p99 ms | p99.9 ms | errors | max send lag ms |");
+    println!("|---|---|---|---|---|---|---|");
     let mut added = Vec::new();
     for (name, path, body, rate) in &bodies {
         let rate = *rate;

@@ -7,6 +7,8 @@ use std::sync::OnceLock;
 use serde::{Deserialize, Serialize};
 use tiktoken_rs::CoreBPE;
 
+use super::bpe::{self, Bpe};
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Encoding {
     #[serde(rename = "o200k_base")]
@@ -15,8 +17,24 @@ pub enum Encoding {
     Cl100k,
 }
 
-static O200K: OnceLock<Option<CoreBPE>> = OnceLock::new();
-static CL100K: OnceLock<Option<CoreBPE>> = OnceLock::new();
+/// An encoding's counter: the compact one, or tiktoken's own when that
+/// could not be built from it (not expected).
+pub enum Counter {
+    Compact(Bpe),
+    Core(CoreBPE),
+}
+
+impl Counter {
+    fn count(&self, text: &str) -> usize {
+        match self {
+            Counter::Compact(b) => b.count(text),
+            Counter::Core(c) => c.count_ordinary(text),
+        }
+    }
+}
+
+static O200K: OnceLock<Option<Counter>> = OnceLock::new();
+static CL100K: OnceLock<Option<Counter>> = OnceLock::new();
 
 impl Encoding {
     /// The encoding OpenAI uses for a model name; `o200k_base` is also the
@@ -53,22 +71,41 @@ impl Encoding {
         }
     }
 
-    /// The tokenizer, built on first use; None if it could not be built (the
+    /// The counter, built on first use; None if it could not be built (the
     /// data is compiled in, so this is not expected; callers then fall back
-    /// to a byte-based estimate rather than fail the request).
-    pub fn bpe(self) -> Option<&'static CoreBPE> {
+    /// to a byte-based estimate rather than fail the request). tiktoken's
+    /// tables are read into the compact counter and dropped.
+    pub fn counter(self) -> Option<&'static Counter> {
         let cell = match self {
             Encoding::O200k => &O200K,
             Encoding::Cl100k => &CL100K,
         };
         cell.get_or_init(|| {
-            let built = match self {
-                Encoding::O200k => tiktoken_rs::o200k_base(),
-                Encoding::Cl100k => tiktoken_rs::cl100k_base(),
+            let (build, pattern): (fn() -> _, _) = match self {
+                Encoding::O200k => (tiktoken_rs::o200k_base, tiktoken_rs::O200K_BASE_PAT_STR),
+                Encoding::Cl100k => (tiktoken_rs::cl100k_base, bpe::CL100K_PATTERN),
             };
-            built
-                .map_err(|e| tracing::error!(encoding = self.name(), error = %e, "cannot build tokenizer"))
-                .ok()
+            let read = read_apart(|| {
+                let core = build().map_err(|e| e.to_string())?;
+                bpe::Vocabulary::from_core(&core).map_err(|e| e.to_string())
+            });
+            let compact = match read {
+                Some(read) => read.and_then(|v| Bpe::new(v, pattern).map_err(|e| e.to_string())),
+                None => {
+                    tracing::error!(encoding = self.name(), "building the tokenizer panicked");
+                    return None;
+                }
+            };
+            match compact {
+                Ok(b) => Some(Counter::Compact(b)),
+                Err(e) => {
+                    tracing::warn!(encoding = self.name(), error = %e, "cannot build the compact counter; counting with tiktoken's tables");
+                    build()
+                        .map_err(|e| tracing::error!(encoding = self.name(), error = %e, "cannot build tokenizer"))
+                        .ok()
+                        .map(Counter::Core)
+                }
+            }
         })
         .as_ref()
     }
@@ -76,8 +113,8 @@ impl Encoding {
     /// Tokens in `text` (special-token text counts as ordinary text, as the
     /// API treats it in message content).
     pub fn count(self, text: &str) -> u64 {
-        match self.bpe() {
-            Some(bpe) => bpe.count_ordinary(text) as u64,
+        match self.counter() {
+            Some(c) => c.count(text) as u64,
             None => text.len().div_ceil(4) as u64,
         }
     }
@@ -86,8 +123,43 @@ impl Encoding {
     /// gpt-3.5) is built on its first use: it costs about 25 MB that most
     /// deployments never need.
     pub fn warm_up() {
-        Encoding::O200k.bpe();
+        Encoding::O200k.counter();
     }
+}
+
+/// What `read` returns, made on a thread of its own and copied out of it;
+/// None when that thread panicked. tiktoken's tables are 600,000 small
+/// allocations: made on the calling thread, they would share its memory
+/// with everything else, and most of it would stay with the process after
+/// they are dropped. On a thread of their own they take memory of their
+/// own from the allocator, which that thread hands back once everything
+/// made there is dropped.
+fn read_apart<T: Clone + Send>(read: impl FnOnce() -> T + Send) -> Option<T> {
+    std::thread::scope(|s| {
+        let (send, made) = std::sync::mpsc::channel();
+        let (give_back, copied) = std::sync::mpsc::channel::<T>();
+        let reader = s.spawn(move || {
+            let _ = send.send(read());
+            drop(copied.recv());
+            release_freed();
+        });
+        let copy = made.recv().ok().map(|original| {
+            let copy = original.clone();
+            let _ = give_back.send(original);
+            copy
+        });
+        drop(give_back);
+        reader.join().ok().and(copy)
+    })
+}
+
+/// Has the allocator give back what the calling thread's allocations just
+/// freed: glibc keeps freed small chunks aside (fastbins) until a larger
+/// request gathers them, and only then returns the end of the heap to the
+/// system.
+fn release_freed() {
+    let gather: Vec<u8> = Vec::with_capacity(4096);
+    drop(std::hint::black_box(gather));
 }
 
 #[cfg(test)]

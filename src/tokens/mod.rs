@@ -8,6 +8,7 @@
 //! - `models`: profiles, learned windows, and which window applies.
 //! - `budget`: the prompt budget and the pressure on it.
 
+pub mod bpe;
 pub mod budget;
 pub mod cache;
 pub mod calibration;
