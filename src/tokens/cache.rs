@@ -41,6 +41,16 @@ impl CountCache {
         n
     }
 
+    /// The count for `key` when cached (a hit is counted; a miss is not:
+    /// [`CountCache::get_or_insert_with`] counts it).
+    pub fn hit(&self, key: u64) -> Option<u64> {
+        let n = self.counts.get(&key).map(u64::from);
+        if n.is_some() {
+            self.hits.inc();
+        }
+        n
+    }
+
     /// The count for `key` when cached (no counters).
     pub fn peek(&self, key: u64) -> Option<u64> {
         self.counts.get(&key).map(u64::from)

@@ -26,7 +26,7 @@ pub use budget::Budget;
 pub use encoding::Encoding;
 pub use models::{Correction, ModelInfo, WindowSource};
 
-use crate::chat::ChatRequest;
+use crate::chat::{ChatRequest, Message};
 use crate::compaction::memo::Memo;
 use crate::config::{Config, ModelProfile};
 use crate::metrics::Metrics;
@@ -121,6 +121,10 @@ pub struct TokenService {
     config: Arc<Config>,
 }
 
+/// Bytes of messages not counted before from which counting them is worth
+/// a thread.
+const PARALLEL_COUNT_BYTES: usize = 64 * 1024;
+
 /// Bytes of model names whose matched profile is remembered.
 const MATCHED_BYTES: u64 = 1 << 20;
 
@@ -198,11 +202,7 @@ impl TokenService {
     /// The raw token count of a request; only messages not seen before are
     /// tokenized.
     pub fn count(&self, req: &ChatRequest, enc: Encoding) -> Count {
-        let per_message: Vec<u64> = req
-            .messages()
-            .iter()
-            .map(|m| self.message_tokens(m.raw(), enc))
-            .collect();
+        let per_message = self.message_counts(req.messages(), enc);
         let tools: u64 = ["tools", "functions"]
             .iter()
             .filter_map(|k| req.field(k))
@@ -258,6 +258,71 @@ impl TokenService {
         let estimate =
             count::REPLY_PRIMING + known + (unknown_bytes as f64 * density).ceil() as u64;
         (estimate, unknown_bytes == 0)
+    }
+
+    /// Tokens of each message, from the cache for those seen before. When
+    /// the others are many bytes (a conversation new to this process), they
+    /// are tokenized on as many threads as there are cores, in groups of
+    /// about equal bytes.
+    fn message_counts(&self, messages: &[Message], enc: Encoding) -> Vec<u64> {
+        let keys: Vec<u64> = messages
+            .iter()
+            .map(|m| xxh3_64(m.raw()) ^ enc.salt())
+            .collect();
+        let mut counts: Vec<Option<u64>> = keys.iter().map(|&k| self.cache.hit(k)).collect();
+        let missing: Vec<usize> = (0..messages.len())
+            .filter(|&i| counts[i].is_none())
+            .collect();
+        let bytes: usize = missing.iter().map(|&i| messages[i].raw().len()).sum();
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(bytes / PARALLEL_COUNT_BYTES);
+        let count = |i: usize| {
+            let raw = messages[i].raw();
+            (
+                i,
+                self.cache
+                    .get_or_insert_with(keys[i], || count::message_tokens(enc, raw)),
+            )
+        };
+        let counted: Vec<(usize, u64)> = if threads < 2 {
+            missing.iter().map(|&i| count(i)).collect()
+        } else {
+            let share = bytes.div_ceil(threads);
+            let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
+            let mut filled = 0;
+            for &i in &missing {
+                if filled >= share {
+                    groups.push(Vec::new());
+                    filled = 0;
+                }
+                filled += messages[i].raw().len();
+                if let Some(g) = groups.last_mut() {
+                    g.push(i);
+                }
+            }
+            std::thread::scope(|s| {
+                let others: Vec<_> = groups[1..]
+                    .iter()
+                    .map(|g| s.spawn(|| g.iter().map(|&i| count(i)).collect::<Vec<_>>()))
+                    .collect();
+                let mut all: Vec<(usize, u64)> = groups[0].iter().map(|&i| count(i)).collect();
+                for t in others {
+                    // A thread that panicked leaves its messages to the
+                    // loop below.
+                    all.extend(t.join().unwrap_or_default());
+                }
+                all
+            })
+        };
+        for (i, n) in counted {
+            counts[i] = Some(n);
+        }
+        counts
+            .into_iter()
+            .enumerate()
+            .map(|(i, n)| n.unwrap_or_else(|| count(i).1))
+            .collect()
     }
 
     /// Tokens of one message, from the cache when it was seen before.
@@ -402,6 +467,39 @@ mod tests {
 
     fn request(json: &str) -> ChatRequest {
         ChatRequest::parse(&Bytes::copy_from_slice(json.as_bytes())).unwrap()
+    }
+
+    #[test]
+    fn a_large_new_conversation_counts_the_same_on_several_threads() {
+        let (svc, metrics) = service(Config::default());
+        let messages: Vec<String> = (0..120)
+            .map(|i| {
+                let text: String = (0..40 + i % 9)
+                    .map(|l| format!("line {l} of file {i}: let x_{l} = f({l}); // ok\\n"))
+                    .collect();
+                format!(r#"{{"role":"tool","tool_call_id":"c{i}","content":"{text}"}}"#)
+            })
+            .collect();
+        let body = format!(
+            r#"{{"model":"gpt-4o","messages":[{}]}}"#,
+            messages.join(",")
+        );
+        assert!(body.len() > 2 * PARALLEL_COUNT_BYTES, "{}", body.len());
+        let req = request(&body);
+        let counted = svc.count(&req, Encoding::O200k);
+        assert_eq!(counted.total, count_request(&req, Encoding::O200k));
+        // Each count is its own message's, in order.
+        let each: Vec<u64> = req
+            .messages()
+            .iter()
+            .map(|m| count::message_tokens(Encoding::O200k, m.raw()))
+            .collect();
+        assert_eq!(counted.per_message, each);
+        assert!(each.windows(2).any(|w| w[0] != w[1]));
+        assert_eq!(metrics.token_cache_misses_total.get(), 120);
+        // Every count went into the cache: the next time is all hits.
+        assert_eq!(svc.count(&req, Encoding::O200k).total, counted.total);
+        assert_eq!(metrics.token_cache_hits_total.get(), 120);
     }
 
     #[test]
