@@ -119,9 +119,15 @@ impl Vocabulary {
 }
 
 pub struct Bpe {
-    pattern: Regex,
+    /// Copies of the split pattern, one per thread slot: threads sharing
+    /// one matcher wait on each other for its scratch space (tiktoken keeps
+    /// copies for the same reason).
+    patterns: Vec<Regex>,
     vocabulary: Vocabulary,
 }
+
+/// Copies of the split pattern kept.
+const PATTERN_COPIES: usize = 16;
 
 impl Bpe {
     /// The counter for `core`'s ordinary vocabulary, split by `pattern`.
@@ -130,10 +136,19 @@ impl Bpe {
     }
 
     pub fn new(vocabulary: Vocabulary, pattern: &str) -> Result<Bpe, BuildError> {
+        let pattern = Regex::new(pattern).map_err(Box::new)?;
         Ok(Bpe {
-            pattern: Regex::new(pattern).map_err(Box::new)?,
+            patterns: vec![pattern; PATTERN_COPIES],
             vocabulary,
         })
+    }
+
+    /// This thread's copy of the split pattern.
+    fn pattern(&self) -> &Regex {
+        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+        let hash = BuildHasherDefault::<DefaultHasher>::default()
+            .hash_one(std::thread::current().id()) as usize;
+        &self.patterns[hash % self.patterns.len()]
     }
 
     /// The rank of the token whose bytes are `piece`, if there is one.
@@ -149,7 +164,7 @@ impl Bpe {
     pub fn count(&self, text: &str) -> usize {
         let mut n = 0;
         let mut at = 0;
-        for m in self.pattern.find_iter(text) {
+        for m in self.pattern().find_iter(text) {
             match m {
                 Ok(m) => {
                     n += self.piece_tokens(m.as_str().as_bytes());

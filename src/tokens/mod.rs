@@ -17,7 +17,7 @@ pub mod encoding;
 pub mod image;
 pub mod models;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64;
@@ -124,6 +124,13 @@ pub struct TokenService {
 /// Bytes of messages not counted before from which counting them is worth
 /// a thread.
 const PARALLEL_COUNT_BYTES: usize = 64 * 1024;
+
+/// The cores this process may use, read once (the standard library reads
+/// the cgroup's quota from files on every call).
+fn cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
 
 /// Bytes of model names whose matched profile is remembered.
 const MATCHED_BYTES: u64 = 1 << 20;
@@ -274,9 +281,10 @@ impl TokenService {
             .filter(|&i| counts[i].is_none())
             .collect();
         let bytes: usize = missing.iter().map(|&i| messages[i].raw().len()).sum();
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(bytes / PARALLEL_COUNT_BYTES);
+        let threads = match bytes / PARALLEL_COUNT_BYTES {
+            0 | 1 => 1,
+            n => cores().min(n),
+        };
         let count = |i: usize| {
             let raw = messages[i].raw();
             (
