@@ -23,12 +23,6 @@ pub const X_CONDENSE: HeaderName = HeaderName::from_static("x-condense");
 
 /// Removes hop-by-hop headers, including those listed in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    if !headers.contains_key(header::CONNECTION) {
-        for name in &HOP_BY_HOP {
-            headers.remove(name);
-        }
-        return;
-    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()

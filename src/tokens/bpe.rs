@@ -17,6 +17,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fancy_regex::Regex;
 use xxhash_rust::xxh3::xxh3_64;
@@ -129,12 +130,15 @@ pub struct Bpe {
 /// Copies of the split pattern kept.
 const PATTERN_COPIES: usize = 16;
 
-impl Bpe {
-    /// The counter for `core`'s ordinary vocabulary, split by `pattern`.
-    pub fn from_core(core: &tiktoken_rs::CoreBPE, pattern: &str) -> Result<Bpe, BuildError> {
-        Bpe::new(Vocabulary::from_core(core)?, pattern)
-    }
+/// Threads given a pattern slot so far.
+static SLOTS: AtomicUsize = AtomicUsize::new(0);
 
+thread_local! {
+    /// This thread's pattern slot: threads take them in turn.
+    static SLOT: usize = SLOTS.fetch_add(1, Ordering::Relaxed);
+}
+
+impl Bpe {
     pub fn new(vocabulary: Vocabulary, pattern: &str) -> Result<Bpe, BuildError> {
         let pattern = Regex::new(pattern).map_err(Box::new)?;
         Ok(Bpe {
@@ -145,10 +149,7 @@ impl Bpe {
 
     /// This thread's copy of the split pattern.
     fn pattern(&self) -> &Regex {
-        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
-        let hash = BuildHasherDefault::<DefaultHasher>::default()
-            .hash_one(std::thread::current().id()) as usize;
-        &self.patterns[hash % self.patterns.len()]
+        &self.patterns[SLOT.with(|s| *s) % self.patterns.len()]
     }
 
     /// The rank of the token whose bytes are `piece`, if there is one.
@@ -281,7 +282,11 @@ mod tests {
         static P: OnceLock<(tiktoken_rs::CoreBPE, Bpe)> = OnceLock::new();
         P.get_or_init(|| {
             let core = tiktoken_rs::o200k_base().unwrap();
-            let bpe = Bpe::from_core(&core, tiktoken_rs::O200K_BASE_PAT_STR).unwrap();
+            let bpe = Bpe::new(
+                Vocabulary::from_core(&core).unwrap(),
+                tiktoken_rs::O200K_BASE_PAT_STR,
+            )
+            .unwrap();
             (core, bpe)
         })
     }
@@ -290,7 +295,7 @@ mod tests {
         static P: OnceLock<(tiktoken_rs::CoreBPE, Bpe)> = OnceLock::new();
         P.get_or_init(|| {
             let core = tiktoken_rs::cl100k_base().unwrap();
-            let bpe = Bpe::from_core(&core, CL100K_PATTERN).unwrap();
+            let bpe = Bpe::new(Vocabulary::from_core(&core).unwrap(), CL100K_PATTERN).unwrap();
             (core, bpe)
         })
     }

@@ -120,8 +120,9 @@ impl Encoding {
     }
 
     /// Builds the encoding of current models now. `cl100k_base` (gpt-4,
-    /// gpt-3.5) is built on its first use: it costs about 25 MB that most
-    /// deployments never need.
+    /// gpt-3.5) is built on its first use: building it costs time (and a
+    /// passing 25 MB of tiktoken's tables) that most deployments never
+    /// need.
     pub fn warm_up() {
         Encoding::O200k.counter();
     }

@@ -102,13 +102,9 @@ fn specificity(pattern: &str) -> usize {
 /// would cost seconds of CPU per request and stall every other request.
 const MAX_MATCHED_NAME: usize = 256;
 
-/// The profile for a model name, if any matches. A name (or part after the
-/// last `/`) longer than [`MAX_MATCHED_NAME`] matches none.
-pub fn best_profile<'a>(profiles: &'a [ModelProfile], model: &str) -> Option<&'a ModelProfile> {
-    best_profile_index(profiles, model).and_then(|i| profiles.get(i))
-}
-
-/// Where in `profiles` the [`best_profile`] for `model` is.
+/// Where in `profiles` the profile for a model name is, if any matches: the
+/// most specific pattern, the later of equally specific ones. A name (or
+/// part after the last `/`) longer than [`MAX_MATCHED_NAME`] matches none.
 pub fn best_profile_index(profiles: &[ModelProfile], model: &str) -> Option<usize> {
     let short = model.rsplit('/').next().unwrap_or(model);
     let pick = |name: &str| {
@@ -269,6 +265,10 @@ fn parse_listing_counted(body: &[u8]) -> (Vec<(String, u64)>, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn best_profile<'a>(profiles: &'a [ModelProfile], model: &str) -> Option<&'a ModelProfile> {
+        best_profile_index(profiles, model).and_then(|i| profiles.get(i))
+    }
 
     fn profile(pattern: &str, window: u64) -> ModelProfile {
         ModelProfile {
