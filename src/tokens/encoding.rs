@@ -81,16 +81,16 @@ impl Encoding {
             Encoding::Cl100k => &CL100K,
         };
         cell.get_or_init(|| {
-            let (build, pattern): (fn() -> _, _) = match self {
-                Encoding::O200k => (tiktoken_rs::o200k_base, tiktoken_rs::O200K_BASE_PAT_STR),
-                Encoding::Cl100k => (tiktoken_rs::cl100k_base, bpe::CL100K_PATTERN),
+            let (build, split): (fn() -> _, _) = match self {
+                Encoding::O200k => (tiktoken_rs::o200k_base, &bpe::O200K),
+                Encoding::Cl100k => (tiktoken_rs::cl100k_base, &bpe::CL100K),
             };
             let read = read_apart(|| {
                 let core = build().map_err(|e| e.to_string())?;
                 bpe::Vocabulary::from_core(&core).map_err(|e| e.to_string())
             });
             let compact = match read {
-                Some(read) => read.and_then(|v| Bpe::new(v, pattern).map_err(|e| e.to_string())),
+                Some(read) => read.and_then(|v| Bpe::new(v, split).map_err(|e| e.to_string())),
                 None => {
                     tracing::error!(encoding = self.name(), "building the tokenizer panicked");
                     return None;
