@@ -21,13 +21,12 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::hash::{BuildHasherDefault, Hasher};
 
-use regex_automata::meta::Regex;
-use regex_automata::{Anchored, Input};
+use regex_automata::hybrid::dfa::{Cache, DFA};
+use regex_automata::util::pool::Pool;
+use regex_automata::{Anchored, Input, MatchKind};
 use xxhash_rust::xxh3::xxh3_64;
-
-use crate::cache::PreHashed;
 
 type Rank = u32;
 
@@ -37,6 +36,7 @@ const NONE: Rank = Rank::MAX;
 /// Pieces at least this long are merged with a heap (tiktoken switches at
 /// the same length): the plain scan is quadratic in the piece's length.
 const LARGE_PIECE: usize = 100;
+const _: () = assert!(LARGE_PIECE <= u8::MAX as usize);
 
 /// An encoding's split pattern in a form a DFA runs. tiktoken's patterns
 /// are alternations with one look-ahead, `\s+(?!\S)`: a run of whitespace
@@ -90,7 +90,7 @@ const SPECIAL: [&str; 5] = [
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
     #[error("the split pattern does not compile: {0}")]
-    Pattern(#[from] Box<regex_automata::meta::BuildError>),
+    Pattern(#[from] Box<regex_automata::hybrid::BuildError>),
     #[error("two tokens share a 64-bit hash")]
     Collision,
     #[error("the vocabulary is empty")]
@@ -105,8 +105,12 @@ pub struct Vocabulary {
     /// Rank `r`'s bytes are `bytes[starts[r]..starts[r + 1]]` (empty for a
     /// rank that is not an ordinary token).
     starts: Vec<u32>,
-    /// xxh3 of a token's bytes to its rank.
-    ranks: HashMap<u64, Rank, PreHashed>,
+    /// A token's `key` to its rank.
+    ranks: HashMap<u64, Rank, BuildHasherDefault<Mix>>,
+    /// The rank of each two-byte token, by its bytes (`NONE` for a pair
+    /// that is not one): most lookups are of pairs, and an index is
+    /// cheaper than a hash and a comparison. 256 KB.
+    pairs: Vec<Rank>,
 }
 
 impl Vocabulary {
@@ -142,12 +146,16 @@ impl Vocabulary {
         }
         let mut bytes = Vec::with_capacity(size);
         let mut starts = Vec::with_capacity(end + 1);
-        let mut ranks = HashMap::with_capacity_and_hasher(tokens, PreHashed::default());
+        let mut ranks = HashMap::with_capacity_and_hasher(tokens, Default::default());
+        let mut pairs = vec![NONE; 1 << 16];
         starts.push(0);
         for rank in 0..end as Rank {
             if let Some(t) = ordinary(rank) {
-                if ranks.insert(xxh3_64(&t), rank).is_some() {
+                if ranks.insert(key(&t), rank).is_some() {
                     return Err(BuildError::Collision);
+                }
+                if let [a, b] = t[..] {
+                    pairs[pair_index(a, b)] = rank;
                 }
                 bytes.extend_from_slice(&t);
             }
@@ -157,78 +165,129 @@ impl Vocabulary {
             bytes,
             starts,
             ranks,
+            pairs,
         })
     }
 }
 
-pub struct Bpe {
-    /// Copies of the split pattern, one per thread slot: threads sharing
-    /// one matcher wait on each other for its scratch space (tiktoken keeps
-    /// copies for the same reason).
-    patterns: Vec<Regex>,
-    vocabulary: Vocabulary,
+/// Pieces this long and shorter are their own key.
+const SHORT: usize = 7;
+
+/// A piece's key in `Vocabulary::ranks`. A piece of up to `SHORT` bytes is
+/// its own key: its bytes, and its length in the top byte, so a hit needs
+/// no comparison (most lookups are of short pieces, and a comparison is two
+/// more cache misses). A longer piece's key is its xxh3 with the top byte
+/// all ones, which no short key has; a hit is checked against the token.
+fn key(piece: &[u8]) -> u64 {
+    match piece.len() {
+        len @ 0..=SHORT => {
+            let mut b = [0u8; 8];
+            b[..len].copy_from_slice(piece);
+            b[7] = len as u8;
+            u64::from_le_bytes(b)
+        }
+        _ => xxh3_64(piece) | 0xff << 56,
+    }
 }
 
-/// Copies of the split pattern kept.
-const PATTERN_COPIES: usize = 16;
+/// The hasher for keys: a folded multiply, which spreads a short key's
+/// bytes over every bit the table looks at.
+#[derive(Default)]
+pub struct Mix(u64);
 
-/// Threads given a pattern slot so far.
-static SLOTS: AtomicUsize = AtomicUsize::new(0);
+impl Hasher for Mix {
+    fn finish(&self) -> u64 {
+        let m = u128::from(self.0) * 0x9e37_79b9_7f4a_7c15;
+        (m as u64) ^ ((m >> 64) as u64)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
 
-thread_local! {
-    /// This thread's pattern slot: threads take them in turn.
-    static SLOT: usize = SLOTS.fetch_add(1, Ordering::Relaxed);
+fn pair_index(a: u8, b: u8) -> usize {
+    usize::from(a) << 8 | usize::from(b)
+}
+
+/// Whether `a` and `b` are the same bytes. Tokens are short: a loop is
+/// cheaper than a call to `memcmp`.
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len()
+        && if a.len() > 16 {
+            a == b
+        } else {
+            a.iter().zip(b).all(|(x, y)| x == y)
+        }
+}
+
+type NewCache = Box<dyn Fn() -> Cache + Send + Sync>;
+
+pub struct Bpe {
+    /// The split: a lazy DFA run forward from each piece's start.
+    split: DFA,
+    /// Its scratch space, one a thread at a time.
+    caches: Pool<Cache, NewCache>,
+    vocabulary: Vocabulary,
 }
 
 impl Bpe {
     pub fn new(vocabulary: Vocabulary, split: &Split) -> Result<Bpe, BuildError> {
-        let pattern =
-            Regex::new_many(&[split.before, LOOK_AHEAD, split.after]).map_err(Box::new)?;
-        // Each copy gets a matcher cache of its own.
+        let dfa = DFA::builder()
+            .configure(DFA::config().match_kind(MatchKind::LeftmostFirst))
+            .build_many(&[split.before, LOOK_AHEAD, split.after])
+            .map_err(Box::new)?;
+        let for_caches = dfa.clone();
         Ok(Bpe {
-            patterns: vec![pattern; PATTERN_COPIES],
+            split: dfa,
+            caches: Pool::new(Box::new(move || for_caches.create_cache())),
             vocabulary,
         })
-    }
-
-    /// This thread's copy of the split pattern.
-    fn pattern(&self) -> &Regex {
-        &self.patterns[SLOT.with(|s| *s) % self.patterns.len()]
     }
 
     /// The rank of the token whose bytes are `piece`, if there is one.
     fn rank(&self, piece: &[u8]) -> Rank {
         let v = &self.vocabulary;
-        match v.ranks.get(&xxh3_64(piece)) {
-            Some(&r) if v.token(r) == piece => r,
+        if let [a, b] = *piece {
+            return v.pairs.get(pair_index(a, b)).copied().unwrap_or(NONE);
+        }
+        match v.ranks.get(&key(piece)) {
+            Some(&r) if piece.len() <= SHORT || same_bytes(v.token(r), piece) => r,
             _ => NONE,
         }
     }
 
     /// Tokens in `text`, special-token text counted as ordinary text.
     pub fn count(&self, text: &str) -> usize {
-        let pattern = self.pattern();
+        let mut cache = self.caches.get();
         let (mut n, mut at) = (0, 0);
         while at < text.len() {
-            // Every character starts a match of these patterns; were one
-            // not to, the unanchored search skips it, as tiktoken's does.
-            let from = Input::new(text).range(at..);
-            let Some(m) = pattern
-                .search(&from.clone().anchored(Anchored::Yes))
-                .or_else(|| pattern.search(&from))
-            else {
-                break;
+            let from = Input::new(text).range(at..).anchored(Anchored::Yes);
+            let (mut end, id) = match self.split.try_search_fwd(&mut cache, &from) {
+                Ok(Some(m)) => (m.offset(), m.pattern().as_usize()),
+                // Every character starts a match of these patterns. Were
+                // one not to, it is skipped, as tiktoken's search skips it.
+                Ok(None) => {
+                    at += text[at..].chars().next().map_or(1, char::len_utf8);
+                    continue;
+                }
+                // The lazy DFA gave up (it does not with its default
+                // settings): the rest counts a token a byte, more than it
+                // can be.
+                Err(_) => return n + text.len() - at,
             };
-            let mut end = m.end();
-            if m.pattern().as_usize() == LOOK_AHEAD_ID {
+            if id == LOOK_AHEAD_ID {
                 end -= text[..end].chars().next_back().map_or(0, char::len_utf8);
             }
-            if end <= m.start() {
-                // No empty match is possible; were there one, the rest
-                // counts a token a byte, more than it can be.
+            if end <= at {
+                // No empty match is possible; were there one, as above.
                 return n + text.len() - at;
             }
-            n += self.piece_tokens(&text.as_bytes()[m.start()..end]);
+            n += self.piece_tokens(&text.as_bytes()[at..end]);
             at = end;
         }
         n
@@ -246,34 +305,39 @@ impl Bpe {
     }
 
     /// The merge as a scan over the parts: `parts[i]` is where part `i`
-    /// starts and the rank of it joined with the next.
+    /// starts and the rank of it joined with the next; the last is the
+    /// piece's end. They live on the stack: `piece` is shorter than
+    /// `LARGE_PIECE`.
     fn merge_small(&self, piece: &[u8]) -> usize {
-        let mut parts: Vec<(usize, Rank)> = (0..piece.len() - 1)
-            .map(|i| (i, self.rank(&piece[i..i + 2])))
-            .collect();
-        parts.push((piece.len() - 1, NONE));
-        parts.push((piece.len(), NONE));
+        let len = piece.len();
+        let mut parts = [(0u8, NONE); LARGE_PIECE + 1];
+        for (i, part) in parts.iter_mut().enumerate().take(len + 1) {
+            let rank = piece.get(i..i + 2).map_or(NONE, |p| self.rank(p));
+            *part = (i as u8, rank);
+        }
+        let mut n = len + 1;
         // The rank of parts i and i + 1 joined, once i + 1 and i + 2 are.
-        let joined = |parts: &[(usize, Rank)], i: usize| match parts.get(i + 3) {
-            Some(&(end, _)) => self.rank(&piece[parts[i].0..end]),
+        let joined = |parts: &[(u8, Rank)], i: usize| match parts.get(i + 3) {
+            Some(&(end, _)) => self.rank(&piece[usize::from(parts[i].0)..usize::from(end)]),
             None => NONE,
         };
         loop {
             let mut min = (NONE, 0);
-            for (i, &(_, r)) in parts[..parts.len() - 1].iter().enumerate() {
+            for (i, &(_, r)) in parts[..n - 1].iter().enumerate() {
                 if r < min.0 {
                     min = (r, i);
                 }
             }
             if min.0 == NONE {
-                return parts.len() - 1;
+                return n - 1;
             }
             let i = min.1;
             if i > 0 {
-                parts[i - 1].1 = joined(&parts, i - 1);
+                parts[i - 1].1 = joined(&parts[..n], i - 1);
             }
-            parts[i].1 = joined(&parts, i);
-            parts.remove(i + 1);
+            parts[i].1 = joined(&parts[..n], i);
+            parts.copy_within(i + 2..n, i + 1);
+            n -= 1;
         }
     }
 

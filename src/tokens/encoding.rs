@@ -20,7 +20,7 @@ pub enum Encoding {
 /// An encoding's counter: the compact one, or tiktoken's own when that
 /// could not be built from it (not expected).
 pub enum Counter {
-    Compact(Bpe),
+    Compact(Box<Bpe>),
     Core(CoreBPE),
 }
 
@@ -97,7 +97,7 @@ impl Encoding {
                 }
             };
             match compact {
-                Ok(b) => Some(Counter::Compact(b)),
+                Ok(b) => Some(Counter::Compact(Box::new(b))),
                 Err(e) => {
                     tracing::warn!(encoding = self.name(), error = %e, "cannot build the compact counter; counting with tiktoken's tables");
                     build()
