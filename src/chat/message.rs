@@ -8,6 +8,10 @@ use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::Value;
 
+use serde_json::value::RawValue;
+
+use super::object::{elements, members};
+
 #[derive(Debug, Clone)]
 pub struct Message {
     raw: Bytes,
@@ -17,27 +21,85 @@ pub struct Message {
     /// `content`, parsed apart and on first use: most of a conversation's
     /// bytes are tool output, and most stages only need the other fields.
     content: OnceLock<Option<Value>>,
+    /// `tool_calls`, parsed on first use: most stages only need their ids.
+    calls: OnceLock<Option<Value>>,
 }
 
 /// The fields condense reads, but `content`. Everything is optional and
 /// loosely typed: a message with odd fields is still forwarded, just not
 /// understood.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 struct View {
     #[serde(default)]
     role: Option<Value>,
     #[serde(default)]
     name: Option<Value>,
-    #[serde(default)]
-    tool_calls: Option<Value>,
+    /// `tool_calls` as its bytes (arguments can be long).
+    #[serde(default, deserialize_with = "raw_bytes")]
+    tool_calls: Option<Bytes>,
     #[serde(default)]
     tool_call_id: Option<Value>,
+}
+
+fn raw_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Bytes>, D::Error> {
+    let raw = Box::<RawValue>::deserialize(d)?;
+    Ok(Some(Bytes::copy_from_slice(raw.get().as_bytes())))
 }
 
 #[derive(Default, Deserialize)]
 struct Content {
     #[serde(default)]
     content: Option<Value>,
+}
+
+impl View {
+    /// The view of a message's bytes: only the four fields' values are
+    /// parsed, the rest (a long `content` most of all) is skipped by its
+    /// delimiters. What `serde_json` would make of the bytes: a duplicate
+    /// field makes the whole view empty, as the derived parse fails on one.
+    fn read(raw: &Bytes) -> View {
+        let mut view = View::default();
+        let mut seen = [false; 4];
+        let mut duplicate = false;
+        let read = members(raw, |key, value| {
+            let (slot, i) = match key {
+                "role" => (&mut view.role, 0),
+                "name" => (&mut view.name, 1),
+                "tool_call_id" => (&mut view.tool_call_id, 3),
+                "tool_calls" => {
+                    duplicate |= std::mem::replace(&mut seen[2], true);
+                    view.tool_calls = Some(raw.slice_ref(value));
+                    return;
+                }
+                _ => return,
+            };
+            duplicate |= std::mem::replace(&mut seen[i], true);
+            *slot = serde_json::from_slice(value).unwrap_or_default();
+        });
+        match (read, duplicate) {
+            (Some(()), false) => view,
+            (Some(()), true) => View::default(),
+            (None, _) => serde_json::from_slice(raw).unwrap_or_default(),
+        }
+    }
+}
+
+/// A message's `content`, read as `View::read` reads its fields.
+fn read_content(raw: &[u8]) -> Option<Value> {
+    let (mut content, mut times) = (None, 0);
+    let read = members(raw, |key, value| {
+        if key == "content" {
+            times += 1;
+            content = serde_json::from_slice(value).unwrap_or_default();
+        }
+    });
+    match (read, times) {
+        (Some(()), 0 | 1) => content,
+        (Some(()), _) => None,
+        (None, _) => serde_json::from_slice::<Content>(raw)
+            .map(|c| c.content)
+            .unwrap_or_default(),
+    }
 }
 
 impl Message {
@@ -47,12 +109,12 @@ impl Message {
             raw,
             view: OnceLock::new(),
             content: OnceLock::new(),
+            calls: OnceLock::new(),
         }
     }
 
     fn view(&self) -> &View {
-        self.view
-            .get_or_init(|| serde_json::from_slice(&self.raw).unwrap_or_default())
+        self.view.get_or_init(|| View::read(&self.raw))
     }
 
     /// The message's exact JSON bytes.
@@ -67,11 +129,7 @@ impl Message {
     /// `content`: a string, an array of parts, null, or absent.
     pub fn content(&self) -> Option<&Value> {
         self.content
-            .get_or_init(|| {
-                serde_json::from_slice::<Content>(&self.raw)
-                    .map(|c| c.content)
-                    .unwrap_or_default()
-            })
+            .get_or_init(|| read_content(&self.raw))
             .as_ref()
     }
 
@@ -80,7 +138,55 @@ impl Message {
     }
 
     pub fn tool_calls(&self) -> Option<&Vec<Value>> {
-        self.view().tool_calls.as_ref()?.as_array()
+        self.calls
+            .get_or_init(|| {
+                let raw = self.view().tool_calls.as_ref()?;
+                serde_json::from_slice(raw).ok()
+            })
+            .as_ref()?
+            .as_array()
+    }
+
+    /// Whether the message makes a tool call: `tool_calls` is an array
+    /// with an element.
+    pub fn has_tool_calls(&self) -> bool {
+        let Some(raw) = &self.view().tool_calls else {
+            return false;
+        };
+        let mut any = false;
+        match elements(raw, |_| any = true) {
+            Some(()) => any,
+            None => self.tool_calls().is_some_and(|c| !c.is_empty()),
+        }
+    }
+
+    /// The `id` of each tool call that has a string one, in order, read
+    /// without parsing the calls' arguments.
+    pub fn tool_call_ids(&self) -> Vec<String> {
+        let mut ids = Vec::new();
+        let Some(raw) = &self.view().tool_calls else {
+            return ids;
+        };
+        let read = elements(raw, |call| {
+            let mut id = None;
+            // A call that is not an object has no id; with the key twice,
+            // the last counts, as in a parsed map.
+            let _ = members(call, |key, value| {
+                if key == "id" {
+                    id = serde_json::from_slice::<String>(value).ok();
+                }
+            });
+            ids.extend(id);
+        });
+        match read {
+            Some(()) => ids,
+            None => self
+                .tool_calls()
+                .into_iter()
+                .flatten()
+                .filter_map(|c| c.get("id")?.as_str().map(str::to_string))
+                .collect(),
+        }
     }
 
     pub fn tool_call_id(&self) -> Option<&str> {
@@ -105,6 +211,48 @@ mod tests {
         assert_eq!(a.tool_calls().map(Vec::len), Some(1));
         let t = msg(r#"{"role":"tool","tool_call_id":"c1","content":"a.txt"}"#);
         assert_eq!(t.tool_call_id(), Some("c1"));
+    }
+
+    #[test]
+    fn fields_read_apart_are_what_a_parse_reads() {
+        for s in [
+            r#"{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"ls","arguments":"{\"a\":\"}]\"}"}}]}"#,
+            r#"{ "role" : "tool" , "tool_call_id" : "c\u0031", "content" : "a\n\"b\"\\" , "x" : [1, {"y": "}"}] }"#,
+            r#"{"content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"data:,"}}],"name":"ann","role":"user"}"#,
+            r#"{"r\u006fle":"user","content":"escaped key"}"#,
+            r#"{"role":"user","role":"assistant","content":"twice"}"#,
+            r#"{"role":"user","content":"a","content":"b"}"#,
+            r#"{"role":null,"name":5,"tool_calls":{},"content":7}"#,
+            r#"{"role":"assistant","tool_calls":[]}"#,
+            r#"{"role":"assistant","tool_calls":null}"#,
+            r#"{"role":"assistant","tool_calls":[{"id":"a","id":"b"},7,{"id":5},{"type":"x"},{"id":"c\u00e9","function":{"arguments":"[\"id\"]"}}]}"#,
+            r#"{}"#,
+            r#""a string""#,
+            r#"[{"role":"user"}]"#,
+        ] {
+            let m = msg(s);
+            let parsed: View = serde_json::from_slice(s.as_bytes()).unwrap_or_default();
+            let content: Option<Value> = serde_json::from_slice::<Content>(s.as_bytes())
+                .map(|c| c.content)
+                .unwrap_or_default();
+            assert_eq!(m.view(), &parsed, "{s}");
+            assert_eq!(m.content(), content.as_ref(), "{s}");
+            // The calls as a full parse of the message sees them.
+            let value: Value = serde_json::from_str(s).unwrap();
+            let calls = value.get("tool_calls").and_then(Value::as_array);
+            assert_eq!(m.tool_calls(), calls, "{s}");
+            assert_eq!(
+                m.has_tool_calls(),
+                calls.is_some_and(|c| !c.is_empty()),
+                "{s}"
+            );
+            let ids: Vec<String> = calls
+                .into_iter()
+                .flatten()
+                .filter_map(|c| c.get("id")?.as_str().map(str::to_string))
+                .collect();
+            assert_eq!(m.tool_call_ids(), ids, "{s}");
+        }
     }
 
     #[test]

@@ -112,6 +112,133 @@ pub(crate) fn slice_of(src: &Bytes, raw: &RawValue) -> Bytes {
     }
 }
 
+/// Calls `each` with every member of the JSON object `raw`, key decoded,
+/// value as its exact bytes, in order. The values are not parsed: each
+/// one's end is found from its delimiters alone (strings by their quotes,
+/// with a vectorized search), which makes this several times cheaper than
+/// a parse for values that are long strings. So `raw` must be valid JSON,
+/// as a message's bytes always are (they passed the request's parse); on
+/// anything that is not an object as expected this returns None, and the
+/// caller parses `raw` properly.
+pub fn members<'a>(raw: &'a [u8], mut each: impl FnMut(&str, &'a [u8])) -> Option<()> {
+    let mut i = space(raw, 0);
+    if *raw.get(i)? != b'{' {
+        return None;
+    }
+    i = space(raw, i + 1);
+    if *raw.get(i)? == b'}' {
+        return (space(raw, i + 1) == raw.len()).then_some(());
+    }
+    loop {
+        if *raw.get(i)? != b'"' {
+            return None;
+        }
+        let end = string_end(raw, i)?;
+        let quoted = raw.get(i..end)?;
+        let inner = quoted.get(1..quoted.len() - 1)?;
+        i = space(raw, end);
+        if *raw.get(i)? != b':' {
+            return None;
+        }
+        let start = space(raw, i + 1);
+        let end = value_end(raw, start)?;
+        let value = raw.get(start..end)?;
+        match memchr::memchr(b'\\', inner) {
+            None => each(std::str::from_utf8(inner).ok()?, value),
+            Some(_) => each(&serde_json::from_slice::<String>(quoted).ok()?, value),
+        }
+        i = space(raw, end);
+        match *raw.get(i)? {
+            b',' => i = space(raw, i + 1),
+            b'}' => return (space(raw, i + 1) == raw.len()).then_some(()),
+            _ => return None,
+        }
+    }
+}
+
+/// Calls `each` with every element of the JSON array `raw`, as its exact
+/// bytes, in order; read as `members` reads an object (so `raw` must be
+/// valid JSON), None on anything that is not an array as expected.
+pub fn elements<'a>(raw: &'a [u8], mut each: impl FnMut(&'a [u8])) -> Option<()> {
+    let mut i = space(raw, 0);
+    if *raw.get(i)? != b'[' {
+        return None;
+    }
+    i = space(raw, i + 1);
+    if *raw.get(i)? == b']' {
+        return (space(raw, i + 1) == raw.len()).then_some(());
+    }
+    loop {
+        let end = value_end(raw, i)?;
+        each(raw.get(i..end)?);
+        i = space(raw, end);
+        match *raw.get(i)? {
+            b',' => i = space(raw, i + 1),
+            b']' => return (space(raw, i + 1) == raw.len()).then_some(()),
+            _ => return None,
+        }
+    }
+}
+
+/// The first position from `i` that is not JSON whitespace.
+fn space(raw: &[u8], mut i: usize) -> usize {
+    while matches!(raw.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+        i += 1;
+    }
+    i
+}
+
+/// Just past the string that starts at `i`: at the first quote after it
+/// not escaped, that is with an even run of backslashes before it. Quotes
+/// are searched for alone, as they are rarer than backslashes (every line
+/// break of a tool's output is one).
+fn string_end(raw: &[u8], i: usize) -> Option<usize> {
+    let mut j = i + 1;
+    loop {
+        let k = j + memchr::memchr(b'"', raw.get(j..)?)?;
+        let backslashes = raw[j..k].iter().rev().take_while(|&&c| c == b'\\').count();
+        if backslashes % 2 == 0 {
+            return Some(k + 1);
+        }
+        j = k + 1;
+    }
+}
+
+/// Just past the value that starts at `i`.
+fn value_end(raw: &[u8], i: usize) -> Option<usize> {
+    match *raw.get(i)? {
+        b'"' => string_end(raw, i),
+        b'{' | b'[' => {
+            let (mut j, mut depth) = (i, 0usize);
+            loop {
+                match *raw.get(j)? {
+                    b'"' => {
+                        j = string_end(raw, j)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(j + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+        }
+        // A number, true, false or null.
+        _ => {
+            let end = raw[i..]
+                .iter()
+                .position(|c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'))
+                .map_or(raw.len(), |n| i + n);
+            (end > i).then_some(end)
+        }
+    }
+}
+
 struct ObjectSeed<'s, 'k> {
     src: &'s Bytes,
     list_key: Option<&'k str>,
@@ -163,6 +290,76 @@ mod tests {
             String::from_utf8(o.to_vec()).unwrap(),
             r#"{"b":[1, 2 ,3],"a":{"x" : "\u00e9"},"z":null}"#
         );
+    }
+
+    fn members_of(s: &str) -> Option<Vec<(String, String)>> {
+        let mut out = Vec::new();
+        members(s.as_bytes(), |k, v| {
+            out.push((k.to_string(), String::from_utf8(v.to_vec()).unwrap()))
+        })?;
+        Some(out)
+    }
+
+    #[test]
+    fn members_are_the_parsers_members() {
+        for s in [
+            r#"{}"#,
+            r#" { } "#,
+            r#"{"a":1}"#,
+            "{ \"a\" :\n\t-1.5e3 , \"b\":\"x\\\"}{]\\\\\" ,\"c\" : [ {\"d\":[]} , \"]\" ,null], \"e\":{\"f\":{}},\"g\":true,\"h\":false }",
+            r#"{"r\u006fle":"tool","k\"ey":"\u00e9\ud83c\udf89","":""}"#,
+            r#"{"content":"line\nline\\n\"quoted\" { [ ","role":"user"}"#,
+            r#"{"a":1,"a":2}"#,
+            r#"{"a":"\\","b":"\\\"","c":"\\\\\"\\","d":"\"\""}"#,
+        ] {
+            let parsed = RawObject::parse(&Bytes::copy_from_slice(s.as_bytes())).unwrap();
+            let expected: Vec<(String, String)> = parsed
+                .entries
+                .iter()
+                .map(|(k, v)| (k.clone(), String::from_utf8(v.to_vec()).unwrap()))
+                .collect();
+            assert_eq!(members_of(s), Some(expected), "{s}");
+        }
+    }
+
+    #[test]
+    fn elements_are_the_parsers_elements() {
+        for s in [
+            "[]",
+            " [ ] ",
+            r#"[1, "a\"]", {"b":[2,{}]} ,[[]],null,true, -0.5 ]"#,
+        ] {
+            let parsed: Vec<&RawValue> = serde_json::from_str(s).unwrap();
+            let mut read = Vec::new();
+            elements(s.as_bytes(), |e| read.push(std::str::from_utf8(e).unwrap())).unwrap();
+            assert_eq!(
+                read,
+                parsed.iter().map(|r| r.get()).collect::<Vec<_>>(),
+                "{s}"
+            );
+        }
+        for s in ["{}", "[1", "[1,]", "[1] x", "", r#""[]""#] {
+            assert_eq!(elements(s.as_bytes(), |_| {}), None, "{s}");
+        }
+    }
+
+    #[test]
+    fn members_of_what_is_not_an_object_is_none() {
+        for s in [
+            r#""text""#,
+            "[1]",
+            "7",
+            "null",
+            "",
+            "{",
+            r#"{"a":1"#,
+            r#"{"a" 1}"#,
+            r#"{"a":1,}x"#,
+            r#"{"a":1} x"#,
+            r#"{"a":"#,
+        ] {
+            assert_eq!(members_of(s), None, "{s}");
+        }
     }
 
     #[test]

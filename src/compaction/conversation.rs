@@ -14,6 +14,9 @@
 //! message is an *observation* and is treated as tool output: masked once
 //! answered and old, never while it is the last user message.
 
+use std::sync::LazyLock;
+
+use aho_corasick::{AhoCorasick, Input, MatchKind};
 use serde_json::Value;
 
 use super::text::content_text;
@@ -109,19 +112,7 @@ impl Analysis {
         let last_user = roles.iter().rposition(|r| *r == Role::User);
         let assistants: Vec<usize> = (0..n).filter(|&i| roles[i] == Role::Assistant).collect();
 
-        let call_ids: Vec<Vec<String>> = messages
-            .iter()
-            .map(|m| {
-                m.tool_calls()
-                    .map(|calls| {
-                        calls
-                            .iter()
-                            .filter_map(|c| c.get("id").and_then(Value::as_str).map(str::to_string))
-                            .collect()
-                    })
-                    .unwrap_or_default()
-            })
-            .collect();
+        let call_ids: Vec<Vec<String>> = messages.iter().map(Message::tool_call_ids).collect();
         let observation: Vec<bool> = (0..n)
             .map(|i| {
                 i > first_assistant
@@ -216,7 +207,7 @@ impl Analysis {
 /// rarely ends exactly there; an agent's turn does, as its output comes
 /// next. Only a message without tool calls, with text content, has one.
 pub fn action_start(m: &Message) -> Option<usize> {
-    if m.tool_calls().is_some_and(|c| !c.is_empty()) {
+    if m.has_tool_calls() {
         return None;
     }
     match m.content()? {
@@ -264,8 +255,37 @@ fn has_marker(m: &Message) -> bool {
     content_text(m.content()).is_some_and(|t| marker_at(&t).is_some())
 }
 
-/// Where the first epistemic marker in `text` starts.
+/// The markers, found in one pass, ASCII case ignored. None if it cannot
+/// be built (it can; `marker_at` then searches marker by marker).
+static MARKER_FINDER: LazyLock<Option<AhoCorasick>> = LazyLock::new(|| {
+    AhoCorasick::builder()
+        .ascii_case_insensitive(true)
+        .match_kind(MatchKind::LeftmostFirst)
+        .build(MARKERS)
+        .ok()
+});
+
+/// Where the first epistemic marker in `text` starts (ASCII case ignored,
+/// no letter or digit directly around it).
 fn marker_at(text: &str) -> Option<usize> {
+    let Some(finder) = &*MARKER_FINDER else {
+        return marker_at_each(text);
+    };
+    // The leftmost occurrence of any marker; when it is inside a word, the
+    // search goes on from just after its start. No marker is a prefix of
+    // another, so no other marker starts where one does.
+    let mut from = 0;
+    while let Some(m) = finder.find(Input::new(text).span(from..text.len())) {
+        if is_word(text, m.start(), m.end()) {
+            return Some(m.start());
+        }
+        from = m.start() + 1;
+    }
+    None
+}
+
+/// `marker_at` marker by marker.
+fn marker_at_each(text: &str) -> Option<usize> {
     let lower = text.to_ascii_lowercase();
     MARKERS.iter().filter_map(|k| word_at(&lower, k)).min()
 }
@@ -287,18 +307,42 @@ pub fn marker_sentence(m: &Message, max: usize) -> Option<String> {
 /// around it.
 fn word_at(hay: &str, needle: &str) -> Option<usize> {
     hay.match_indices(needle)
-        .find(|&(i, _)| {
-            let before = hay[..i].chars().next_back();
-            let after = hay[i + needle.len()..].chars().next();
-            !before.is_some_and(char::is_alphanumeric) && !after.is_some_and(char::is_alphanumeric)
-        })
+        .find(|&(i, _)| is_word(hay, i, i + needle.len()))
         .map(|(i, _)| i)
+}
+
+/// Whether `hay[start..end]` has no letter or digit directly around it.
+fn is_word(hay: &str, start: usize, end: usize) -> bool {
+    let before = hay[..start].chars().next_back();
+    let after = hay[end..].chars().next();
+    !before.is_some_and(char::is_alphanumeric) && !after.is_some_and(char::is_alphanumeric)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use bytes::Bytes;
+
+    proptest::proptest! {
+        #[test]
+        fn markers_are_found_where_a_search_marker_by_marker_finds_them(
+            parts in proptest::collection::vec(proptest::sample::select(vec![
+                "wait", "WAIT", "Actually", "hmm", "hmmm", "hold on", "hold", " on second thought",
+                "double-check", "Double Check", "let me reconsider", "I was wrong", "x", "é", "7",
+                " ", ".", "-", "await", "on", "second", "\n",
+            ]), 0..12)
+        ) {
+            let text = parts.concat();
+            proptest::prop_assert_eq!(marker_at(&text), marker_at_each(&text), "{:?}", text);
+        }
+    }
+
+    #[test]
+    fn a_marker_inside_a_word_does_not_hide_one_it_overlaps() {
+        assert_eq!(marker_at("xhold on second thought"), Some(6));
+        assert_eq!(marker_at("Await, Hmm."), Some(7));
+        assert_eq!(marker_at("awaiting"), None);
+    }
 
     fn msgs(list: &[&str]) -> Vec<Message> {
         list.iter()
