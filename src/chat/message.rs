@@ -9,6 +9,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use serde_json::value::RawValue;
+use xxhash_rust::xxh3::xxh3_64;
 
 use super::object::{elements, members};
 
@@ -23,6 +24,9 @@ pub struct Message {
     content: OnceLock<Option<Value>>,
     /// `tool_calls`, parsed on first use: most stages only need their ids.
     calls: OnceLock<Option<Value>>,
+    /// xxh3 of the bytes, taken once: the token caches and the recall
+    /// state key messages by it, several times a request.
+    digest: OnceLock<u64>,
 }
 
 /// The fields condense reads, but `content`. Everything is optional and
@@ -110,7 +114,13 @@ impl Message {
             view: OnceLock::new(),
             content: OnceLock::new(),
             calls: OnceLock::new(),
+            digest: OnceLock::new(),
         }
+    }
+
+    /// xxh3 of the message's bytes.
+    pub fn digest(&self) -> u64 {
+        *self.digest.get_or_init(|| xxh3_64(&self.raw))
     }
 
     fn view(&self) -> &View {

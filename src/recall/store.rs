@@ -135,10 +135,7 @@ impl AgentPoint {
     /// a user message.
     pub fn of(scope: &str, messages: &[Message]) -> Option<AgentPoint> {
         let task = messages.iter().position(|m| m.role() == Some("user"))?;
-        let hashes: Vec<u64> = messages
-            .iter()
-            .map(|m| xxhash_rust::xxh3::xxh3_64(m.raw()))
-            .collect();
+        let hashes: Vec<u64> = messages.iter().map(Message::digest).collect();
         let identity = fold(&hashes[..=task]);
         Some(AgentPoint {
             key: format!("agent:{scope}:{identity:016x}"),

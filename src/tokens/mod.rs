@@ -228,7 +228,7 @@ impl TokenService {
     pub fn uncached_bytes(&self, req: &ChatRequest, enc: Encoding) -> usize {
         req.messages()
             .iter()
-            .filter(|m| !self.cache.contains(xxh3_64(m.raw()) ^ enc.salt()))
+            .filter(|m| !self.cache.contains(m.digest() ^ enc.salt()))
             .map(|m| m.raw().len())
             .sum()
     }
@@ -241,15 +241,15 @@ impl TokenService {
     /// The second value says whether every part was cached: the estimate
     /// is then the exact count.
     pub fn estimate_cached(&self, req: &ChatRequest, enc: Encoding) -> (u64, bool) {
-        let parts = req.messages().iter().map(|m| (m.raw(), 0)).chain(
+        let parts = req.messages().iter().map(|m| (m.raw(), m.digest())).chain(
             ["tools", "functions"]
                 .iter()
                 .filter_map(|k| req.field(k))
-                .map(|raw| (raw, TOOLS_DOMAIN)),
+                .map(|raw| (raw, xxh3_64(raw) ^ TOOLS_DOMAIN)),
         );
         let (mut known, mut known_bytes, mut unknown_bytes) = (0u64, 0usize, 0usize);
-        for (raw, domain) in parts {
-            match self.cache.peek(xxh3_64(raw) ^ enc.salt() ^ domain) {
+        for (raw, key) in parts {
+            match self.cache.peek(key ^ enc.salt()) {
                 Some(n) => {
                     known += n;
                     known_bytes += raw.len();
@@ -272,10 +272,7 @@ impl TokenService {
     /// are tokenized on as many threads as there are cores, in groups of
     /// about equal bytes.
     fn message_counts(&self, messages: &[Message], enc: Encoding) -> Vec<u64> {
-        let keys: Vec<u64> = messages
-            .iter()
-            .map(|m| xxh3_64(m.raw()) ^ enc.salt())
-            .collect();
+        let keys: Vec<u64> = messages.iter().map(|m| m.digest() ^ enc.salt()).collect();
         let mut counts: Vec<Option<u64>> = keys.iter().map(|&k| self.cache.hit(k)).collect();
         let missing: Vec<usize> = (0..messages.len())
             .filter(|&i| counts[i].is_none())
@@ -458,6 +455,7 @@ pub fn count_request(req: &ChatRequest, enc: Encoding) -> u64 {
 /// tokens than bytes are images (at most [`image::MAX_IMAGE_TOKENS`] each)
 /// and the fixed framing of tool schemas.
 pub fn upper_bound(body: &[u8]) -> u64 {
+    // Two vectorized searches: cheaper than one pass for both keys.
     let images = memchr::memmem::find_iter(body, b"\"image_url\"").count() as u64;
     let functions = memchr::memmem::find_iter(body, b"\"function\"").count() as u64;
     body.len() as u64 + images * image::MAX_IMAGE_TOKENS + functions * 16 + 64
@@ -575,5 +573,24 @@ mod tests {
             upper_bound(body.as_bytes()),
             c.total
         );
+    }
+
+    #[test]
+    fn the_bound_counts_each_key_where_it_occurs() {
+        let with = |images: u64, functions: u64, len: usize| {
+            len as u64 + images * image::MAX_IMAGE_TOKENS + functions * 16 + 64
+        };
+        for (body, images, functions) in [
+            (r#"{"image_url":1,"function":2,"function":3}"#, 1, 2),
+            (r#""image_url"function""#, 1, 1),
+            (r#"\"image_url\" function image_url"#, 0, 0),
+            ("", 0, 0),
+        ] {
+            assert_eq!(
+                upper_bound(body.as_bytes()),
+                with(images, functions, body.len()),
+                "{body}"
+            );
+        }
     }
 }
