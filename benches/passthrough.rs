@@ -18,8 +18,13 @@
 //! (`BENCH_BARE_RELAY=target/release/examples/bare_relay`, after `cargo
 //! build --release --example bare_relay`): the least a relay on the same
 //! stack (tokio, axum, reqwest) costs, so the floor under condense's own
-//! figures. `BENCH_SERIAL_REQUESTS` (default 3000) sets the requests per
-//! body and target.
+//! figures. More relays with the bare relay's contract (listen address as
+//! the first argument, upstream from `UPSTREAM`, prints `listen=<address>`)
+//! join the phase by name: `BENCH_RELAYS=name=path,...`, e.g.
+//! `BENCH_RELAYS=hyper=target/release/examples/hyper_relay` (after `cargo
+//! build --release --example hyper_relay`), hyper with no axum and no
+//! reqwest, the floor under the bare relay's. `BENCH_SERIAL_REQUESTS`
+//! (default 3000) sets the requests per body and target.
 //!
 //! Run: `cargo bench --bench passthrough`. Knobs (environment):
 //! `BENCH_RATE` (small requests/s, default 1000), `BENCH_AGENT_RATE` (agent
@@ -309,10 +314,11 @@ fn cpu_ns(pid: u32) -> u64 {
         .sum()
 }
 
-/// A relay measured in the one-connection phase: condense, or the bare
-/// relay (`examples/bare_relay.rs`) that shows what the stack alone costs.
+/// A relay measured in the one-connection phase: condense, the bare relay
+/// (`examples/bare_relay.rs`) that shows what the stack alone costs, or
+/// one named in `BENCH_RELAYS`.
 struct Relay {
-    name: &'static str,
+    name: String,
     addr: SocketAddr,
     pid: u32,
 }
@@ -400,13 +406,18 @@ async fn serial(
 /// The bare relay, when `BENCH_BARE_RELAY` names its binary (build it with
 /// `cargo build --release --example bare_relay`).
 fn start_bare(upstream: SocketAddr) -> Option<(Child, SocketAddr)> {
-    let path = std::env::var("BENCH_BARE_RELAY").ok()?;
+    start_relay_from(&std::env::var("BENCH_BARE_RELAY").ok()?, upstream)
+}
+
+/// A relay binary with the bare relay's contract: the listen address as its
+/// argument, the upstream from `UPSTREAM`, `listen=<address>` printed.
+fn start_relay_from(path: &str, upstream: SocketAddr) -> Option<(Child, SocketAddr)> {
     let mut child = Command::new(path)
         .arg("127.0.0.1:0")
         .env("UPSTREAM", format!("http://{upstream}"))
         .stdout(Stdio::piped())
         .spawn()
-        .expect("cannot start the bare relay");
+        .expect("cannot start a relay");
     let stdout = child.stdout.take().unwrap();
     let line = BufReader::new(stdout).lines().next();
     match line
@@ -614,7 +625,7 @@ fn main() {
     let serial_n = env_f64("BENCH_SERIAL_REQUESTS", 3000.0) as usize;
     let bare = start_bare(upstream);
     let mut relays = vec![Relay {
-        name: "condense",
+        name: "condense".into(),
         addr: proxy,
         pid: child.id(),
     }];
@@ -624,17 +635,33 @@ fn main() {
         .map(|path| start_condense_from(&path, upstream));
     if let Some((b, addr)) = &baseline {
         relays.push(Relay {
-            name: "condense baseline",
+            name: "condense baseline".into(),
             addr: *addr,
             pid: b.id(),
         });
     }
     if let Some((b, addr)) = &bare {
         relays.push(Relay {
-            name: "bare relay",
+            name: "bare relay".into(),
             addr: *addr,
             pid: b.id(),
         });
+    }
+    // More relays with the bare relay's contract: `BENCH_RELAYS=name=path,...`.
+    let mut more = Vec::new();
+    for spec in std::env::var("BENCH_RELAYS")
+        .unwrap_or_default()
+        .split(',')
+        .filter(|s| !s.is_empty())
+    {
+        let (name, path) = spec.split_once('=').expect("BENCH_RELAYS is name=path,...");
+        let (b, addr) = start_relay_from(path, upstream).expect("a relay did not start");
+        relays.push(Relay {
+            name: name.into(),
+            addr,
+            pid: b.id(),
+        });
+        more.push(b);
     }
     println!(
         "One connection, one request at a time, direct and through each relay taking turns ({serial_n} each):\n"
@@ -656,7 +683,7 @@ fn main() {
             );
         }
     }
-    for (mut b, _) in bare.into_iter().chain(baseline) {
+    for mut b in bare.into_iter().chain(baseline).map(|(b, _)| b).chain(more) {
         let _ = b.kill();
         let _ = b.wait();
     }
