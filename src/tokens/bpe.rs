@@ -5,9 +5,11 @@
 //! (encoder, decoder, sorted copy), every token in an allocation of its own:
 //! 42 MB for o200k_base, most of condense's memory at rest. Counting needs
 //! only one direction. This keeps every token's bytes in one buffer, by
-//! rank, and a table from a hash of a token's bytes to its rank (each hit
-//! checked against the bytes): about 6 MB. The vocabulary is read out of a
-//! `CoreBPE` once and that is dropped (see `Encoding::counter`).
+//! rank, a table from a token's key to its rank (a short token's key is
+//! its bytes; a longer one's is a hash, each hit checked against the
+//! bytes), and the ranks of the two-byte tokens by their bytes: about
+//! 6 MB. The vocabulary is read out of a `CoreBPE` once and that is
+//! dropped (see `Encoding::counter`).
 //!
 //! Counting is tiktoken's algorithm: the text split by the encoding's
 //! pattern, each piece one token when it is one, else its bytes merged pair
