@@ -7,7 +7,6 @@ use std::sync::OnceLock;
 use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::Value;
-
 use serde_json::value::RawValue;
 use xxhash_rust::xxh3::xxh3_64;
 

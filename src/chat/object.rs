@@ -121,63 +121,64 @@ pub(crate) fn slice_of(src: &Bytes, raw: &RawValue) -> Bytes {
 /// anything that is not an object as expected this returns None, and the
 /// caller parses `raw` properly.
 pub fn members<'a>(raw: &'a [u8], mut each: impl FnMut(&str, &'a [u8])) -> Option<()> {
-    let mut i = space(raw, 0);
-    if *raw.get(i)? != b'{' {
-        return None;
-    }
-    i = space(raw, i + 1);
-    if *raw.get(i)? == b'}' {
-        return (space(raw, i + 1) == raw.len()).then_some(());
-    }
-    loop {
+    walk(raw, b'{', b'}', |i| {
         if *raw.get(i)? != b'"' {
             return None;
         }
         let end = string_end(raw, i)?;
         let quoted = raw.get(i..end)?;
         let inner = quoted.get(1..quoted.len() - 1)?;
-        i = space(raw, end);
-        if *raw.get(i)? != b':' {
+        let colon = space(raw, end);
+        if *raw.get(colon)? != b':' {
             return None;
         }
-        let start = space(raw, i + 1);
+        let start = space(raw, colon + 1);
         let end = value_end(raw, start)?;
         let value = raw.get(start..end)?;
         match memchr::memchr(b'\\', inner) {
             None => each(std::str::from_utf8(inner).ok()?, value),
             Some(_) => each(&serde_json::from_slice::<String>(quoted).ok()?, value),
         }
-        i = space(raw, end);
-        match *raw.get(i)? {
-            b',' => i = space(raw, i + 1),
-            b'}' => return (space(raw, i + 1) == raw.len()).then_some(()),
-            _ => return None,
-        }
-    }
+        Some(end)
+    })
 }
 
 /// Calls `each` with every element of the JSON array `raw`, as its exact
 /// bytes, in order; read as `members` reads an object (so `raw` must be
 /// valid JSON), None on anything that is not an array as expected.
 pub fn elements<'a>(raw: &'a [u8], mut each: impl FnMut(&'a [u8])) -> Option<()> {
+    walk(raw, b'[', b']', |i| {
+        let end = value_end(raw, i)?;
+        each(raw.get(i..end)?);
+        Some(end)
+    })
+}
+
+/// Walks the object or array that is the whole of `raw` (`open` and
+/// `close` its brackets): `item` reads the member or element that starts
+/// at its argument and says where it ends.
+fn walk(
+    raw: &[u8],
+    open: u8,
+    close: u8,
+    mut item: impl FnMut(usize) -> Option<usize>,
+) -> Option<()> {
     let mut i = space(raw, 0);
-    if *raw.get(i)? != b'[' {
+    if *raw.get(i)? != open {
         return None;
     }
     i = space(raw, i + 1);
-    if *raw.get(i)? == b']' {
-        return (space(raw, i + 1) == raw.len()).then_some(());
-    }
-    loop {
-        let end = value_end(raw, i)?;
-        each(raw.get(i..end)?);
-        i = space(raw, end);
-        match *raw.get(i)? {
-            b',' => i = space(raw, i + 1),
-            b']' => return (space(raw, i + 1) == raw.len()).then_some(()),
-            _ => return None,
+    if *raw.get(i)? != close {
+        loop {
+            i = space(raw, item(i)?);
+            match *raw.get(i)? {
+                b',' => i = space(raw, i + 1),
+                c if c == close => break,
+                _ => return None,
+            }
         }
     }
+    (space(raw, i + 1) == raw.len()).then_some(())
 }
 
 /// The first position from `i` that is not JSON whitespace.

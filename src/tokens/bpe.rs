@@ -93,7 +93,7 @@ const SPECIAL: [&str; 5] = [
 pub enum BuildError {
     #[error("the split pattern does not compile: {0}")]
     Pattern(#[from] Box<regex_automata::hybrid::BuildError>),
-    #[error("two tokens share a 64-bit hash")]
+    #[error("two tokens share a key (their 56-bit hash)")]
     Collision,
     #[error("the vocabulary is empty")]
     Empty,
@@ -195,7 +195,7 @@ fn key(piece: &[u8]) -> u64 {
 /// The hasher for keys: a folded multiply, which spreads a short key's
 /// bytes over every bit the table looks at.
 #[derive(Default)]
-pub struct Mix(u64);
+struct Mix(u64);
 
 impl Hasher for Mix {
     fn finish(&self) -> u64 {
