@@ -399,22 +399,20 @@ mod tests {
     use proptest::prelude::*;
     use std::sync::OnceLock;
 
+    /// tiktoken's counter and this one, for the same encoding.
+    fn both(core: tiktoken_rs::CoreBPE, split: &Split) -> (tiktoken_rs::CoreBPE, Bpe) {
+        let bpe = Bpe::new(Vocabulary::from_core(&core).unwrap(), split).unwrap();
+        (core, bpe)
+    }
+
     fn pair() -> &'static (tiktoken_rs::CoreBPE, Bpe) {
         static P: OnceLock<(tiktoken_rs::CoreBPE, Bpe)> = OnceLock::new();
-        P.get_or_init(|| {
-            let core = tiktoken_rs::o200k_base().unwrap();
-            let bpe = Bpe::new(Vocabulary::from_core(&core).unwrap(), &O200K).unwrap();
-            (core, bpe)
-        })
+        P.get_or_init(|| both(tiktoken_rs::o200k_base().unwrap(), &O200K))
     }
 
     fn cl100k() -> &'static (tiktoken_rs::CoreBPE, Bpe) {
         static P: OnceLock<(tiktoken_rs::CoreBPE, Bpe)> = OnceLock::new();
-        P.get_or_init(|| {
-            let core = tiktoken_rs::cl100k_base().unwrap();
-            let bpe = Bpe::new(Vocabulary::from_core(&core).unwrap(), &CL100K).unwrap();
-            (core, bpe)
-        })
+        P.get_or_init(|| both(tiktoken_rs::cl100k_base().unwrap(), &CL100K))
     }
 
     fn same(text: &str) {
