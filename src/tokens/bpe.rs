@@ -274,7 +274,10 @@ impl Bpe {
                 // Every character starts a match of these patterns. Were
                 // one not to, it is skipped, as tiktoken's search skips it.
                 Ok(None) => {
-                    at += text[at..].chars().next().map_or(1, char::len_utf8);
+                    at += text
+                        .get(at..)
+                        .and_then(|t| t.chars().next())
+                        .map_or(1, char::len_utf8);
                     continue;
                 }
                 // The lazy DFA gave up (it does not with its default
@@ -283,7 +286,11 @@ impl Bpe {
                 Err(_) => return n + text.len() - at,
             };
             if id == LOOK_AHEAD_ID {
-                end -= text[..end].chars().next_back().map_or(0, char::len_utf8);
+                // Matches end between characters; were one not to, no cut.
+                end -= text
+                    .get(..end)
+                    .and_then(|t| t.chars().next_back())
+                    .map_or(0, char::len_utf8);
             }
             if end <= at {
                 // No empty match is possible; were there one, as above.
