@@ -37,8 +37,15 @@ use models::{Bounds, Listings};
 /// Bytes of masked message forms remembered across requests.
 const MEMO_BYTES: usize = 16 * 1024 * 1024;
 
-/// Cache keys of tool schemas live apart from message keys.
+/// Cache keys of messages, and of tool schemas apart from them.
+const MESSAGES_DOMAIN: u64 = 0;
 const TOOLS_DOMAIN: u64 = 0x5bd1_e995_0000_0001;
+
+/// The count cache's key for bytes whose xxh3 is `digest`: every path that
+/// reads or fills the cache takes its key here, so they cannot disagree.
+fn cache_key(digest: u64, enc: Encoding, domain: u64) -> u64 {
+    digest ^ enc.salt() ^ domain
+}
 
 /// The key of what condense learns per (upstream, model): a hash, so that
 /// a client-chosen model name of any length costs a fixed few bytes, with a
@@ -228,7 +235,11 @@ impl TokenService {
     pub fn uncached_bytes(&self, req: &ChatRequest, enc: Encoding) -> usize {
         req.messages()
             .iter()
-            .filter(|m| !self.cache.contains(m.digest() ^ enc.salt()))
+            .filter(|m| {
+                !self
+                    .cache
+                    .contains(cache_key(m.digest(), enc, MESSAGES_DOMAIN))
+            })
             .map(|m| m.raw().len())
             .sum()
     }
@@ -241,15 +252,17 @@ impl TokenService {
     /// The second value says whether every part was cached: the estimate
     /// is then the exact count.
     pub fn estimate_cached(&self, req: &ChatRequest, enc: Encoding) -> (u64, bool) {
-        let parts = req.messages().iter().map(|m| (m.raw(), m.digest())).chain(
-            ["tools", "functions"]
-                .iter()
-                .filter_map(|k| req.field(k))
-                .map(|raw| (raw, xxh3_64(raw) ^ TOOLS_DOMAIN)),
-        );
+        let messages = req
+            .messages()
+            .iter()
+            .map(|m| (m.raw(), cache_key(m.digest(), enc, MESSAGES_DOMAIN)));
+        let tools = ["tools", "functions"]
+            .iter()
+            .filter_map(|k| req.field(k))
+            .map(|raw| (raw, cache_key(xxh3_64(raw), enc, TOOLS_DOMAIN)));
         let (mut known, mut known_bytes, mut unknown_bytes) = (0u64, 0usize, 0usize);
-        for (raw, key) in parts {
-            match self.cache.peek(key ^ enc.salt()) {
+        for (raw, key) in messages.chain(tools) {
+            match self.cache.peek(key) {
                 Some(n) => {
                     known += n;
                     known_bytes += raw.len();
@@ -272,7 +285,10 @@ impl TokenService {
     /// are tokenized on as many threads as there are cores, in groups of
     /// about equal bytes.
     fn message_counts(&self, messages: &[Message], enc: Encoding) -> Vec<u64> {
-        let keys: Vec<u64> = messages.iter().map(|m| m.digest() ^ enc.salt()).collect();
+        let keys: Vec<u64> = messages
+            .iter()
+            .map(|m| cache_key(m.digest(), enc, MESSAGES_DOMAIN))
+            .collect();
         let mut counts: Vec<Option<u64>> = keys.iter().map(|&k| self.cache.hit(k)).collect();
         let missing: Vec<usize> = (0..messages.len())
             .filter(|&i| counts[i].is_none())
@@ -332,12 +348,14 @@ impl TokenService {
 
     /// Tokens of one message, from the cache when it was seen before.
     pub fn message_tokens(&self, raw: &[u8], enc: Encoding) -> u64 {
-        self.cached(raw, enc, 0, || count::message_tokens(enc, raw))
+        self.cached(raw, enc, MESSAGES_DOMAIN, || {
+            count::message_tokens(enc, raw)
+        })
     }
 
     fn cached(&self, raw: &[u8], enc: Encoding, domain: u64, f: impl FnOnce() -> u64) -> u64 {
         self.cache
-            .get_or_insert_with(xxh3_64(raw) ^ enc.salt() ^ domain, f)
+            .get_or_insert_with(cache_key(xxh3_64(raw), enc, domain), f)
     }
 
     /// Measures a request against its model's budget. With `allow_cheap`, a
