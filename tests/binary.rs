@@ -428,3 +428,136 @@ fn replay_of_several_conversations_reports_each_and_their_means() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--probes names a directory"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A forward proxy on 127.0.0.1 that answers every request itself with a
+/// chat completion, and records each request line it got.
+async fn forward_proxy() -> (std::net::SocketAddr, Arc<Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            let log = log.clone();
+            tokio::spawn(async move {
+                let mut sock = tokio::io::BufReader::new(sock);
+                loop {
+                    let mut line = String::new();
+                    if sock.read_line(&mut line).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let mut length = 0;
+                    loop {
+                        let mut h = String::new();
+                        sock.read_line(&mut h).await.unwrap();
+                        if h.trim().is_empty() {
+                            break;
+                        }
+                        if let Some((k, v)) = h.split_once(':')
+                            && k.eq_ignore_ascii_case("content-length")
+                        {
+                            length = v.trim().parse().unwrap();
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    sock.read_exact(&mut body).await.unwrap();
+                    log.lock().unwrap().push(line.trim().to_string());
+                    let answer = serde_json::json!({
+                        "id": "chatcmpl-proxied", "object": "chat.completion", "created": 0,
+                        "model": "gpt-4o", "choices": [{"index": 0, "finish_reason": "stop",
+                        "message": {"role": "assistant", "content": "via the proxy"}}],
+                        "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+                    })
+                    .to_string();
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                        answer.len()
+                    );
+                    let out = sock.get_mut();
+                    out.write_all(head.as_bytes()).await.unwrap();
+                    out.write_all(answer.as_bytes()).await.unwrap();
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// Starts condense with `env` and returns it with the address it listens on.
+fn serve(env: &[(&str, String)]) -> (std::process::Child, String) {
+    let mut cmd = condense();
+    for k in ["HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"] {
+        cmd.env_remove(k).env_remove(k.to_lowercase());
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd
+        .env("CONDENSE_SERVER__LISTEN", "127.0.0.1:0")
+        .env("CONDENSE_UPSTREAM__LEARN_WINDOWS", "false")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(rest) = line.split("listen=").nth(1) {
+                let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("condense never said where it listens");
+    (child, addr)
+}
+
+#[tokio::test]
+async fn a_proxy_named_in_the_environment_carries_the_requests_unless_no_proxy_says_otherwise() {
+    let (proxy, seen) = forward_proxy().await;
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let chat = |addr: String| {
+        client
+            .post(format!("http://{addr}/v1/chat/completions"))
+            .bearer_auth("sk-test")
+            .body(chat_body(false).to_string())
+            .send()
+    };
+
+    // Nothing listens on port 1: only the proxy can answer for it.
+    let (mut child, addr) = serve(&[
+        ("HTTP_PROXY", format!("http://{proxy}")),
+        (
+            "CONDENSE_UPSTREAM__BASE_URL",
+            "http://127.0.0.1:1/v1".to_string(),
+        ),
+    ]);
+    let resp = chat(addr).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let v: serde_json::Value = serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "via the proxy");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        ["POST http://127.0.0.1:1/v1/chat/completions HTTP/1.1"]
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    // NO_PROXY names the upstream: condense goes straight to it.
+    let mock = MockUpstream::start().await;
+    let (mut child, addr) = serve(&[
+        ("HTTP_PROXY", format!("http://{proxy}")),
+        ("NO_PROXY", "127.0.0.1".to_string()),
+        ("CONDENSE_UPSTREAM__BASE_URL", mock.base_url()),
+    ]);
+    let resp = chat(addr).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.bytes().await.unwrap();
+    assert_eq!(mock.chat_requests().len(), 1);
+    assert_eq!(seen.lock().unwrap().len(), 1, "the proxy got no more");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

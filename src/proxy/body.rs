@@ -20,11 +20,14 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::{Bytes, BytesMut};
-use futures_util::{Stream, StreamExt};
+use futures_util::StreamExt;
 use http::HeaderMap;
+use http_body_util::BodyExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
+use super::relay::BodyStream;
+use super::upstream::{self, BoxError, Outgoing, UpstreamResponse};
 use crate::error::ProxyError;
 
 /// The room for request bodies held in memory at once, counted in KiB.
@@ -181,16 +184,9 @@ impl StreamFault {
 #[error("the client's request body failed: {0}")]
 struct ClientBodyError(&'static str);
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
 /// Streams a client body upstream, failing it once it passes `limit` bytes,
 /// takes longer than `timeout`, or breaks (and recording which in `fault`).
-pub fn streamed_request(
-    body: Body,
-    limit: u64,
-    timeout: Duration,
-    fault: StreamFault,
-) -> reqwest::Body {
+pub fn streamed_request(body: Body, limit: u64, timeout: Duration, fault: StreamFault) -> Outgoing {
     let deadline = Instant::now() + timeout;
     let start = Some((body.into_data_stream(), 0u64));
     let stream = futures_util::stream::unfold(start, move |state| {
@@ -218,7 +214,8 @@ pub fn streamed_request(
             }
         }
     });
-    reqwest::Body::wrap_stream(stream)
+    let frames = stream.map(|chunk| chunk.map(http_body::Frame::data));
+    Outgoing::Streamed(http_body_util::StreamBody::new(frames).boxed_unsync())
 }
 
 /// What reading an upstream body up to a limit gave.
@@ -227,10 +224,7 @@ pub enum Limited {
     Whole(Bytes),
     /// The body passed the limit (or stalled): what was read, and the rest
     /// unread.
-    Over {
-        head: Bytes,
-        rest: std::pin::Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
-    },
+    Over { head: Bytes, rest: BodyStream },
 }
 
 /// Reads an upstream response body up to `limit` bytes. With `idle`, a
@@ -238,11 +232,11 @@ pub enum Limited {
 /// it comes back as [`Limited::Over`], for a relay to pass on (under its own
 /// idle timeout).
 pub async fn read_upstream(
-    resp: reqwest::Response,
+    resp: UpstreamResponse,
     limit: usize,
     idle: Option<Duration>,
-) -> reqwest::Result<Limited> {
-    let mut stream = Box::pin(resp.bytes_stream());
+) -> Result<Limited, BoxError> {
+    let mut stream: BodyStream = Box::pin(http_body_util::BodyDataStream::new(resp.into_body()));
     let mut buf = BytesMut::new();
     loop {
         let next = match idle {
@@ -268,8 +262,8 @@ pub async fn read_upstream(
 
 /// Reads an upstream body whole when it fits `limit` bytes; None when it
 /// does not (or fails).
-pub async fn read_upstream_whole(resp: reqwest::Response, limit: usize) -> Option<Bytes> {
-    if resp.content_length().is_some_and(|n| n > limit as u64) {
+pub async fn read_upstream_whole(resp: UpstreamResponse, limit: usize) -> Option<Bytes> {
+    if upstream::content_length(&resp).is_some_and(|n| n > limit as u64) {
         return None;
     }
     match read_upstream(resp, limit, None).await {

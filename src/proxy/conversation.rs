@@ -20,6 +20,7 @@ use super::prepare::Report;
 use super::recall::Again;
 use super::recover::OVERFLOW_STATUSES;
 use super::relay::{InflightGuard, Reply, Tap};
+use super::upstream::Outgoing;
 use super::usage::{JsonTap, SseTap};
 use super::{Proxy, Timing, X_ACTIONS, X_TOKENS_AFTER, X_TOKENS_BEFORE};
 use crate::error::ProxyError;
@@ -129,7 +130,7 @@ impl Proxy {
                 parts.method,
                 url,
                 headers,
-                Some(reqwest::Body::from(prepared.body.clone())),
+                Outgoing::Whole(prepared.body.clone()),
             )
             .await?;
 

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use http::{HeaderMap, HeaderValue, Method, header};
 use tokio::sync::Mutex;
 
-use super::upstream::Upstream;
+use super::upstream::{Outgoing, Upstream};
 use crate::tokens::models::Listings;
 
 const REFRESH: Duration = Duration::from_secs(600);
@@ -95,7 +95,10 @@ async fn fetch(upstream: &Upstream, request_headers: &HeaderMap) -> Option<bytes
         header::ACCEPT_ENCODING,
         HeaderValue::from_static("identity"),
     );
-    let resp = upstream.send(Method::GET, url, headers, None).await.ok()?;
+    let resp = upstream
+        .send(Method::GET, url, headers, Outgoing::Empty)
+        .await
+        .ok()?;
     if !resp.status().is_success() {
         tracing::debug!(status = %resp.status(), "no /models listing from the upstream");
         return None;

@@ -43,7 +43,7 @@ use body::{BodyBudget, StreamFault};
 use learn::Background;
 use listing::ListingFetcher;
 use relay::{InflightGuard, Tap, UsageCallback};
-use upstream::{Upstream, UpstreamError};
+use upstream::{Outgoing, Upstream, UpstreamError};
 
 /// Conversation bodies with at least this many bytes of messages not seen
 /// before are measured on the blocking pool.
@@ -223,14 +223,9 @@ impl Proxy {
         credentials.apply(&mut headers);
         let fault = StreamFault::default();
         let body = if axum::body::HttpBody::size_hint(&body).exact() == Some(0) {
-            None
+            Outgoing::Empty
         } else {
-            Some(body::streamed_request(
-                body,
-                self.max_body_bytes,
-                self.body_timeout,
-                fault.clone(),
-            ))
+            body::streamed_request(body, self.max_body_bytes, self.body_timeout, fault.clone())
         };
         let guard = InflightGuard::new(self.metrics.clone());
         let sent = Instant::now();

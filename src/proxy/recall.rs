@@ -18,11 +18,10 @@ use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use http::{HeaderMap, Method};
 use serde_json::Value;
-use url::Url;
 
 use super::Proxy;
 use super::relay::{BodyStream, Reply};
-use super::upstream::Upstream;
+use super::upstream::{Outgoing, Upstream, UpstreamResponse};
 use super::usage::{self, JsonTap, SseTap};
 use crate::error::ProxyError;
 use crate::recall::store::{AgentPoint, Originals, within};
@@ -55,7 +54,7 @@ pub struct Offer {
 /// Where the follow-up requests go.
 pub struct Again {
     pub method: Method,
-    pub url: Url,
+    pub url: http::Uri,
     pub headers: HeaderMap,
 }
 
@@ -98,7 +97,7 @@ impl Proxy {
         format: Format,
         offer: Offer,
         sent: Bytes,
-        resp: reqwest::Response,
+        resp: UpstreamResponse,
         again: Again,
         upstream: &Upstream,
     ) -> Result<Answered, ProxyError> {
@@ -188,7 +187,7 @@ impl Proxy {
                     again.method.clone(),
                     again.url.clone(),
                     again.headers.clone(),
-                    Some(reqwest::Body::from(next.clone())),
+                    Outgoing::Whole(next.clone()),
                 )
                 .await;
             match sent {

@@ -11,6 +11,8 @@ use futures_util::StreamExt;
 use http::HeaderMap;
 
 use super::prepare::{Own, Prepared};
+use super::relay::Reply;
+use super::upstream::{self, Outgoing, ResponseBody, UpstreamResponse};
 use super::{BLOCKING_PREPARE_BYTES, Proxy, body};
 use crate::error::ProxyError;
 use crate::overflow;
@@ -65,15 +67,12 @@ impl Proxy {
     pub(super) async fn recover(
         &self,
         format: Format,
-        resp: reqwest::Response,
+        resp: UpstreamResponse,
         prepared: Prepared,
         original: &Bytes,
-        (method, url, headers): (http::Method, url::Url, HeaderMap),
-    ) -> Result<(reqwest::Response, Prepared), ProxyError> {
-        if resp
-            .content_length()
-            .is_some_and(|n| n > MAX_ERROR_BODY as u64)
-        {
+        (method, url, headers): (http::Method, http::Uri, HeaderMap),
+    ) -> Result<(UpstreamResponse, Prepared), ProxyError> {
+        if upstream::content_length(&resp).is_some_and(|n| n > MAX_ERROR_BODY as u64) {
             return Ok((resp, prepared));
         }
         let status = resp.status();
@@ -85,7 +84,7 @@ impl Proxy {
             .map_err(|e| {
                 ProxyError::UpstreamUnreachable(format!(
                     "reading the error body: {}",
-                    e.without_url()
+                    upstream::describe(e.as_ref())
                 ))
             })?;
         let body = match read {
@@ -93,20 +92,21 @@ impl Proxy {
             // Too long to be an overflow error (or stalled): passed on as it
             // is, the bytes read first and then the rest as it comes.
             body::Limited::Over { head, rest } => {
-                let whole = futures_util::stream::once(async move { Ok(head) }).chain(rest);
-                let mut r = http::Response::new(reqwest::Body::wrap_stream(whole));
+                let whole = Reply::prefixed(head, rest).map(|c| c.map(http_body::Frame::data));
+                let mut r =
+                    http::Response::new(ResponseBody::new(http_body_util::StreamBody::new(whole)));
                 *r.status_mut() = status;
                 *r.version_mut() = version;
                 *r.headers_mut() = resp_headers;
-                return Ok((reqwest::Response::from(r), prepared));
+                return Ok((r, prepared));
             }
         };
         let unchanged = || {
-            let mut r = http::Response::new(body.clone());
+            let mut r = http::Response::new(upstream::whole_body(body.clone()));
             *r.status_mut() = status;
             *r.version_mut() = version;
             *r.headers_mut() = resp_headers.clone();
-            reqwest::Response::from(r)
+            r
         };
         let Some(o) = overflow::detect(status.as_u16(), &body) else {
             return Ok((unchanged(), prepared));
@@ -175,12 +175,7 @@ impl Proxy {
             return Ok((unchanged(), prepared));
         };
         let resp = endpoint
-            .send(
-                method,
-                url,
-                headers,
-                Some(reqwest::Body::from(retry.body.clone())),
-            )
+            .send(method, url, headers, Outgoing::Whole(retry.body.clone()))
             .await?;
         count(if resp.status().is_success() {
             "recovered"

@@ -12,6 +12,7 @@ use axum::body::Body;
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 
+use super::upstream::{self, BoxError, UpstreamResponse};
 use super::usage::{JsonTap, SseTap, Usage};
 use crate::metrics::Metrics;
 use crate::wire::Format;
@@ -133,11 +134,11 @@ pub enum RelayError {
     #[error("the upstream sent nothing for {0:?}")]
     IdleTimeout(Duration),
     #[error("the upstream connection failed mid-body: {0}")]
-    Upstream(#[from] reqwest::Error),
+    Upstream(#[source] BoxError),
 }
 
 /// A response body on its way from the upstream.
-pub type BodyStream = Pin<Box<dyn Stream<Item = Result<Bytes, reqwest::Error>> + Send>>;
+pub type BodyStream = Pin<Box<dyn Stream<Item = Result<Bytes, BoxError>> + Send>>;
 
 /// An upstream answer to relay: the upstream's response as it came, or one
 /// condense finished reading (the answer after condense's own tool calls).
@@ -149,10 +150,10 @@ pub struct Reply {
     pub content_length: Option<u64>,
 }
 
-impl From<reqwest::Response> for Reply {
-    fn from(resp: reqwest::Response) -> Reply {
-        let content_length = resp.content_length();
-        let (parts, body) = http::Response::from(resp).into_parts();
+impl From<UpstreamResponse> for Reply {
+    fn from(resp: UpstreamResponse) -> Reply {
+        let content_length = upstream::content_length(&resp);
+        let (parts, body) = resp.into_parts();
         Reply {
             status: parts.status,
             headers: parts.headers,

@@ -130,6 +130,7 @@ impl Client {
         let status = resp.status();
         // A checkpoint is a few kilobytes; an answer far larger is not one,
         // and reading it whole would let the summarizer fill memory.
+        let resp = crate::proxy::upstream::from_reqwest(resp);
         let bytes = match crate::proxy::body::read_upstream(resp, MAX_ANSWER_BYTES, None).await {
             Ok(crate::proxy::body::Limited::Whole(b)) => b,
             Ok(crate::proxy::body::Limited::Over { .. }) => {
@@ -137,7 +138,7 @@ impl Client {
                     "the answer is longer than {MAX_ANSWER_BYTES} bytes"
                 )));
             }
-            Err(e) => return Err(CallError::Transport(e.without_url().to_string())),
+            Err(e) => return Err(CallError::Transport(e.to_string())),
         };
         if !status.is_success() {
             // The error is logged: a summarizer that echoes the key it was
