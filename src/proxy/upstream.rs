@@ -16,6 +16,7 @@
 //! request (it parses the URL three times over), so it is kept off the
 //! direct path.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -30,6 +31,7 @@ use url::Url;
 use crate::cache::Bounded;
 use crate::config::UpstreamConfig;
 use crate::error::ProxyError;
+use crate::server::workers;
 
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
@@ -67,8 +69,10 @@ type DirectClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, DirectBo
 /// How requests reach the upstream.
 #[derive(Clone)]
 enum Transport {
-    /// hyper's client is 336 bytes; reqwest's is one pointer.
-    Direct(Box<DirectClient>),
+    /// One pool per worker thread (and one for any other thread): a pooled
+    /// connection's task runs on the thread that opened it, and a request
+    /// on another thread would wake that one for every read and write.
+    Direct(Arc<[DirectClient]>),
     /// Through the proxy the environment names for the upstream.
     Proxied(reqwest::Client),
 }
@@ -88,7 +92,7 @@ impl Transport {
     fn for_base(
         base: &Uri,
         connect_timeout: Duration,
-        direct: Option<&DirectClient>,
+        direct: Option<&Arc<[DirectClient]>>,
     ) -> Result<Transport, UpstreamError> {
         let matcher = hyper_util::client::proxy::matcher::Matcher::from_env();
         if matcher.intercept(base).is_some() {
@@ -101,19 +105,19 @@ impl Transport {
                 .build()?;
             return Ok(Transport::Proxied(client));
         }
-        let client = match direct {
-            Some(client) => client.clone(),
+        let clients = match direct {
+            Some(clients) => clients.clone(),
             None => {
                 use hyper_rustls::ConfigBuilderExt;
-                let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+                let provider = Arc::new(rustls::crypto::ring::default_provider());
                 let tls = rustls::ClientConfig::builder_with_provider(provider)
                     .with_safe_default_protocol_versions()?
                     .with_webpki_roots()
                     .with_no_client_auth();
-                direct_client(tls, connect_timeout)
+                direct_clients(tls, connect_timeout)
             }
         };
-        Ok(Transport::Direct(Box::new(client)))
+        Ok(Transport::Direct(clients))
     }
 
     /// Sends a request; the response comes back when its headers have.
@@ -125,7 +129,8 @@ impl Transport {
         body: Outgoing,
     ) -> Result<UpstreamResponse, BoxError> {
         match self {
-            Transport::Direct(client) => {
+            Transport::Direct(clients) => {
+                let client = &clients[workers::slot() % clients.len()];
                 let body = match body {
                     Outgoing::Empty => Either::Left(Full::new(Bytes::new())),
                     Outgoing::Whole(b) => Either::Left(Full::new(b)),
@@ -157,9 +162,10 @@ impl Transport {
     }
 }
 
-/// hyper's pooled client over `tls`: HTTP/1.1, or HTTP/2 where the server
-/// picks it in the TLS handshake (as api.openai.com does).
-fn direct_client(tls: rustls::ClientConfig, connect_timeout: Duration) -> DirectClient {
+/// hyper's pooled client over `tls`, one for each worker thread and one for
+/// the other threads: HTTP/1.1, or HTTP/2 where the server picks it in the
+/// TLS handshake (as api.openai.com does).
+fn direct_clients(tls: rustls::ClientConfig, connect_timeout: Duration) -> Arc<[DirectClient]> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
@@ -169,10 +175,13 @@ fn direct_client(tls: rustls::ClientConfig, connect_timeout: Duration) -> Direct
         .https_or_http()
         .enable_all_versions()
         .wrap_connector(http);
-    Client::builder(TokioExecutor::new())
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder
         .pool_idle_timeout(POOL_IDLE)
-        .pool_timer(TokioTimer::new())
-        .build(https)
+        .pool_timer(TokioTimer::new());
+    (0..=workers::count())
+        .map(|_| builder.build(https.clone()))
+        .collect()
 }
 
 pub struct Upstream {
@@ -217,7 +226,7 @@ impl Upstream {
     fn with(
         base_url: &str,
         t: Timeouts,
-        direct: Option<&DirectClient>,
+        direct: Option<&Arc<[DirectClient]>>,
     ) -> Result<Upstream, UpstreamError> {
         let parsed = Url::parse(base_url)?;
         let base_uri: Uri = parsed.as_str().parse()?;
@@ -249,7 +258,7 @@ impl Upstream {
     /// The same client (and simulator) in front of another base URL.
     pub fn rebased(&self, base_url: &str) -> Result<Upstream, UpstreamError> {
         let direct = match &self.transport {
-            Transport::Direct(c) => Some(&**c),
+            Transport::Direct(c) => Some(c),
             Transport::Proxied(_) => None,
         };
         let timeouts = Timeouts {
@@ -617,7 +626,7 @@ mod tests {
             .unwrap()
             .with_root_certificates(roots)
             .with_no_client_auth();
-        Transport::Direct(Box::new(direct_client(tls, Duration::from_secs(5))))
+        Transport::Direct(direct_clients(tls, Duration::from_secs(5)))
     }
 
     async fn version_over(t: &Transport, addr: std::net::SocketAddr) -> (http::Version, String) {

@@ -48,6 +48,7 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 use tower::Service;
 
+use super::workers::Workers;
 use crate::error::openai_error_body;
 use crate::metrics::Metrics;
 
@@ -347,13 +348,16 @@ impl http_body::Body for Counted {
 }
 
 /// Serves `router` on `listener` until `stop` turns true, then waits for
-/// the open connections to finish (the caller bounds that wait).
+/// the open connections to finish (the caller bounds that wait). With
+/// `workers`, each connection is served on one of their threads, in turn;
+/// without, on the runtime this runs on.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     limits: Limits,
     metrics: Arc<Metrics>,
     mut stop: watch::Receiver<bool>,
+    workers: Option<Arc<Workers>>,
 ) {
     let registry = Arc::new(Registry {
         conns: Mutex::new(HashMap::new()),
@@ -405,15 +409,34 @@ pub async fn serve(
                     conn: conn.clone(),
                     registry: registry.clone(),
                 };
-                tasks.spawn(connection(
-                    tcp,
+                let serving = Serving {
                     service,
-                    builder.clone(),
-                    limits.idle,
-                    for_connections.clone(),
-                    metrics.clone(),
+                    builder: builder.clone(),
+                    idle: limits.idle,
+                    stop: for_connections.clone(),
+                    metrics: metrics.clone(),
                     registered,
-                ));
+                };
+                match &workers {
+                    None => {
+                        tasks.spawn(connection(tcp, serving));
+                    }
+                    // The socket moves to the worker's own event loop.
+                    Some(w) => match tcp.into_std() {
+                        Ok(std) => {
+                            tasks.spawn_on(
+                                async move {
+                                    match TcpStream::from_std(std) {
+                                        Ok(tcp) => connection(tcp, serving).await,
+                                        Err(e) => tracing::warn!(error = %e, "cannot serve a connection"),
+                                    }
+                                },
+                                w.next(),
+                            );
+                        }
+                        Err(e) => tracing::warn!(error = %e, "cannot serve a connection"),
+                    },
+                }
             }
         }
     }
@@ -426,17 +449,27 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
-/// Serves one connection until it ends, is idle too long, is evicted while
-/// idle, or the server stops.
-async fn connection(
-    tcp: TcpStream,
+/// What serving a connection takes besides its socket.
+struct Serving {
     service: Tracked,
     builder: Arc<Builder<TokioExecutor>>,
     idle: Duration,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
-    _registered: Registered,
-) {
+    registered: Registered,
+}
+
+/// Serves one connection until it ends, is idle too long, is evicted while
+/// idle, or the server stops.
+async fn connection(tcp: TcpStream, serving: Serving) {
+    let Serving {
+        service,
+        builder,
+        idle,
+        mut stop,
+        metrics,
+        registered: _registered,
+    } = serving;
     let conn = service.conn.clone();
     let registry = service.registry.clone();
     let io = Watched {

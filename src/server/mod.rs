@@ -2,6 +2,7 @@
 //! shutdown. Connections (the cap, idle deadlines) are in `connections.rs`.
 
 pub mod connections;
+pub mod workers;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -319,8 +320,9 @@ impl Server {
         });
         let router = app(state.clone());
         let metrics = state.metrics.clone();
+        let workers = workers::Workers::per_core()?;
         let task = tokio::spawn(async move {
-            connections::serve(listener, router, limits, metrics, stopped).await;
+            connections::serve(listener, router, limits, metrics, stopped, Some(workers)).await;
             Ok(())
         });
         Ok(Server {

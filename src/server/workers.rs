@@ -1,0 +1,93 @@
+//! The threads that serve client connections: one single-threaded tokio
+//! runtime per core, each handed accepted connections in turn.
+//!
+//! On tokio's work-stealing runtime, a request's server task, the
+//! upstream connection's task and the relay wake each other across worker
+//! threads: each hop is a futex wake-up and a cold cache. Measured with one
+//! client connection, that was 14 µs of CPU and 19 µs of latency a small
+//! request. Here a connection lives on one thread for its whole life, with
+//! everything it spawns (the upstream client's connection tasks included),
+//! and the threads share nothing but the proxy's state.
+//!
+//! The trade is work stealing: a connection waits while its thread does
+//! another's CPU work. That work is small on the async threads: counting
+//! and compacting a large request runs on the blocking pool.
+
+use std::cell::Cell;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
+
+thread_local! {
+    /// 1 + this thread's worker number, on a worker thread; else 0.
+    static SLOT: Cell<usize> = const { Cell::new(0) };
+}
+
+/// How many worker threads a server starts: one per core the process may
+/// use.
+pub fn count() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// A per-thread resource's slot for the calling thread: 1 + its worker
+/// number on a worker thread, 0 on any other (`count() + 1` slots).
+pub fn slot() -> usize {
+    SLOT.with(Cell::get)
+}
+
+/// Connection-serving runtimes; they stop when this is dropped (whatever
+/// they still run is cut off).
+pub struct Workers {
+    handles: Vec<Handle>,
+    next: AtomicUsize,
+    /// Dropping these ends each thread's `block_on`.
+    _stop: Vec<oneshot::Sender<()>>,
+}
+
+impl Workers {
+    /// `n` threads (at least one), each running a runtime of its own.
+    pub fn start(n: usize) -> std::io::Result<Arc<Workers>> {
+        let mut handles = Vec::with_capacity(n.max(1));
+        let mut stops = Vec::with_capacity(n.max(1));
+        for i in 0..n.max(1) {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            handles.push(runtime.handle().clone());
+            let (stop, stopped) = oneshot::channel::<()>();
+            stops.push(stop);
+            std::thread::Builder::new()
+                .name(format!("condense-conn-{i}"))
+                .spawn(move || {
+                    SLOT.with(|s| s.set(i + 1));
+                    let _ = runtime.block_on(stopped);
+                })?;
+        }
+        Ok(Arc::new(Workers {
+            handles,
+            next: AtomicUsize::new(0),
+            _stop: stops,
+        }))
+    }
+
+    /// One thread per core the process may use.
+    pub fn per_core() -> std::io::Result<Arc<Workers>> {
+        Workers::start(count())
+    }
+
+    /// The runtime for the next connection (in turn).
+    pub fn next(&self) -> &Handle {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.handles.len();
+        &self.handles[i]
+    }
+
+    pub fn len(&self) -> usize {
+        self.handles.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.handles.is_empty()
+    }
+}
