@@ -183,6 +183,15 @@ async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() 
     reader.join().unwrap();
     let log = log.lock().unwrap().clone();
     assert!(log.contains("shutdown signal received"), "{log}");
+    // A line for each request, written after its response went out: the
+    // four answered by the upstream (the 400 is the overflow passed on).
+    let answered = |status: u16| {
+        let line = format!(
+            "condense::server: request method=POST path=\"/v1/chat/completions\" status={status} "
+        );
+        log.lines().filter(|l| l.contains(&line)).count()
+    };
+    assert_eq!((answered(200), answered(400)), (3, 1), "{log}");
     assert!(log.contains("summarizer call failed"), "{log}");
     assert!(log.contains("upstream context overflow"), "{log}");
     assert!(
