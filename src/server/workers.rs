@@ -62,7 +62,12 @@ impl Workers {
                 .name(format!("condense-conn-{i}"))
                 .spawn(move || {
                     SLOT.with(|s| s.set(i + 1));
-                    let _ = runtime.block_on(stopped);
+                    runtime.block_on(async {
+                        let _ = stopped.await;
+                        // Tasks ready now (the log line of a response just
+                        // sent) run before the runtime goes.
+                        tokio::task::yield_now().await;
+                    });
                 })?;
         }
         Ok(Arc::new(Workers {
