@@ -80,37 +80,16 @@ async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() 
     let mock = MockUpstream::start().await;
     // The summarizer (the mock) answers 401 quoting the key it was sent.
     mock.set_summary_mode("echo_key");
-    let mut child = condense()
-        .env("CONDENSE_SERVER__LISTEN", "127.0.0.1:0")
+    let mut cmd = condense();
+    cmd.env("CONDENSE_SERVER__LISTEN", "127.0.0.1:0")
         .env("CONDENSE_UPSTREAM__BASE_URL", mock.base_url())
         // Summaries for any request of more than 6 messages, on a small
         // window, so that the summarizer path runs too.
         .env("CONDENSE_SUMMARY__TRIGGER__KIND", "messages")
         .env("CONDENSE_SUMMARY__TRIGGER__VALUE", "6")
         .env("CONDENSE_DEFAULT_CONTEXT_WINDOW", "2048")
-        .env("RUST_LOG", "trace")
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let log = Arc::new(Mutex::new(String::new()));
-    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-    let log2 = log.clone();
-    let reader = std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines() {
-            let line = line.unwrap_or_default();
-            if let Some(rest) = line.split("listen=").nth(1) {
-                let addr = rest.split_whitespace().next().unwrap_or("").to_string();
-                let _ = addr_tx.send(addr);
-            }
-            log2.lock().unwrap().push_str(&line);
-            log2.lock().unwrap().push('\n');
-        }
-    });
-    let addr = addr_rx
-        .recv_timeout(Duration::from_secs(20))
-        .expect("condense never said where it listens");
+        .env("RUST_LOG", "trace");
+    let (mut child, addr, log, reader) = spawn_logged(&mut cmd);
 
     let client = reqwest::Client::new();
     for stream in [false, true] {
@@ -502,26 +481,46 @@ fn serve(env: &[(&str, String)]) -> (std::process::Child, String) {
     for (k, v) in env {
         cmd.env(k, v);
     }
+    cmd.env("CONDENSE_SERVER__LISTEN", "127.0.0.1:0")
+        .env("CONDENSE_UPSTREAM__LEARN_WINDOWS", "false");
+    let (child, addr, _, _) = spawn_logged(&mut cmd);
+    (child, addr)
+}
+
+/// Starts `cmd` (condense serving), collecting its log; returns it with
+/// the address it listens on, the log so far and the thread reading it
+/// (which ends with the process).
+fn spawn_logged(
+    cmd: &mut Command,
+) -> (
+    std::process::Child,
+    String,
+    Arc<Mutex<String>>,
+    std::thread::JoinHandle<()>,
+) {
     let mut child = cmd
-        .env("CONDENSE_SERVER__LISTEN", "127.0.0.1:0")
-        .env("CONDENSE_UPSTREAM__LEARN_WINDOWS", "false")
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
     let stderr = child.stderr.take().unwrap();
+    let log = Arc::new(Mutex::new(String::new()));
     let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
+    let collected = log.clone();
+    let reader = std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             if let Some(rest) = line.split("listen=").nth(1) {
                 let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
             }
+            let mut log = collected.lock().unwrap();
+            log.push_str(&line);
+            log.push('\n');
         }
     });
     let addr = rx
         .recv_timeout(Duration::from_secs(20))
         .expect("condense never said where it listens");
-    (child, addr)
+    (child, addr, log, reader)
 }
 
 #[tokio::test]
