@@ -87,12 +87,32 @@ impl Workers {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.handles.len();
         &self.handles[i]
     }
+}
 
-    pub fn len(&self) -> usize {
-        self.handles.len()
-    }
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-    pub fn is_empty(&self) -> bool {
-        self.handles.is_empty()
+    #[tokio::test]
+    async fn connections_go_to_each_thread_in_turn_and_the_threads_stop_with_the_workers() {
+        let workers = Workers::start(2).unwrap();
+        let mut slots = Vec::new();
+        for _ in 0..4 {
+            slots.push(workers.next().spawn(async { slot() }).await.unwrap());
+        }
+        assert_eq!(slots, [1, 2, 1, 2]);
+        assert_eq!(slot(), 0, "not a worker thread");
+        let handle = workers.next().clone();
+        drop(workers);
+        // The runtime is gone: what is spawned on it never runs.
+        let mut cancelled = false;
+        for _ in 0..100 {
+            if handle.spawn(async {}).await.is_err() {
+                cancelled = true;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(cancelled);
     }
 }
