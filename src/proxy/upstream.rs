@@ -64,7 +64,48 @@ pub enum Outgoing {
 }
 
 type DirectBody = Either<Full<Bytes>, UnsyncBoxBody<Bytes, BoxError>>;
-type DirectClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, DirectBody>;
+type DirectClient = Client<Deadline<hyper_rustls::HttpsConnector<HttpConnector>>, DirectBody>;
+
+/// A connector whose whole connect (name lookup, TCP, TLS handshake) has
+/// `limit` to finish; after it, an `io::ErrorKind::TimedOut` error.
+#[derive(Clone)]
+struct Deadline<C> {
+    inner: C,
+    limit: Duration,
+}
+
+impl<C> tower::Service<Uri> for Deadline<C>
+where
+    C: tower::Service<Uri>,
+    C::Future: Send + 'static,
+    C::Error: Into<BoxError>,
+{
+    type Response = C::Response;
+    type Error = BoxError;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<C::Response, BoxError>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let connecting = self.inner.call(uri);
+        let limit = self.limit;
+        Box::pin(async move {
+            match tokio::time::timeout(limit, connecting).await {
+                Ok(done) => done.map_err(Into::into),
+                Err(_) => Err(Box::new(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("connecting took longer than {limit:?}"),
+                )) as BoxError),
+            }
+        })
+    }
+}
 
 /// How requests reach the upstream.
 #[derive(Clone)]
@@ -131,17 +172,35 @@ impl Transport {
         match self {
             Transport::Direct(clients) => {
                 let client = &clients[workers::slot() % clients.len()];
-                let body = match body {
-                    Outgoing::Empty => Either::Left(Full::new(Bytes::new())),
-                    Outgoing::Whole(b) => Either::Left(Full::new(b)),
-                    Outgoing::Streamed(b) => Either::Right(b),
+                let whole = match body {
+                    Outgoing::Empty => Bytes::new(),
+                    Outgoing::Whole(b) => b,
+                    Outgoing::Streamed(b) => {
+                        let req = direct_request(method, uri, headers, Either::Right(b));
+                        return Ok(boxed(client.request(req).await?));
+                    }
                 };
-                let mut req = http::Request::new(body);
-                *req.method_mut() = method;
-                *req.uri_mut() = uri;
-                *req.headers_mut() = headers;
-                let resp = client.request(req).await?;
-                Ok(resp.map(|b| b.map_err(BoxError::from).boxed_unsync()))
+                // An HTTP/2 server may refuse a request it never processed
+                // (GOAWAY while it was on its way, REFUSED_STREAM): a body
+                // condense holds is sent again, twice at most, as reqwest
+                // did. Only TLS negotiates HTTP/2 here.
+                if uri.scheme() != Some(&http::uri::Scheme::HTTPS) {
+                    let req = direct_request(method, uri, headers, Either::Left(Full::new(whole)));
+                    return Ok(boxed(client.request(req).await?));
+                }
+                let mut tried = 0;
+                loop {
+                    tried += 1;
+                    let body = Either::Left(Full::new(whole.clone()));
+                    let req = direct_request(method.clone(), uri.clone(), headers.clone(), body);
+                    match client.request(req).await {
+                        Ok(resp) => return Ok(boxed(resp)),
+                        Err(e) if tried < 3 && refused_unprocessed(&e) => {
+                            tracing::debug!(error = %e, "the upstream refused the request unprocessed; sending it again");
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
             }
             Transport::Proxied(client) => {
                 let url = Url::parse(&uri.to_string())?;
@@ -169,12 +228,23 @@ fn direct_clients(tls: rustls::ClientConfig, connect_timeout: Duration) -> Arc<[
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
-    http.set_connect_timeout(Some(connect_timeout));
+    // TCP keepalive and a user timeout, as reqwest set them: a long silent
+    // answer stays open through NATs and load balancers with an idle
+    // cutoff, and a peer that vanished is noticed in about a minute.
+    http.set_keepalive(Some(Duration::from_secs(15)));
+    http.set_keepalive_interval(Some(Duration::from_secs(15)));
+    http.set_keepalive_retries(Some(3));
+    #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+    http.set_tcp_user_timeout(Some(Duration::from_secs(30)));
     let https = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http()
         .enable_all_versions()
         .wrap_connector(http);
+    let https = Deadline {
+        inner: https,
+        limit: connect_timeout,
+    };
     let mut builder = Client::builder(TokioExecutor::new());
     builder
         .pool_idle_timeout(POOL_IDLE)
@@ -193,6 +263,9 @@ pub struct Upstream {
     /// The path of `base_url` without a trailing slash (`/v1`, or empty).
     base_path: String,
     host: Option<String>,
+    /// `Authorization: Basic` from a `user:pass@` in `base_url`, sent when
+    /// a request carries no `Authorization` of its own (as reqwest did).
+    basic: Option<http::HeaderValue>,
     port: Option<u16>,
     first_byte_timeout: Duration,
     pub idle_timeout: Duration,
@@ -207,7 +280,8 @@ const MAPPED_PATH_BYTES: usize = 256;
 
 fn mapped_cache() -> Bounded<String, Uri> {
     Bounded::new(1024, 1 << 20, |path, uri| {
-        (path.len() + uri.to_string().len() + 64) as u64
+        let tail = uri.path_and_query().map_or(0, |p| p.as_str().len());
+        (path.len() + tail + 64) as u64
     })
 }
 
@@ -236,6 +310,7 @@ impl Upstream {
             base: base_url.trim_end_matches('/').to_string(),
             base_path: parsed.path().trim_end_matches('/').to_string(),
             host: parsed.host_str().map(str::to_string),
+            basic: basic_auth(&parsed),
             port: parsed.port_or_known_default(),
             first_byte_timeout: t.first_byte,
             idle_timeout: t.idle,
@@ -313,7 +388,8 @@ impl Upstream {
             s.push('?');
             s.push_str(q);
         }
-        let url = Url::parse(&s).map_err(|_| ProxyError::InvalidPath("is not a valid URL path"))?;
+        let mut url =
+            Url::parse(&s).map_err(|_| ProxyError::InvalidPath("is not a valid URL path"))?;
         // Defence in depth: whatever the path held, the host stays ours and
         // the path stays under the base path.
         let under_base = url
@@ -326,6 +402,10 @@ impl Upstream {
         {
             return Err(ProxyError::InvalidPath("leaves the upstream's base path"));
         }
+        // Credentials in the base go as a header (see `basic`): HTTP/1.1
+        // would drop them, and HTTP/2 would send them in `:authority`.
+        let _ = url.set_username("");
+        let _ = url.set_password(None);
         // `Url` escapes what `Uri` refuses, as reqwest relies on too.
         url.as_str()
             .parse()
@@ -347,6 +427,12 @@ impl Upstream {
                 Outgoing::Empty | Outgoing::Streamed(_) => Bytes::new(),
             };
             return Ok(sim.respond(&method, uri.path(), &bytes).map(whole_body));
+        }
+        let mut headers = headers;
+        if let Some(basic) = &self.basic
+            && !headers.contains_key(http::header::AUTHORIZATION)
+        {
+            headers.insert(http::header::AUTHORIZATION, basic.clone());
         }
         let sending = self.transport.send(method, uri, headers, body);
         match tokio::time::timeout(self.first_byte_timeout, sending).await {
@@ -378,6 +464,53 @@ pub fn whole_body(bytes: Bytes) -> ResponseBody {
     Full::new(bytes)
         .map_err(|never| match never {})
         .boxed_unsync()
+}
+
+fn direct_request(
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: DirectBody,
+) -> http::Request<DirectBody> {
+    let mut req = http::Request::new(body);
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
+    req
+}
+
+/// hyper's response with its body boxed.
+fn boxed(resp: http::Response<hyper::body::Incoming>) -> UpstreamResponse {
+    resp.map(|b| b.map_err(BoxError::from).boxed_unsync())
+}
+
+/// Whether an HTTP/2 server turned the request away before processing it:
+/// a graceful GOAWAY it arrived after, or REFUSED_STREAM (RFC 9113, 8.7).
+fn refused_unprocessed(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(e);
+    while let Some(cause) = source {
+        if let Some(h2) = cause.downcast_ref::<h2::Error>() {
+            let go_away = h2.is_go_away() && h2.reason() == Some(h2::Reason::NO_ERROR);
+            let refused = h2.is_reset() && h2.reason() == Some(h2::Reason::REFUSED_STREAM);
+            return h2.is_remote() && (go_away || refused);
+        }
+        source = cause.source();
+    }
+    false
+}
+
+/// `Authorization: Basic` for the credentials in `url`, if it has any.
+fn basic_auth(url: &Url) -> Option<http::HeaderValue> {
+    use base64::Engine;
+    if url.username().is_empty() && url.password().is_none() {
+        return None;
+    }
+    let user = percent_decode(url.username());
+    let password = percent_decode(url.password().unwrap_or(""));
+    let encoded = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+    let mut value = http::HeaderValue::from_str(&format!("Basic {encoded}")).ok()?;
+    value.set_sensitive(true);
+    Some(value)
 }
 
 /// The length a response's headers announce for its body, if any.
@@ -563,27 +696,16 @@ mod tests {
     }
 
     /// An HTTPS server offering `alpn`, answering each request with the HTTP
-    /// version it came in; its address, and how many requests it answered.
+    /// version it came in, the authority it was addressed to and its
+    /// `Authorization`, one per line; its address, and how many requests it
+    /// answered.
     async fn tls_server(
         alpn: &[&[u8]],
     ) -> (
         std::net::SocketAddr,
         std::sync::Arc<std::sync::atomic::AtomicUsize>,
     ) {
-        use rustls::pki_types::pem::PemObject;
-        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-        let certs = CertificateDer::pem_slice_iter(TEST_CERT)
-            .collect::<Result<Vec<_>, _>>()
-            .unwrap();
-        let key = PrivateKeyDer::from_pem_slice(TEST_KEY).unwrap();
-        let mut config = rustls::ServerConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(certs, key)
-            .unwrap();
-        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-        let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+        let acceptor = server_tls(alpn);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let answered = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -597,10 +719,26 @@ mod tests {
                     };
                     let service = hyper::service::service_fn(move |req: http::Request<_>| {
                         count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        let version = format!("{:?}", req.version());
+                        let header = |name| {
+                            req.headers()
+                                .get(name)
+                                .and_then(|v: &http::HeaderValue| v.to_str().ok())
+                                .unwrap_or("-")
+                                .to_string()
+                        };
+                        let authority = req
+                            .uri()
+                            .authority()
+                            .map(|a| a.to_string())
+                            .unwrap_or_else(|| header(http::header::HOST));
+                        let seen = format!(
+                            "{:?}\n{authority}\n{}",
+                            req.version(),
+                            header(http::header::AUTHORIZATION)
+                        );
                         async move {
                             Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
-                                Bytes::from(version),
+                                Bytes::from(seen),
                             )))
                         }
                     });
@@ -629,32 +767,161 @@ mod tests {
         Transport::Direct(direct_clients(tls, Duration::from_secs(5)))
     }
 
-    async fn version_over(t: &Transport, addr: std::net::SocketAddr) -> (http::Version, String) {
-        let uri: Uri = format!("https://localhost:{}/v1/models", addr.port())
-            .parse()
-            .unwrap();
-        let resp = t
-            .send(Method::GET, uri, HeaderMap::new(), Outgoing::Empty)
+    /// What the test server saw of a GET through `u`: the HTTP version, the
+    /// authority and the `Authorization` header (`-` for none).
+    async fn seen_by_server(u: &Upstream, headers: HeaderMap) -> (http::Version, String, String) {
+        let uri = u.url_for("/v1/models", None).unwrap();
+        let resp = u
+            .send(Method::GET, uri, headers, Outgoing::Empty)
             .await
             .unwrap();
         let version = resp.version();
         let body = resp.into_body().collect().await.unwrap().to_bytes();
-        (version, String::from_utf8(body.to_vec()).unwrap())
+        let text = String::from_utf8(body.to_vec()).unwrap();
+        let mut lines = text.lines().map(str::to_string);
+        assert_eq!(lines.next().unwrap(), format!("{version:?}"));
+        (version, lines.next().unwrap(), lines.next().unwrap())
+    }
+
+    /// An upstream at `base` whose client trusts the test certificate.
+    fn trusting(base: &str) -> Upstream {
+        let mut u = upstream(base);
+        u.transport = trusting_client();
+        u
     }
 
     #[tokio::test]
     async fn https_upstreams_get_http2_when_their_tls_offers_it_and_http1_otherwise() {
-        let client = trusting_client();
         let (h2, _) = tls_server(&[b"h2", b"http/1.1"]).await;
-        assert_eq!(
-            version_over(&client, h2).await,
-            (http::Version::HTTP_2, "HTTP/2.0".to_string())
-        );
         let (h1, _) = tls_server(&[b"http/1.1"]).await;
-        assert_eq!(
-            version_over(&client, h1).await,
-            (http::Version::HTTP_11, "HTTP/1.1".to_string())
-        );
+        for (addr, version) in [(h2, http::Version::HTTP_2), (h1, http::Version::HTTP_11)] {
+            let authority = format!("localhost:{}", addr.port());
+            let u = trusting(&format!("https://{authority}/v1"));
+            assert_eq!(
+                seen_by_server(&u, HeaderMap::new()).await,
+                (version, authority, "-".to_string())
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn credentials_in_the_base_url_go_as_basic_auth_unless_the_request_has_its_own() {
+        let (h2, _) = tls_server(&[b"h2", b"http/1.1"]).await;
+        let (h1, _) = tls_server(&[b"http/1.1"]).await;
+        for addr in [h2, h1] {
+            let authority = format!("localhost:{}", addr.port());
+            let u = trusting(&format!("https://gw-user:p%40ss@{authority}/v1"));
+            // base64("gw-user:p@ss")
+            let basic = "Basic Z3ctdXNlcjpwQHNz".to_string();
+            let (_, seen_authority, auth) = seen_by_server(&u, HeaderMap::new()).await;
+            // The credentials are in the header only: not in `:authority`
+            // (HTTP/2) or `Host` (HTTP/1.1).
+            assert_eq!((seen_authority, auth), (authority.clone(), basic));
+            let mut own = HeaderMap::new();
+            own.insert(
+                http::header::AUTHORIZATION,
+                http::HeaderValue::from_static("Bearer sk-client"),
+            );
+            let (_, _, auth) = seen_by_server(&u, own).await;
+            assert_eq!(auth, "Bearer sk-client");
+        }
+    }
+
+    /// The TLS config of the test servers, offering `alpn`.
+    fn server_tls(alpn: &[&[u8]]) -> tokio_rustls::TlsAcceptor {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let certs = CertificateDer::pem_slice_iter(TEST_CERT)
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap();
+        let key = PrivateKeyDer::from_pem_slice(TEST_KEY).unwrap();
+        let mut config = rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .unwrap();
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config))
+    }
+
+    #[tokio::test]
+    async fn a_request_an_http2_upstream_refused_unprocessed_is_sent_again() {
+        // An HTTP/2 server that refuses the first stream of each connection
+        // (REFUSED_STREAM) and answers the others.
+        let acceptor = server_tls(&[b"h2"]);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let streams = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = streams.clone();
+        tokio::spawn(async move {
+            while let Ok((sock, _)) = listener.accept().await {
+                let Ok(tls) = acceptor.accept(sock).await else {
+                    continue;
+                };
+                let count = count.clone();
+                tokio::spawn(async move {
+                    let mut conn = h2::server::handshake(tls).await.unwrap();
+                    let mut first = true;
+                    while let Some(Ok((_req, mut respond))) = conn.accept().await {
+                        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        if std::mem::take(&mut first) {
+                            respond.send_reset(h2::Reason::REFUSED_STREAM);
+                            continue;
+                        }
+                        let mut body = respond
+                            .send_response(http::Response::new(()), false)
+                            .unwrap();
+                        body.send_data(Bytes::from_static(b"answered"), true)
+                            .unwrap();
+                    }
+                });
+            }
+        });
+        let u = trusting(&format!("https://localhost:{}/v1", addr.port()));
+        let uri = u.url_for("/v1/chat/completions", None).unwrap();
+        let resp = u
+            .send(
+                Method::POST,
+                uri,
+                HeaderMap::new(),
+                Outgoing::Whole(Bytes::from("{}")),
+            )
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"answered");
+        assert_eq!(streams.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_tls_handshake_that_never_ends_is_a_connect_timeout() {
+        // Accepts connections and never says a word.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((sock, _)) = listener.accept().await {
+                held.push(sock);
+            }
+        });
+        let u = Upstream::new(&UpstreamConfig {
+            base_url: format!("https://localhost:{}/v1", addr.port()),
+            connect_timeout_seconds: 0.2,
+            first_byte_timeout_seconds: 5.0,
+            ..UpstreamConfig::default()
+        })
+        .unwrap();
+        let uri = u.url_for("/v1/models", None).unwrap();
+        let sent = u
+            .send(Method::GET, uri, HeaderMap::new(), Outgoing::Empty)
+            .await;
+        match sent {
+            Err(ProxyError::UpstreamTimeout(s)) => assert_eq!(s, 0.2),
+            Err(e) => panic!("{e}"),
+            Ok(r) => panic!("answered {}", r.status()),
+        }
     }
 
     #[tokio::test]
