@@ -357,7 +357,7 @@ pub async fn serve(
     limits: Limits,
     metrics: Arc<Metrics>,
     mut stop: watch::Receiver<bool>,
-    workers: Option<Arc<Workers>>,
+    workers: Option<Workers>,
 ) {
     let registry = Arc::new(Registry {
         conns: Mutex::new(HashMap::new()),
@@ -442,6 +442,9 @@ pub async fn serve(
     }
     drop(listener);
     while tasks.join_next().await.is_some() {}
+    if let Some(workers) = workers {
+        workers.stop().await;
+    }
 }
 
 /// Resolves once `stop` is true (or its sender is gone).

@@ -14,7 +14,6 @@
 //! and compacting a large request runs on the blocking pool.
 
 use std::cell::Cell;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::runtime::Handle;
@@ -38,27 +37,36 @@ pub fn slot() -> usize {
 }
 
 /// Connection-serving runtimes; they stop when this is dropped (whatever
-/// they still run is cut off).
+/// they still run is cut off), or, waiting for their threads, with
+/// [`Workers::stop`].
 pub struct Workers {
     handles: Vec<Handle>,
     next: AtomicUsize,
     /// Dropping these ends each thread's `block_on`.
-    _stop: Vec<oneshot::Sender<()>>,
+    stop: Vec<oneshot::Sender<()>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
 }
+
+/// Blocking-pool threads of all the workers together (tokio's default for
+/// one runtime).
+const BLOCKING_THREADS: usize = 512;
 
 impl Workers {
     /// `n` threads (at least one), each running a runtime of its own.
-    pub fn start(n: usize) -> std::io::Result<Arc<Workers>> {
-        let mut handles = Vec::with_capacity(n.max(1));
-        let mut stops = Vec::with_capacity(n.max(1));
-        for i in 0..n.max(1) {
+    pub fn start(n: usize) -> std::io::Result<Workers> {
+        let n = n.max(1);
+        let mut handles = Vec::with_capacity(n);
+        let mut stops = Vec::with_capacity(n);
+        let mut threads = Vec::with_capacity(n);
+        for i in 0..n {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
+                .max_blocking_threads((BLOCKING_THREADS / n).max(1))
                 .build()?;
             handles.push(runtime.handle().clone());
             let (stop, stopped) = oneshot::channel::<()>();
             stops.push(stop);
-            std::thread::Builder::new()
+            let thread = std::thread::Builder::new()
                 .name(format!("condense-conn-{i}"))
                 .spawn(move || {
                     SLOT.with(|s| s.set(i + 1));
@@ -69,16 +77,31 @@ impl Workers {
                         tokio::task::yield_now().await;
                     });
                 })?;
+            threads.push(thread);
         }
-        Ok(Arc::new(Workers {
+        Ok(Workers {
             handles,
             next: AtomicUsize::new(0),
-            _stop: stops,
-        }))
+            stop: stops,
+            threads,
+        })
+    }
+
+    /// Stops the threads and waits until each has run what was ready on it
+    /// (a just-sent response's log line) and ended.
+    pub async fn stop(mut self) {
+        self.stop.clear();
+        let threads = std::mem::take(&mut self.threads);
+        let _ = tokio::task::spawn_blocking(move || {
+            for t in threads {
+                let _ = t.join();
+            }
+        })
+        .await;
     }
 
     /// One thread per core the process may use.
-    pub fn per_core() -> std::io::Result<Arc<Workers>> {
+    pub fn per_core() -> std::io::Result<Workers> {
         Workers::start(count())
     }
 
@@ -103,7 +126,7 @@ mod tests {
         assert_eq!(slots, [1, 2, 1, 2]);
         assert_eq!(slot(), 0, "not a worker thread");
         let handle = workers.next().clone();
-        drop(workers);
+        workers.stop().await;
         // The runtime is gone: what is spawned on it never runs.
         let mut cancelled = false;
         for _ in 0..100 {
