@@ -150,11 +150,11 @@ async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() 
     );
 
     let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &child.0.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
-    let exit = tokio::task::spawn_blocking(move || child.wait())
+    let exit = tokio::task::spawn_blocking(move || child.0.wait())
         .await
         .unwrap()
         .unwrap();
@@ -473,7 +473,7 @@ async fn forward_proxy() -> (std::net::SocketAddr, Arc<Mutex<Vec<String>>>) {
 }
 
 /// Starts condense with `env` and returns it with the address it listens on.
-fn serve(env: &[(&str, String)]) -> (std::process::Child, String) {
+fn serve(env: &[(&str, String)]) -> (Running, String) {
     let mut cmd = condense();
     for k in ["HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"] {
         cmd.env_remove(k).env_remove(k.to_lowercase());
@@ -487,13 +487,24 @@ fn serve(env: &[(&str, String)]) -> (std::process::Child, String) {
     (child, addr)
 }
 
+/// A condense process, killed when dropped: a failing test does not leave
+/// it serving.
+struct Running(std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Starts `cmd` (condense serving), collecting its log; returns it with
 /// the address it listens on, the log so far and the thread reading it
 /// (which ends with the process).
 fn spawn_logged(
     cmd: &mut Command,
 ) -> (
-    std::process::Child,
+    Running,
     String,
     Arc<Mutex<String>>,
     std::thread::JoinHandle<()>,
@@ -520,7 +531,7 @@ fn spawn_logged(
     let addr = rx
         .recv_timeout(Duration::from_secs(20))
         .expect("condense never said where it listens");
-    (child, addr, log, reader)
+    (Running(child), addr, log, reader)
 }
 
 #[tokio::test]
@@ -536,7 +547,7 @@ async fn a_proxy_named_in_the_environment_carries_the_requests_unless_no_proxy_s
     };
 
     // Nothing listens on port 1: only the proxy can answer for it.
-    let (mut child, addr) = serve(&[
+    let (child, addr) = serve(&[
         ("HTTP_PROXY", format!("http://{proxy}")),
         (
             "CONDENSE_UPSTREAM__BASE_URL",
@@ -551,12 +562,11 @@ async fn a_proxy_named_in_the_environment_carries_the_requests_unless_no_proxy_s
         *seen.lock().unwrap(),
         ["POST http://127.0.0.1:1/v1/chat/completions HTTP/1.1"]
     );
-    child.kill().unwrap();
-    child.wait().unwrap();
+    drop(child);
 
     // NO_PROXY names the upstream: condense goes straight to it.
     let mock = MockUpstream::start().await;
-    let (mut child, addr) = serve(&[
+    let (_child, addr) = serve(&[
         ("HTTP_PROXY", format!("http://{proxy}")),
         ("NO_PROXY", "127.0.0.1".to_string()),
         ("CONDENSE_UPSTREAM__BASE_URL", mock.base_url()),
@@ -566,6 +576,4 @@ async fn a_proxy_named_in_the_environment_carries_the_requests_unless_no_proxy_s
     resp.bytes().await.unwrap();
     assert_eq!(mock.chat_requests().len(), 1);
     assert_eq!(seen.lock().unwrap().len(), 1, "the proxy got no more");
-    child.kill().unwrap();
-    child.wait().unwrap();
 }
