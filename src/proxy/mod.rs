@@ -298,7 +298,7 @@ impl Proxy {
             resp.body,
             tap,
             on_usage,
-            upstream.idle_timeout,
+            upstream.idle_timeout(),
             self.metrics.clone(),
             guard,
         );

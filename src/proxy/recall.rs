@@ -119,11 +119,11 @@ impl Proxy {
                         extra: &extra,
                         client_tools: &client_tools,
                         last,
-                        idle: upstream.idle_timeout,
+                        idle: upstream.idle_timeout(),
                     };
                     self.read_stream(format, reply, read).await
                 }
-                false => read_json(format, reply, &extra, upstream.idle_timeout).await,
+                false => read_json(format, reply, &extra, upstream.idle_timeout()).await,
             };
             let (answer, raw, status, headers, sse) = match step? {
                 Step::Done(reply) => return Ok(Answered { reply, first_round }),

@@ -79,7 +79,7 @@ impl Proxy {
         let version = resp.version();
         let resp_headers = resp.headers().clone();
         let (endpoint, _) = self.endpoint(format);
-        let read = body::read_upstream(resp, MAX_ERROR_BODY, Some(endpoint.idle_timeout))
+        let read = body::read_upstream(resp, MAX_ERROR_BODY, Some(endpoint.idle_timeout()))
             .await
             .map_err(|e| {
                 ProxyError::UpstreamUnreachable(format!(

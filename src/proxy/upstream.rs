@@ -267,9 +267,7 @@ pub struct Upstream {
     /// a request carries no `Authorization` of its own (as reqwest did).
     basic: Option<http::HeaderValue>,
     port: Option<u16>,
-    first_byte_timeout: Duration,
-    pub idle_timeout: Duration,
-    pub connect_timeout: Duration,
+    timeouts: Timeouts,
     /// URIs of paths (without a query) mapped lately: every request to a
     /// route would otherwise check and parse the same URL again.
     mapped: Bounded<String, Uri>,
@@ -312,9 +310,7 @@ impl Upstream {
             host: parsed.host_str().map(str::to_string),
             basic: basic_auth(&parsed),
             port: parsed.port_or_known_default(),
-            first_byte_timeout: t.first_byte,
-            idle_timeout: t.idle,
-            connect_timeout: t.connect,
+            timeouts: t,
             mapped: mapped_cache(),
         })
     }
@@ -336,14 +332,14 @@ impl Upstream {
             Transport::Direct(c) => Some(c),
             Transport::Proxied(_) => None,
         };
-        let timeouts = Timeouts {
-            connect: self.connect_timeout,
-            first_byte: self.first_byte_timeout,
-            idle: self.idle_timeout,
-        };
-        let mut u = Upstream::with(base_url, timeouts, direct)?;
+        let mut u = Upstream::with(base_url, self.timeouts, direct)?;
         u.simulator = self.simulator.clone();
         Ok(u)
+    }
+
+    /// Longest silence allowed between two chunks of a response body.
+    pub fn idle_timeout(&self) -> Duration {
+        self.timeouts.idle
     }
 
     /// The configured base URL (also the calibration key for this upstream).
@@ -435,14 +431,13 @@ impl Upstream {
             headers.insert(http::header::AUTHORIZATION, basic.clone());
         }
         let sending = self.transport.send(method, uri, headers, body);
-        match tokio::time::timeout(self.first_byte_timeout, sending).await {
-            Err(_) => Err(ProxyError::UpstreamTimeout(
-                self.first_byte_timeout.as_secs_f64(),
-            )),
+        let t = self.timeouts;
+        match tokio::time::timeout(t.first_byte, sending).await {
+            Err(_) => Err(ProxyError::UpstreamTimeout(t.first_byte.as_secs_f64())),
             Ok(Ok(resp)) => Ok(resp),
-            Ok(Err(e)) if timed_out(e.as_ref()) => Err(ProxyError::UpstreamTimeout(
-                self.connect_timeout.as_secs_f64(),
-            )),
+            Ok(Err(e)) if timed_out(e.as_ref()) => {
+                Err(ProxyError::UpstreamTimeout(t.connect.as_secs_f64()))
+            }
             // reqwest's errors were stripped of the URL: it may carry
             // credentials, and the message reaches the client.
             Ok(Err(e)) => Err(ProxyError::UpstreamUnreachable(describe(e.as_ref()))),
@@ -487,16 +482,20 @@ fn boxed(resp: http::Response<hyper::body::Incoming>) -> UpstreamResponse {
 /// Whether an HTTP/2 server turned the request away before processing it:
 /// a graceful GOAWAY it arrived after, or REFUSED_STREAM (RFC 9113, 8.7).
 fn refused_unprocessed(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut source = Some(e);
-    while let Some(cause) = source {
-        if let Some(h2) = cause.downcast_ref::<h2::Error>() {
+    causes(e)
+        .find_map(|cause| cause.downcast_ref::<h2::Error>())
+        .is_some_and(|h2| {
             let go_away = h2.is_go_away() && h2.reason() == Some(h2::Reason::NO_ERROR);
             let refused = h2.is_reset() && h2.reason() == Some(h2::Reason::REFUSED_STREAM);
-            return h2.is_remote() && (go_away || refused);
-        }
-        source = cause.source();
-    }
-    false
+            h2.is_remote() && (go_away || refused)
+        })
+}
+
+/// `e` and its sources, outermost first.
+fn causes<'a>(
+    e: &'a (dyn std::error::Error + 'static),
+) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(e), |cause| cause.source())
 }
 
 /// `Authorization: Basic` for the credentials in `url`, if it has any.
@@ -520,22 +519,14 @@ pub fn content_length(resp: &UpstreamResponse) -> Option<u64> {
 
 /// Whether connecting timed out (the connector's timeout, or the system's).
 fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut source = Some(e);
-    while let Some(cause) = source {
-        if let Some(r) = cause.downcast_ref::<reqwest::Error>()
-            && r.is_timeout()
-        {
-            return true;
-        }
-        if cause
-            .downcast_ref::<std::io::Error>()
-            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
-        {
-            return true;
-        }
-        source = cause.source();
-    }
-    false
+    causes(e).any(|cause| {
+        cause
+            .downcast_ref::<reqwest::Error>()
+            .is_some_and(reqwest::Error::is_timeout)
+            || cause
+                .downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+    })
 }
 
 /// Times a path is decoded to find what an upstream could make of it.
@@ -585,14 +576,10 @@ fn percent_decode(s: &str) -> String {
 /// A one-line description of a client error with its causes (the clients'
 /// own Display stops at "client error (Connect)" or "error sending request").
 pub fn describe(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    s
+    causes(e)
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(": ")
 }
 
 #[cfg(test)]
@@ -695,6 +682,33 @@ mod tests {
         std::sync::Arc::new(rustls::crypto::ring::default_provider())
     }
 
+    /// A TLS server on 127.0.0.1 offering `alpn`, handing each connection
+    /// that completes its handshake to `serve`; its address.
+    async fn serve_tls<F, Fut>(alpn: &[&[u8]], serve: F) -> std::net::SocketAddr
+    where
+        F: Fn(tokio_rustls::server::TlsStream<tokio::net::TcpStream>) -> Fut
+            + Send
+            + Sync
+            + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let acceptor = server_tls(alpn);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let serve = std::sync::Arc::new(serve);
+        tokio::spawn(async move {
+            while let Ok((sock, _)) = listener.accept().await {
+                let (acceptor, serve) = (acceptor.clone(), serve.clone());
+                tokio::spawn(async move {
+                    if let Ok(tls) = acceptor.accept(sock).await {
+                        serve(tls).await;
+                    }
+                });
+            }
+        });
+        addr
+    }
+
     /// An HTTPS server offering `alpn`, answering each request with the HTTP
     /// version it came in, the authority it was addressed to and its
     /// `Authorization`, one per line; its address, and how many requests it
@@ -705,49 +719,42 @@ mod tests {
         std::net::SocketAddr,
         std::sync::Arc<std::sync::atomic::AtomicUsize>,
     ) {
-        let acceptor = server_tls(alpn);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let answered = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let count = answered.clone();
-        tokio::spawn(async move {
-            while let Ok((sock, _)) = listener.accept().await {
-                let (acceptor, count) = (acceptor.clone(), count.clone());
-                tokio::spawn(async move {
-                    let Ok(tls) = acceptor.accept(sock).await else {
-                        return;
-                    };
-                    let service = hyper::service::service_fn(move |req: http::Request<_>| {
-                        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        let header = |name| {
-                            req.headers()
-                                .get(name)
-                                .and_then(|v: &http::HeaderValue| v.to_str().ok())
-                                .unwrap_or("-")
-                                .to_string()
-                        };
-                        let authority = req
-                            .uri()
-                            .authority()
-                            .map(|a| a.to_string())
-                            .unwrap_or_else(|| header(http::header::HOST));
-                        let seen = format!(
-                            "{:?}\n{authority}\n{}",
-                            req.version(),
-                            header(http::header::AUTHORIZATION)
-                        );
-                        async move {
-                            Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
-                                Bytes::from(seen),
-                            )))
-                        }
-                    });
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
-                        .await;
-                });
+        let addr = serve_tls(alpn, move |tls| {
+            let count = count.clone();
+            let service = hyper::service::service_fn(move |req: http::Request<_>| {
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let header = |name| {
+                    req.headers()
+                        .get(name)
+                        .and_then(|v: &http::HeaderValue| v.to_str().ok())
+                        .unwrap_or("-")
+                        .to_string()
+                };
+                let authority = req
+                    .uri()
+                    .authority()
+                    .map(|a| a.to_string())
+                    .unwrap_or_else(|| header(http::header::HOST));
+                let seen = format!(
+                    "{:?}\n{authority}\n{}",
+                    req.version(),
+                    header(http::header::AUTHORIZATION)
+                );
+                async move {
+                    Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::from(
+                        seen,
+                    ))))
+                }
+            });
+            async move {
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                    .await;
             }
-        });
+        })
+        .await;
         (addr, answered)
     }
 
@@ -849,35 +856,28 @@ mod tests {
     async fn a_request_an_http2_upstream_refused_unprocessed_is_sent_again() {
         // An HTTP/2 server that refuses the first stream of each connection
         // (REFUSED_STREAM) and answers the others.
-        let acceptor = server_tls(&[b"h2"]);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let streams = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let count = streams.clone();
-        tokio::spawn(async move {
-            while let Ok((sock, _)) = listener.accept().await {
-                let Ok(tls) = acceptor.accept(sock).await else {
-                    continue;
-                };
-                let count = count.clone();
-                tokio::spawn(async move {
-                    let mut conn = h2::server::handshake(tls).await.unwrap();
-                    let mut first = true;
-                    while let Some(Ok((_req, mut respond))) = conn.accept().await {
-                        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        if std::mem::take(&mut first) {
-                            respond.send_reset(h2::Reason::REFUSED_STREAM);
-                            continue;
-                        }
-                        let mut body = respond
-                            .send_response(http::Response::new(()), false)
-                            .unwrap();
-                        body.send_data(Bytes::from_static(b"answered"), true)
-                            .unwrap();
+        let addr = serve_tls(&[b"h2"], move |tls| {
+            let count = count.clone();
+            async move {
+                let mut conn = h2::server::handshake(tls).await.unwrap();
+                let mut first = true;
+                while let Some(Ok((_req, mut respond))) = conn.accept().await {
+                    count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    if std::mem::take(&mut first) {
+                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                        continue;
                     }
-                });
+                    let mut body = respond
+                        .send_response(http::Response::new(()), false)
+                        .unwrap();
+                    body.send_data(Bytes::from_static(b"answered"), true)
+                        .unwrap();
+                }
             }
-        });
+        })
+        .await;
         let u = trusting(&format!("https://localhost:{}/v1", addr.port()));
         let uri = u.url_for("/v1/chat/completions", None).unwrap();
         let resp = u
