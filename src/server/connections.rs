@@ -348,16 +348,15 @@ impl http_body::Body for Counted {
 }
 
 /// Serves `router` on `listener` until `stop` turns true, then waits for
-/// the open connections to finish (the caller bounds that wait). With
-/// `workers`, each connection is served on one of their threads, in turn;
-/// without, on the runtime this runs on.
+/// the open connections to finish (the caller bounds that wait). Each
+/// connection is served on one of `workers`' threads, in turn.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     limits: Limits,
     metrics: Arc<Metrics>,
     mut stop: watch::Receiver<bool>,
-    workers: Option<Workers>,
+    mut workers: Workers,
 ) {
     let registry = Arc::new(Registry {
         conns: Mutex::new(HashMap::new()),
@@ -417,34 +416,27 @@ pub async fn serve(
                     metrics: metrics.clone(),
                     registered,
                 };
-                match &workers {
-                    None => {
-                        tasks.spawn(connection(tcp, serving));
+                // The socket moves to the worker's own event loop.
+                match tcp.into_std() {
+                    Ok(std) => {
+                        tasks.spawn_on(
+                            async move {
+                                match TcpStream::from_std(std) {
+                                    Ok(tcp) => connection(tcp, serving).await,
+                                    Err(e) => tracing::warn!(error = %e, "cannot serve a connection"),
+                                }
+                            },
+                            workers.next_runtime(),
+                        );
                     }
-                    // The socket moves to the worker's own event loop.
-                    Some(w) => match tcp.into_std() {
-                        Ok(std) => {
-                            tasks.spawn_on(
-                                async move {
-                                    match TcpStream::from_std(std) {
-                                        Ok(tcp) => connection(tcp, serving).await,
-                                        Err(e) => tracing::warn!(error = %e, "cannot serve a connection"),
-                                    }
-                                },
-                                w.next(),
-                            );
-                        }
-                        Err(e) => tracing::warn!(error = %e, "cannot serve a connection"),
-                    },
+                    Err(e) => tracing::warn!(error = %e, "cannot serve a connection"),
                 }
             }
         }
     }
     drop(listener);
     while tasks.join_next().await.is_some() {}
-    if let Some(workers) = workers {
-        workers.stop().await;
-    }
+    workers.stop().await;
 }
 
 /// Resolves once `stop` is true (or its sender is gone).

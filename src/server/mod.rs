@@ -326,7 +326,7 @@ impl Server {
         let metrics = state.metrics.clone();
         let workers = workers::Workers::per_core()?;
         let task = tokio::spawn(async move {
-            connections::serve(listener, router, limits, metrics, stopped, Some(workers)).await;
+            connections::serve(listener, router, limits, metrics, stopped, workers).await;
             Ok(())
         });
         Ok(Server {

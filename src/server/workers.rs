@@ -14,7 +14,6 @@
 //! and compacting a large request runs on the blocking pool.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
@@ -41,7 +40,7 @@ pub fn slot() -> usize {
 /// [`Workers::stop`].
 pub struct Workers {
     handles: Vec<Handle>,
-    next: AtomicUsize,
+    next: usize,
     /// Dropping these ends each thread's `block_on`.
     stop: Vec<oneshot::Sender<()>>,
     threads: Vec<std::thread::JoinHandle<()>>,
@@ -81,7 +80,7 @@ impl Workers {
         }
         Ok(Workers {
             handles,
-            next: AtomicUsize::new(0),
+            next: 0,
             stop: stops,
             threads,
         })
@@ -89,9 +88,9 @@ impl Workers {
 
     /// Stops the threads and waits until each has run what was ready on it
     /// (a just-sent response's log line) and ended.
-    pub async fn stop(mut self) {
-        self.stop.clear();
-        let threads = std::mem::take(&mut self.threads);
+    pub async fn stop(self) {
+        let Workers { stop, threads, .. } = self;
+        drop(stop);
         let _ = tokio::task::spawn_blocking(move || {
             for t in threads {
                 let _ = t.join();
@@ -106,8 +105,9 @@ impl Workers {
     }
 
     /// The runtime for the next connection (in turn).
-    pub fn next(&self) -> &Handle {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.handles.len();
+    pub fn next_runtime(&mut self) -> &Handle {
+        let i = self.next % self.handles.len();
+        self.next = self.next.wrapping_add(1);
         &self.handles[i]
     }
 }
@@ -118,14 +118,20 @@ mod tests {
 
     #[tokio::test]
     async fn connections_go_to_each_thread_in_turn_and_the_threads_stop_with_the_workers() {
-        let workers = Workers::start(2).unwrap();
+        let mut workers = Workers::start(2).unwrap();
         let mut slots = Vec::new();
         for _ in 0..4 {
-            slots.push(workers.next().spawn(async { slot() }).await.unwrap());
+            slots.push(
+                workers
+                    .next_runtime()
+                    .spawn(async { slot() })
+                    .await
+                    .unwrap(),
+            );
         }
         assert_eq!(slots, [1, 2, 1, 2]);
         assert_eq!(slot(), 0, "not a worker thread");
-        let handle = workers.next().clone();
+        let handle = workers.next_runtime().clone();
         workers.stop().await;
         // The runtime is gone: what is spawned on it never runs.
         let mut cancelled = false;
