@@ -472,6 +472,31 @@ async fn metrics_can_require_a_client_key() {
 }
 
 #[tokio::test]
+async fn condense_endpoints_answer_head_and_refuse_other_methods_without_forwarding() {
+    let h = Harness::start().await;
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        let resp = h.client.head(h.url(path)).send().await.unwrap();
+        assert_eq!(resp.status(), 200, "HEAD {path}");
+        assert!(resp.bytes().await.unwrap().is_empty(), "HEAD {path}");
+        let resp = h.client.post(h.url(path)).body("{}").send().await.unwrap();
+        assert_eq!(resp.status(), 405, "POST {path}");
+        let v: Value = serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap();
+        assert_eq!(v["error"]["code"], "method_not_allowed", "POST {path}");
+    }
+    // GET on a conversation route is not condense's: it goes upstream.
+    let resp = h
+        .client
+        .get(h.url("/v1/chat/completions"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(h.mock.last().path, "/v1/chat/completions");
+    assert_eq!(h.mock.last().method, "GET");
+    drop(resp);
+    assert_eq!(h.mock.requests().len(), 1, "{:?}", h.mock.requests());
+}
+
+#[tokio::test]
 async fn health_readiness_and_metrics_endpoints() {
     let h = Harness::start().await;
     assert_eq!(

@@ -32,23 +32,22 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use axum::Router;
 use axum::body::Body;
 use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
+use hyper::service::Service;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto::Builder;
-use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
-use tower::Service;
 
 use super::workers::Workers;
+use super::{AppState, front};
 use crate::error::openai_error_body;
 use crate::metrics::Metrics;
 
@@ -288,11 +287,10 @@ impl Drop for Active {
     }
 }
 
-/// The router for one connection: every request is counted in flight until
+/// The service of one connection: every request is counted in flight until
 /// its response body has been sent (or dropped).
-#[derive(Clone)]
 struct Tracked {
-    router: Router,
+    app: Arc<AppState>,
     conn: Arc<Conn>,
     registry: Arc<Registry>,
 }
@@ -302,15 +300,11 @@ impl Service<Request<Incoming>> for Tracked {
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
 
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+    fn call(&self, req: Request<Incoming>) -> Self::Future {
         let active = Active::new(self.conn.clone(), self.registry.clone());
-        let call = self.router.call(req.map(Body::new));
+        let handled = front::handle(self.app.clone(), req.map(Body::new));
         Box::pin(async move {
-            let resp = call.await?;
+            let resp = handled.await;
             Ok(resp.map(|body| {
                 Body::new(Counted {
                     body,
@@ -347,12 +341,12 @@ impl http_body::Body for Counted {
     }
 }
 
-/// Serves `router` on `listener` until `stop` turns true, then waits for
+/// Serves `app` on `listener` until `stop` turns true, then waits for
 /// the open connections to finish (the caller bounds that wait). Each
 /// connection is served on one of `workers`' threads, in turn.
 pub async fn serve(
     listener: TcpListener,
-    router: Router,
+    app: Arc<AppState>,
     limits: Limits,
     metrics: Arc<Metrics>,
     mut stop: watch::Receiver<bool>,
@@ -404,7 +398,7 @@ pub async fn serve(
                     id,
                 };
                 let service = Tracked {
-                    router: router.clone(),
+                    app: app.clone(),
                     conn: conn.clone(),
                     registry: registry.clone(),
                 };
@@ -472,7 +466,7 @@ async fn connection(tcp: TcpStream, serving: Serving) {
         conn: conn.clone(),
         registry: registry.clone(),
     };
-    let served = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(service));
+    let served = builder.serve_connection(TokioIo::new(io), service);
     tokio::pin!(served);
     let mut draining = false;
     // The deadlines are checked on a coarse tick, a quarter of the idle

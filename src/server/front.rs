@@ -1,0 +1,314 @@
+//! What every request goes through, in order, written out as one function
+//! ([`handle`]) instead of a stack of tower layers and axum's router: the
+//! stack cost about 13 µs of latency and 18 µs of CPU per request (its own
+//! futures, boxes and clones at each layer, a UUID from a system call),
+//! which is most of what condense adds to a small request.
+//!
+//! In order, and what each step gives the next:
+//!
+//! 1. A panic anywhere becomes a 500 in the OpenAI error shape instead of a
+//!    dropped connection.
+//! 2. `Authorization`, `Proxy-Authorization`, `api-key` and `x-api-key` are
+//!    marked sensitive, so no `Debug` print or trace can show them.
+//! 3. A client's `x-request-id` longer than [`MAX_REQUEST_ID`] bytes or with
+//!    characters other than letters, digits and `-_.:/+=` is dropped; a
+//!    request without a sane one gets a new UUID. The id reaches the
+//!    upstream and the logs, and the response carries the upstream's id,
+//!    else this one.
+//! 4. One access-log line and `condense_requests_total` per request.
+//! 5. Client keys are checked, when `auth.client_keys` is set.
+//! 6. The route: condense's own endpoints, the conversation routes (chat
+//!    completions, Anthropic Messages, Responses; `POST` only), and
+//!    everything else forwarded as it is.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures_util::FutureExt;
+
+use super::AppState;
+use crate::error::{ProxyError, openai_error_body};
+use crate::metrics::status_class;
+use crate::proxy::{ROUTE_CHAT, ROUTE_MESSAGES, ROUTE_PASSTHROUGH, ROUTE_RESPONSES};
+use crate::wire::Format;
+
+/// Longest client `x-request-id` kept.
+pub const MAX_REQUEST_ID: usize = 128;
+
+const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Headers whose values no log or `Debug` print may show.
+const SENSITIVE: [HeaderName; 4] = [
+    header::AUTHORIZATION,
+    header::PROXY_AUTHORIZATION,
+    HeaderName::from_static("api-key"),
+    HeaderName::from_static("x-api-key"),
+];
+
+/// Serves one request, whatever it is.
+pub async fn handle(app: Arc<AppState>, req: Request) -> Response {
+    guarded(serve(app, req)).await
+}
+
+/// `serve`'s response, or a 500 if it panics.
+async fn guarded(serve: impl Future<Output = Response>) -> Response {
+    AssertUnwindSafe(serve)
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| panic_response())
+}
+
+async fn serve(app: Arc<AppState>, mut req: Request) -> Response {
+    let headers = req.headers_mut();
+    mark_sensitive(headers);
+    let request_id = request_id(headers);
+    let route = route_of(&req);
+    // What the request's log line says of it, taken only when it is logged.
+    let logged = matches!(
+        route,
+        ROUTE_CHAT | ROUTE_MESSAGES | ROUTE_RESPONSES | ROUTE_PASSTHROUGH
+    ) && tracing::enabled!(tracing::Level::INFO);
+    let line = logged.then(|| {
+        (
+            req.method().clone(),
+            crate::logging::clip(req.uri().path()).to_string(),
+        )
+    });
+    let start = Instant::now();
+    let mut resp = match denied(&app, &req) {
+        Some(refusal) => refusal,
+        None => dispatch(&app, route, req).await,
+    };
+    let status = resp.status().as_u16();
+    app.metrics
+        .requests_total
+        .with_label_values(&[route, status_class(status)])
+        .inc();
+    if let Some((method, path)) = line {
+        let headers_ms = start.elapsed().as_secs_f64() * 1000.0;
+        let request_id = request_id.clone();
+        // Written once the response is on its way: formatting and writing
+        // the line takes about 10 µs, which the client need not wait for.
+        tokio::spawn(async move {
+            let request_id = request_id.to_str().unwrap_or("");
+            // The target the line has always had, for log filters.
+            tracing::info!(target: "condense::server", %method, path, status, request_id, headers_ms, "request");
+        });
+    }
+    if !resp.headers().contains_key(&X_REQUEST_ID) {
+        resp.headers_mut().insert(X_REQUEST_ID, request_id);
+    }
+    resp
+}
+
+fn mark_sensitive(headers: &mut HeaderMap) {
+    for name in SENSITIVE {
+        if let header::Entry::Occupied(mut values) = headers.entry(name) {
+            for value in values.iter_mut() {
+                value.set_sensitive(true);
+            }
+        }
+    }
+}
+
+/// The request's id: the client's when it sent one sane value, else a new
+/// UUID, set on the request in either case. Every value is judged: only the
+/// first would be logged, but all of them would be forwarded, so a sane
+/// first one must not carry a 300 KB second one upstream.
+fn request_id(headers: &mut HeaderMap) -> HeaderValue {
+    let values = headers.get_all(&X_REQUEST_ID);
+    let mut ids = values.iter();
+    if let (Some(id), None) = (ids.next(), ids.next())
+        && sane_request_id(id)
+    {
+        return id.clone();
+    }
+    let mut buf = [0u8; uuid::fmt::Hyphenated::LENGTH];
+    let id = HeaderValue::from_str(uuid::Uuid::new_v4().hyphenated().encode_lower(&mut buf))
+        .unwrap_or(HeaderValue::from_static("-"));
+    headers.insert(X_REQUEST_ID, id.clone());
+    id
+}
+
+fn sane_request_id(id: &HeaderValue) -> bool {
+    id.len() <= MAX_REQUEST_ID
+        && id
+            .as_bytes()
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:/+=".contains(b))
+}
+
+/// The route label of a request, for metrics and logs (and the dispatch).
+fn route_of(req: &Request) -> &'static str {
+    match req.uri().path() {
+        "/healthz" => "healthz",
+        "/readyz" => "readyz",
+        "/metrics" => "metrics",
+        "/v1/chat/completions" | "/chat/completions" if req.method() == Method::POST => ROUTE_CHAT,
+        "/v1/messages" | "/messages" if req.method() == Method::POST => ROUTE_MESSAGES,
+        "/v1/responses" | "/responses" if req.method() == Method::POST => ROUTE_RESPONSES,
+        _ => ROUTE_PASSTHROUGH,
+    }
+}
+
+/// The refusal of a request without a client key, when `auth.client_keys`
+/// is set: the health endpoints are open, `/metrics` when
+/// `auth.metrics_public` says so.
+fn denied(app: &AppState, req: &Request) -> Option<Response> {
+    let open = match req.uri().path() {
+        "/healthz" | "/readyz" => true,
+        "/metrics" => app.metrics_public,
+        _ => false,
+    };
+    if open {
+        return None;
+    }
+    let e = app.proxy.credentials.check(req.headers()).err()?;
+    app.metrics
+        .proxy_errors_total
+        .with_label_values(&[e.metric_label()])
+        .inc();
+    let format = if crate::wire::is_anthropic(req.uri().path(), req.headers()) {
+        Format::Messages
+    } else {
+        Format::Chat
+    };
+    Some(e.response_for(format))
+}
+
+/// The conversation routes' futures are several kilobytes each: they are
+/// boxed here, so that this function's own future (moved into a box per
+/// request by the connection) stays small.
+async fn dispatch(app: &AppState, route: &'static str, req: Request) -> Response {
+    match route {
+        ROUTE_CHAT => Box::pin(app.proxy.clone().chat(req)).await,
+        ROUTE_MESSAGES => Box::pin(app.proxy.clone().messages(req)).await,
+        ROUTE_RESPONSES => Box::pin(app.proxy.clone().responses(req)).await,
+        ROUTE_PASSTHROUGH => Box::pin(app.proxy.passthrough(req)).await,
+        own => {
+            let head = match *req.method() {
+                Method::HEAD => true,
+                Method::GET => false,
+                _ => {
+                    return ProxyError::MethodNotAllowed(req.method().clone())
+                        .response_for(Format::Chat);
+                }
+            };
+            let resp = match own {
+                "healthz" => "ok".into_response(),
+                "readyz" if app.shutting_down.load(Ordering::Relaxed) => {
+                    (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response()
+                }
+                "readyz" => "ready".into_response(),
+                _ => metrics(app),
+            };
+            if head {
+                resp.map(|_| Body::empty())
+            } else {
+                resp
+            }
+        }
+    }
+}
+
+fn metrics(app: &AppState) -> Response {
+    let mut resp = app.metrics.render().into_response();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    resp
+}
+
+fn panic_response() -> Response {
+    tracing::error!("a request handler panicked");
+    let mut resp = (
+        StatusCode::INTERNAL_SERVER_ERROR,
+        openai_error_body("condense: internal error", "api_error", "internal_error"),
+    )
+        .into_response();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kept(ids: &[&str]) -> Vec<String> {
+        let mut headers = HeaderMap::new();
+        for id in ids {
+            headers.append(X_REQUEST_ID, HeaderValue::from_str(id).unwrap());
+        }
+        let id = request_id(&mut headers);
+        let sent: Vec<String> = headers
+            .get_all(X_REQUEST_ID)
+            .iter()
+            .map(|v| v.to_str().unwrap().to_string())
+            .collect();
+        assert_eq!(sent, vec![id.to_str().unwrap().to_string()]);
+        sent
+    }
+
+    fn generated(ids: &[String]) -> bool {
+        ids.len() == 1 && uuid::Uuid::parse_str(&ids[0]).is_ok_and(|u| u.get_version_num() == 4)
+    }
+
+    #[test]
+    fn only_one_sane_request_id_is_kept_and_any_other_is_replaced_by_a_uuid() {
+        assert_eq!(kept(&["trace-1:a/b+c="]), vec!["trace-1:a/b+c="]);
+        assert!(generated(&kept(&["has space"])));
+        let long = "a".repeat(MAX_REQUEST_ID + 1);
+        assert!(generated(&kept(&[&long])));
+        // A sane first value does not carry a bad second one along.
+        assert!(generated(&kept(&["sane-1", &long])));
+        assert!(generated(&kept(&[&long, "sane-1"])));
+        assert!(generated(&kept(&["sane-1", "sane-2"])));
+        assert!(generated(&kept(&[])));
+        assert_ne!(kept(&[]), kept(&[]));
+    }
+
+    #[test]
+    fn credentials_are_marked_sensitive_and_nothing_else() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer a"));
+        headers.append("x-api-key", HeaderValue::from_static("k1"));
+        headers.append("x-api-key", HeaderValue::from_static("k2"));
+        headers.insert("x-other", HeaderValue::from_static("v"));
+        mark_sensitive(&mut headers);
+        assert!(headers[header::AUTHORIZATION].is_sensitive());
+        assert!(
+            headers
+                .get_all("x-api-key")
+                .iter()
+                .all(|v| v.is_sensitive())
+        );
+        assert!(!headers["x-other"].is_sensitive());
+    }
+
+    #[tokio::test]
+    async fn a_panic_becomes_a_500_in_the_openai_shape() {
+        let ok = guarded(async { "fine".into_response() }).await;
+        assert_eq!(ok.status(), 200);
+        let resp = guarded(async {
+            let v: Vec<u8> = Vec::new();
+            Response::new(Body::from(vec![v[1]]))
+        })
+        .await;
+        assert_eq!(resp.status(), 500);
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["code"], "internal_error");
+    }
+}
