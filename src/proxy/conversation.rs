@@ -118,13 +118,6 @@ impl Proxy {
             .report
             .is_some()
             .then(|| (parts.method.clone(), url.clone(), headers.clone()));
-        // Follow-ups carrying condense's tool results go the same way (a
-        // request recovered from an overflow may be offered the tools too).
-        let again = retry.as_ref().map(|(method, url, headers)| Again {
-            method: method.clone(),
-            url: url.clone(),
-            headers: headers.clone(),
-        });
         let resp = upstream
             .send(
                 parts.method,
@@ -138,12 +131,19 @@ impl Proxy {
         // are large, and every request's future (which the server moves
         // into a box of its own) would otherwise carry their room, 17 KB
         // instead of 7.
-        let (resp, mut prepared) = match retry {
+        let (resp, mut prepared) = match &retry {
             Some(retry) if OVERFLOW_STATUSES.contains(&resp.status().as_u16()) => {
                 Box::pin(self.recover(format, resp, prepared, &bytes, retry)).await?
             }
             _ => (resp, prepared),
         };
+        // Follow-ups carrying condense's tool results go the same way (a
+        // request recovered from an overflow may be offered the tools too).
+        let again = retry.map(|(method, url, headers)| Again {
+            method,
+            url,
+            headers,
+        });
         *report = prepared.report.take();
 
         // Recall: condense's own tools answered. The originals go to the

@@ -70,7 +70,7 @@ impl Proxy {
         resp: UpstreamResponse,
         prepared: Prepared,
         original: &Bytes,
-        (method, url, headers): (http::Method, http::Uri, HeaderMap),
+        (method, url, headers): &(http::Method, http::Uri, HeaderMap),
     ) -> Result<(UpstreamResponse, Prepared), ProxyError> {
         if upstream::content_length(&resp).is_some_and(|n| n > MAX_ERROR_BODY as u64) {
             return Ok((resp, prepared));
@@ -168,14 +168,19 @@ impl Proxy {
         info.correction = Some(o.correction(&rejected));
 
         let Some(retry) = self
-            .prepare_retry(format, original, &model, info, &headers)
+            .prepare_retry(format, original, &model, info, headers)
             .await
         else {
             count("not_recoverable");
             return Ok((unchanged(), prepared));
         };
         let resp = endpoint
-            .send(method, url, headers, Outgoing::Whole(retry.body.clone()))
+            .send(
+                method.clone(),
+                url.clone(),
+                headers.clone(),
+                Outgoing::Whole(retry.body.clone()),
+            )
             .await?;
         count(if resp.status().is_success() {
             "recovered"

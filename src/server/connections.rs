@@ -457,7 +457,7 @@ async fn connection(tcp: TcpStream, serving: Serving) {
         idle,
         mut stop,
         metrics,
-        registered: _registered,
+        registered,
     } = serving;
     let conn = service.conn.clone();
     let registry = service.registry.clone();
@@ -505,6 +505,9 @@ async fn connection(tcp: TcpStream, serving: Serving) {
             }
         }
     };
+    // Out of the registry and the gauge before the close is counted, so
+    // that no one sees it both closed and open.
+    drop(registered);
     if let Some(reason) = closed {
         metrics
             .connections_closed_total
