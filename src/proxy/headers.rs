@@ -23,6 +23,11 @@ pub const X_CONDENSE: HeaderName = HeaderName::from_static("x-condense");
 
 /// Removes hop-by-hop headers, including those listed in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none (a `Connection` header is one of them):
+    // looked for first, as every removal hashes its name.
+    if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -81,5 +86,17 @@ mod tests {
         assert!(out.contains_key("openai-organization"));
         assert!(out.contains_key(header::CONTENT_LENGTH));
         assert!(!to_upstream(&h, false).contains_key(header::CONTENT_LENGTH));
+        // Without a `Connection` header the others still go, and a message
+        // without any keeps everything.
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        let plain = h.clone();
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        assert_eq!(to_client(h), plain);
+        assert_eq!(to_client(plain.clone()), plain);
     }
 }

@@ -51,15 +51,21 @@ fn cache_key(digest: u64, enc: Encoding, domain: u64) -> u64 {
 /// a client-chosen model name of any length costs a fixed few bytes, with a
 /// seed drawn per process, so that no client can pick names that collide.
 pub fn pair_key(upstream: &str, model: &str) -> u64 {
+    key_of(&[upstream.as_bytes(), &[0], model.as_bytes()])
+}
+
+/// The key of the concatenation of `parts` (hashed as they are, none
+/// copied), with the process's seed.
+pub fn key_of(parts: &[&[u8]]) -> u64 {
     static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     let seed = *SEED.get_or_init(|| {
         use std::hash::BuildHasher;
         std::collections::hash_map::RandomState::new().hash_one(0u8)
     });
     let mut h = xxhash_rust::xxh3::Xxh3::with_seed(seed);
-    h.update(upstream.as_bytes());
-    h.update(&[0]);
-    h.update(model.as_bytes());
+    for part in parts {
+        h.update(part);
+    }
     h.digest()
 }
 

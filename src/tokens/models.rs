@@ -232,7 +232,9 @@ impl Bounds {
 /// The key under which a single-model listing's window is kept: not the
 /// key of any model name (those hash a 0 byte after the upstream).
 fn only_model_key(upstream: &str) -> u64 {
-    pair_key(&format!("{upstream}\u{1}"), "only")
+    // As `pair_key(upstream + "\u{1}", "only")`, no model's key, without
+    // building that string on every lookup.
+    crate::tokens::key_of(&[upstream.as_bytes(), &[1, 0], b"only"])
 }
 
 /// (model id, context window) for every model of a `/models` response that
