@@ -300,7 +300,7 @@ impl Metrics {
         let upstream_invalid_responses_total = IntCounterVec::new(
             Opts::new(
                 "condense_upstream_invalid_responses_total",
-                "Successful chat responses that ended malformed and were passed on as they were, by kind (invalid_json, sse_without_done, sse_event_too_long).",
+                "Successful chat responses that ended malformed and were passed on as they were, by kind (invalid_json: not UTF-8 or not a JSON object by its structure; sse_without_done, sse_event_too_long).",
             ),
             &["kind"],
         )?;

@@ -445,6 +445,29 @@ async fn client_keys_gate_every_proxied_route_and_are_swapped_upstream() {
     }
 }
 
+/// Over HTTP/2 a `HEAD` answer must carry no body, or the client resets
+/// the stream: condense's own errors included.
+#[tokio::test]
+async fn head_answers_have_no_body_over_http2_errors_included() {
+    let h = Harness::with(|c| {
+        c.auth.client_keys = vec![condense::config::Secret::new("ck")];
+    })
+    .await;
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let resp = h2.head(h.url("/v1/models")).send().await.unwrap();
+    assert_eq!(resp.version(), reqwest::Version::HTTP_2);
+    assert_eq!(resp.status(), 401);
+    assert!(resp.headers().contains_key("content-length"));
+    assert!(resp.bytes().await.unwrap().is_empty());
+    let resp = h2.head(h.url("/healthz")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-length"], "2");
+    assert!(resp.bytes().await.unwrap().is_empty());
+}
+
 #[tokio::test]
 async fn metrics_can_require_a_client_key() {
     let h = Harness::with(|c| {
@@ -477,9 +500,16 @@ async fn condense_endpoints_answer_head_and_refuse_other_methods_without_forward
     for path in ["/healthz", "/readyz", "/metrics"] {
         let resp = h.client.head(h.url(path)).send().await.unwrap();
         assert_eq!(resp.status(), 200, "HEAD {path}");
+        let length: usize = resp.headers()["content-length"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(length > 0, "HEAD {path}");
         assert!(resp.bytes().await.unwrap().is_empty(), "HEAD {path}");
         let resp = h.client.post(h.url(path)).body("{}").send().await.unwrap();
         assert_eq!(resp.status(), 405, "POST {path}");
+        assert_eq!(resp.headers()["allow"], "GET, HEAD", "POST {path}");
         let v: Value = serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap();
         assert_eq!(v["error"]["code"], "method_not_allowed", "POST {path}");
     }

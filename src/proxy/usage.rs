@@ -537,21 +537,27 @@ impl JsonTap {
     /// Reads the complete body's usage. The body's members are found by
     /// their delimiters (`members`), and only `usage` is parsed: a full
     /// parse of a small answer cost about 7,000 instructions a request, on
-    /// the client's time. A body that is not a JSON object by its structure
-    /// (an HTML page, a truncated or empty body, an array) is invalid.
+    /// the client's time. A body that is not UTF-8 or not a JSON object by
+    /// its structure (an HTML page, a truncated or empty body, an array) is
+    /// invalid; errors inside an object's values (a `NaN`, a bad escape, a
+    /// raw line break in a string) are not looked for.
     fn read(&mut self, body: &[u8]) {
         if self.finished || self.overflowed {
             return;
         }
         self.finished = true;
         let mut usage = None;
-        match members(body, |key, value| {
-            if key == "usage" {
-                usage = Some(value);
-            }
-        }) {
-            Some(()) => self.usage = usage.and_then(|u| Usage::of_format(self.format, u)),
-            None => self.invalid = true,
+        let object = std::str::from_utf8(body).is_ok()
+            && members(body, |key, value| {
+                if key == "usage" {
+                    usage = Some(value);
+                }
+            })
+            .is_some();
+        if object {
+            self.usage = usage.and_then(|u| Usage::of_format(self.format, u));
+        } else {
+            self.invalid = true;
         }
     }
 
@@ -794,5 +800,10 @@ mod tests {
                 assert_eq!(tapped(format, body), (None, true), "{body:?}");
             }
         }
+        // A multi-byte character cut in two.
+        let body = Bytes::from_static(b"{\"content\":\"\xc3\",\"usage\":{\"prompt_tokens\":3}}");
+        let mut t = JsonTap::new(Some(body.len() as u64));
+        t.push(&body);
+        assert_eq!((t.usage(), t.invalid()), (None, true));
     }
 }

@@ -80,6 +80,7 @@ async fn serve(app: Arc<AppState>, mut req: Request) -> Response {
             crate::logging::clip(req.uri().path()).to_string(),
         )
     });
+    let head = req.method() == Method::HEAD;
     let start = Instant::now();
     let mut resp = match denied(&app, &req) {
         Some(refusal) => refusal,
@@ -104,7 +105,20 @@ async fn serve(app: Arc<AppState>, mut req: Request) -> Response {
     if !resp.headers().contains_key(&X_REQUEST_ID) {
         resp.headers_mut().insert(X_REQUEST_ID, request_id);
     }
-    resp
+    if head { without_body(resp) } else { resp }
+}
+
+/// The answer to a `HEAD` request: its headers, with the length its body
+/// has, and no body. hyper leaves the body out over HTTP/1.1 itself, but
+/// over HTTP/2 it would send it, and the client would reset the stream.
+fn without_body(mut resp: Response) -> Response {
+    if !resp.headers().contains_key(header::CONTENT_LENGTH)
+        && let Some(n) = http_body::Body::size_hint(resp.body()).exact()
+    {
+        resp.headers_mut()
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+    }
+    resp.map(|_| Body::empty())
 }
 
 fn mark_sensitive(headers: &mut HeaderMap) {
@@ -191,29 +205,19 @@ async fn dispatch(app: &AppState, route: &'static str, req: Request) -> Response
         ROUTE_MESSAGES => Box::pin(app.proxy.clone().messages(req)).await,
         ROUTE_RESPONSES => Box::pin(app.proxy.clone().responses(req)).await,
         ROUTE_PASSTHROUGH => Box::pin(app.proxy.passthrough(req)).await,
-        own => {
-            let head = match *req.method() {
-                Method::HEAD => true,
-                Method::GET => false,
-                _ => {
-                    return ProxyError::MethodNotAllowed(req.method().clone())
-                        .response_for(Format::Chat);
-                }
-            };
-            let resp = match own {
-                "healthz" => "ok".into_response(),
-                "readyz" if app.shutting_down.load(Ordering::Relaxed) => {
-                    (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response()
-                }
-                "readyz" => "ready".into_response(),
-                _ => metrics(app),
-            };
-            if head {
-                resp.map(|_| Body::empty())
-            } else {
-                resp
-            }
+        _ if !matches!(*req.method(), Method::GET | Method::HEAD) => {
+            let mut resp =
+                ProxyError::MethodNotAllowed(req.method().clone()).response_for(Format::Chat);
+            resp.headers_mut()
+                .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+            resp
         }
+        "healthz" => "ok".into_response(),
+        "readyz" if app.shutting_down.load(Ordering::Relaxed) => {
+            (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response()
+        }
+        "readyz" => "ready".into_response(),
+        _ => metrics(app),
     }
 }
 
