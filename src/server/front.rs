@@ -34,6 +34,7 @@ use futures_util::FutureExt;
 
 use super::AppState;
 use crate::error::{ProxyError, openai_error_body};
+use crate::logging::AccessLine;
 use crate::metrics::status_class;
 use crate::proxy::{ROUTE_CHAT, ROUTE_MESSAGES, ROUTE_PASSTHROUGH, ROUTE_RESPONSES};
 use crate::wire::Format;
@@ -73,7 +74,7 @@ async fn serve(app: Arc<AppState>, mut req: Request) -> Response {
     let logged = matches!(
         route,
         ROUTE_CHAT | ROUTE_MESSAGES | ROUTE_RESPONSES | ROUTE_PASSTHROUGH
-    ) && tracing::enabled!(tracing::Level::INFO);
+    ) && AccessLine::enabled();
     let line = logged.then(|| {
         (
             req.method().clone(),
@@ -92,15 +93,16 @@ async fn serve(app: Arc<AppState>, mut req: Request) -> Response {
         .with_label_values(&[route, status_class(status)])
         .inc();
     if let Some((method, path)) = line {
-        let headers_ms = start.elapsed().as_secs_f64() * 1000.0;
-        let request_id = request_id.clone();
-        // Written once the response is on its way: formatting and writing
-        // the line takes about 10 µs, which the client need not wait for.
-        tokio::spawn(async move {
-            let request_id = request_id.to_str().unwrap_or("");
-            // The target the line has always had, for log filters.
-            tracing::info!(target: "condense::server", %method, path, status, request_id, headers_ms, "request");
-        });
+        let line = AccessLine {
+            method,
+            path,
+            status,
+            request_id: request_id.clone(),
+            headers_ms: start.elapsed().as_secs_f64() * 1000.0,
+        };
+        // Written once the response is on its way: the client need not
+        // wait for it.
+        tokio::spawn(async move { line.write() });
     }
     if !resp.headers().contains_key(&X_REQUEST_ID) {
         resp.headers_mut().insert(X_REQUEST_ID, request_id);
