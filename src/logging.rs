@@ -72,16 +72,21 @@ impl AccessLine {
                 self.format(format, SystemTime::now(), &mut line);
                 let _ = std::io::stderr().lock().write_all(&line);
             }
-            None => tracing::info!(
-                target: ACCESS_TARGET,
-                method = %self.method,
-                path = self.path.as_str(),
-                status = self.status,
-                request_id = self.request_id.to_str().unwrap_or(""),
-                headers_ms = self.headers_ms,
-                "request"
-            ),
+            None => self.through_tracing(),
         }
+    }
+
+    /// The line as a tracing event, for the subscriber to format.
+    fn through_tracing(&self) {
+        tracing::info!(
+            target: ACCESS_TARGET,
+            method = %self.method,
+            path = self.path.as_str(),
+            status = self.status,
+            request_id = self.request_id.to_str().unwrap_or(""),
+            headers_ms = self.headers_ms,
+            "request"
+        );
     }
 
     /// The line as tracing-subscriber's `Full` text or `Json` format writes
@@ -185,17 +190,7 @@ mod tests {
         let builder = tracing_subscriber::fmt()
             .with_ansi(false)
             .with_writer(move || writer.clone());
-        let event = || {
-            tracing::info!(
-                target: ACCESS_TARGET,
-                method = %line.method,
-                path = line.path.as_str(),
-                status = line.status,
-                request_id = line.request_id.to_str().unwrap_or(""),
-                headers_ms = line.headers_ms,
-                "request"
-            )
-        };
+        let event = || line.through_tracing();
         match format {
             LogFormat::Text => tracing::subscriber::with_default(builder.finish(), event),
             LogFormat::Json => tracing::subscriber::with_default(builder.json().finish(), event),
