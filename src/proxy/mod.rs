@@ -192,11 +192,7 @@ impl Proxy {
     /// `anthropic-version` header) go to Anthropic's API.
     pub async fn passthrough(&self, req: Request<Body>) -> Response {
         let start = Instant::now();
-        let format = if crate::wire::is_anthropic(req.uri().path(), req.headers()) {
-            Format::Messages
-        } else {
-            Format::Chat
-        };
+        let format = crate::wire::api_of(req.uri().path(), req.headers());
         self.passthrough_inner(req, format, start)
             .await
             .unwrap_or_else(|e| self.fail(ROUTE_PASSTHROUGH, format, e))

@@ -509,7 +509,7 @@ impl JsonTap {
         }
     }
 
-    pub fn push(&mut self, chunk: &Bytes) {
+    pub fn push(&mut self, chunk: &[u8]) {
         self.seen += chunk.len() as u64;
         if self.overflowed || self.buf.len() + chunk.len() > Self::MAX_BYTES {
             self.overflowed = true;

@@ -83,7 +83,7 @@ async fn serve(app: Arc<AppState>, mut req: Request) -> Response {
     });
     let head = req.method() == Method::HEAD;
     let start = Instant::now();
-    let mut resp = match denied(&app, &req) {
+    let mut resp = match denied(&app, route, &req) {
         Some(refusal) => refusal,
         None => dispatch(&app, route, req).await,
     };
@@ -176,10 +176,10 @@ fn route_of(req: &Request) -> &'static str {
 /// The refusal of a request without a client key, when `auth.client_keys`
 /// is set: the health endpoints are open, `/metrics` when
 /// `auth.metrics_public` says so.
-fn denied(app: &AppState, req: &Request) -> Option<Response> {
-    let open = match req.uri().path() {
-        "/healthz" | "/readyz" => true,
-        "/metrics" => app.metrics_public,
+fn denied(app: &AppState, route: &str, req: &Request) -> Option<Response> {
+    let open = match route {
+        "healthz" | "readyz" => true,
+        "metrics" => app.metrics_public,
         _ => false,
     };
     if open {
@@ -190,12 +190,7 @@ fn denied(app: &AppState, req: &Request) -> Option<Response> {
         .proxy_errors_total
         .with_label_values(&[e.metric_label()])
         .inc();
-    let format = if crate::wire::is_anthropic(req.uri().path(), req.headers()) {
-        Format::Messages
-    } else {
-        Format::Chat
-    };
-    Some(e.response_for(format))
+    Some(e.response_for(crate::wire::api_of(req.uri().path(), req.headers())))
 }
 
 /// The conversation routes' futures are several kilobytes each: they are

@@ -70,14 +70,21 @@ impl Format {
     }
 }
 
-/// Whether a request belongs to Anthropic's API: its Messages routes
-/// (`/v1/messages...`, also without `/v1`), or anything an Anthropic client
-/// sends (it always sends `anthropic-version`).
-pub fn is_anthropic(path: &str, headers: &http::HeaderMap) -> bool {
+/// The API of a request condense does not read (passed through, or
+/// refused before it is read), for where it goes and the shape of
+/// condense's errors: Anthropic's for its Messages routes
+/// (`/v1/messages...`, also without `/v1`) and anything an Anthropic
+/// client sends (it always sends `anthropic-version`), else OpenAI's.
+pub fn api_of(path: &str, headers: &http::HeaderMap) -> Format {
     let path = path.strip_prefix("/v1").unwrap_or(path);
-    path == "/messages"
+    if path == "/messages"
         || path.starts_with("/messages/")
         || headers.contains_key("anthropic-version")
+    {
+        Format::Messages
+    } else {
+        Format::Chat
+    }
 }
 
 /// Why a body is not a conversation condense works on (it goes upstream
