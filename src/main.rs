@@ -372,7 +372,10 @@ fn serve(config: Config) -> ExitCode {
             upstream = %condense::config::redact_url(&config.upstream.base_url),
             "condense listening"
         );
-        match server.run_until_signal().await {
+        let result = server.run_until_signal().await;
+        // The access lines of the last requests, before the process ends.
+        condense::logging::flush();
+        match result {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 tracing::error!(error = %e, "server failed");

@@ -181,6 +181,77 @@ async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() 
     assert!(longest < 4096, "a log line of {longest} bytes");
 }
 
+#[tokio::test]
+async fn every_access_line_reaches_the_log_whole_and_in_order_by_exit() {
+    let mock = MockUpstream::start().await;
+    let mut cmd = condense();
+    cmd.env("CONDENSE_SERVER__LISTEN", "127.0.0.1:0")
+        .env("CONDENSE_UPSTREAM__BASE_URL", mock.base_url())
+        .env("CONDENSE_UPSTREAM__LEARN_WINDOWS", "false")
+        .env("CONDENSE_LOG__FORMAT", "json");
+    let (child, addr, log, reader) = spawn_logged(&mut cmd);
+    let client = reqwest::Client::new();
+    let send = |id: String, sleep_ms: u32| {
+        let req = client
+            .post(format!("http://{addr}/v1/chat/completions"))
+            .header("x-request-id", id)
+            .header("x-mock-sleep-ms", sleep_ms.to_string())
+            .body(chat_body(false).to_string());
+        async move {
+            let resp = req.send().await.unwrap();
+            assert_eq!(resp.status(), 200);
+            resp.text().await.unwrap();
+        }
+    };
+    // One after another on one connection; then many at once, still in
+    // flight when the signal comes: their lines are queued moments before
+    // the process ends.
+    for i in 0..300 {
+        send(format!("serial-{i:03}"), 0).await;
+    }
+    let burst = tokio::spawn(futures_util::future::join_all(
+        (0..200).map(|i| send(format!("burst-{i:03}"), 400)),
+    ));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let status = Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    burst.await.unwrap();
+    let mut child = child;
+    let exit = tokio::task::spawn_blocking(move || child.0.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(exit.success(), "condense exited with {exit}");
+    reader.join().unwrap();
+    let log = log.lock().unwrap().clone();
+    // Every line whole (JSON), each request's once.
+    let ids: Vec<String> = log
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap_or_else(|e| panic!("{e}: {l}"))
+        })
+        .filter(|v| v["fields"]["message"] == "request")
+        .map(|v| {
+            assert_eq!(v["fields"]["status"], 200, "{v}");
+            v["fields"]["request_id"].as_str().unwrap().to_string()
+        })
+        .collect();
+    let serial: Vec<&String> = ids.iter().filter(|i| i.starts_with("serial-")).collect();
+    let expected: Vec<String> = (0..300).map(|i| format!("serial-{i:03}")).collect();
+    assert_eq!(
+        serial,
+        expected.iter().collect::<Vec<_>>(),
+        "in the order served"
+    );
+    let mut burst: Vec<&String> = ids.iter().filter(|i| i.starts_with("burst-")).collect();
+    burst.sort();
+    burst.dedup();
+    assert_eq!((burst.len(), ids.len()), (200, 500));
+}
+
 #[test]
 fn compact_prints_the_body_and_a_report() {
     let dir = std::env::temp_dir().join(format!("condense-compact-{}", std::process::id()));
@@ -520,8 +591,12 @@ fn spawn_logged(
     let collected = log.clone();
     let reader = std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            // The text log says `listen=<address>`, the JSON one
+            // `"listen":"<address>"`.
             if let Some(rest) = line.split("listen=").nth(1) {
                 let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
+            } else if let Some(rest) = line.split("\"listen\":\"").nth(1) {
+                let _ = tx.send(rest.split('"').next().unwrap_or("").to_string());
             }
             let mut log = collected.lock().unwrap();
             log.push_str(&line);
