@@ -24,7 +24,6 @@ use super::upstream::Outgoing;
 use super::usage::{JsonTap, SseTap};
 use super::{Proxy, Timing, X_ACTIONS, X_TOKENS_AFTER, X_TOKENS_BEFORE};
 use crate::error::ProxyError;
-use crate::recall;
 use crate::wire::Format;
 
 impl Proxy {
@@ -103,10 +102,8 @@ impl Proxy {
         );
 
         // Prepare.
-        // Recall keys and agent points belong to the client's credentials.
-        let scope = recall::store::scope(&parts.headers);
         let (prepared, upstream_wait) = self
-            .prepare(format, &bytes, opt_out, &headers, &scope)
+            .prepare(format, &bytes, opt_out, &headers, &parts.headers)
             .await;
         report.clone_from(&prepared.report);
 

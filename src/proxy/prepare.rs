@@ -72,14 +72,18 @@ pub type Measured = (pipeline::Processed, Writer);
 impl Proxy {
     /// The request to send for the client's `bytes`, and how long condense
     /// waited on the upstream meanwhile (for the `/models` listing).
+    /// `headers` go upstream; `client_headers` are the client's own.
     pub(super) async fn prepare(
         self: &Arc<Self>,
         format: Format,
         bytes: &Bytes,
         opt_out: bool,
         headers: &HeaderMap,
-        scope: &str,
+        client_headers: &HeaderMap,
     ) -> (Prepared, Duration) {
+        // Recall keys and agent points belong to the client's credentials
+        // (a hash of them, worked out only for the requests that use it).
+        let scope = || recall::store::scope(client_headers);
         // A large Messages or Responses body is parsed item by item, which
         // is work for the blocking pool, as counting is.
         let parsed = if format != Format::Chat && bytes.len() >= BLOCKING_PREPARE_BYTES {
@@ -125,7 +129,7 @@ impl Proxy {
         // Where the model asked for compaction (`compress_context`), and
         // where this request would record it.
         let point = (self.compaction.agent_tool && recall::tools::offered(&parsed.conversation))
-            .then(|| AgentPoint::of(scope, parsed.conversation.messages()))
+            .then(|| AgentPoint::of(&scope(), parsed.conversation.messages()))
             .flatten();
         let due = match &point {
             Some(p) => p.recorded(&self.recall_state).await,
@@ -176,7 +180,7 @@ impl Proxy {
                 .inc();
         }
         if let Some(offer) = prepared.offer.as_mut() {
-            offer.originals.scope = scope.to_string();
+            offer.originals.scope = scope();
             offer.point = point;
         }
         (prepared, waited)
