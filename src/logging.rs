@@ -207,9 +207,10 @@ impl Writer {
             }
             (self.sink)(&out);
             out.clear();
-            if out.capacity() > 1024 * 1024 {
-                out.shrink_to(64 * 1024);
-            }
+            // What a burst grew is given back (the queue gets `batch`'s
+            // room at the next swap).
+            out.shrink_to(64 * 1024);
+            batch.shrink_to(1024);
             let mut q = self.lock();
             q.written += n;
             if q.waiting > 0 {

@@ -210,9 +210,18 @@ async fn every_access_line_reaches_the_log_whole_and_in_order_by_exit() {
         send(format!("serial-{i:03}"), 0).await;
     }
     let burst = tokio::spawn(futures_util::future::join_all(
-        (0..200).map(|i| send(format!("burst-{i:03}"), 400)),
+        (0..200).map(|i| send(format!("burst-{i:03}"), 1_000)),
     ));
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The signal comes once the upstream has all of them (a request still
+    // in the listen backlog would be refused, as it should be).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while mock.requests().len() < 500 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the burst never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let status = Command::new("kill")
         .args(["-TERM", &child.0.id().to_string()])
         .status()

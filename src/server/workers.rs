@@ -71,8 +71,9 @@ impl Workers {
                     SLOT.with(|s| s.set(i + 1));
                     runtime.block_on(async {
                         let _ = stopped.await;
-                        // Tasks ready now (the log line of a response just
-                        // sent) run before the runtime goes.
+                        // Tasks ready now (the usage of a response just
+                        // sent, its log line when logs go through tracing)
+                        // run before the runtime goes.
                         tokio::task::yield_now().await;
                     });
                 })?;
