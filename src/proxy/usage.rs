@@ -15,7 +15,10 @@
 //! The client receives what the upstream would have sent it had condense not
 //! asked for usage.
 
+use std::sync::LazyLock;
+
 use bytes::{Bytes, BytesMut};
+use memchr::memmem::Finder;
 use serde::Deserialize;
 
 use crate::chat::RawObject;
@@ -282,14 +285,7 @@ impl SseTap {
     fn process(&mut self, event: &[u8], out: &mut BytesMut) {
         if self.format == Format::Responses {
             // The last event carries the response, usage and all.
-            if let Some(end) = [
-                &b"response.completed"[..],
-                b"response.incomplete",
-                b"response.failed",
-            ]
-            .iter()
-            .find(|e| memchr::memmem::find(event, e).is_some())
-            {
+            if let Some((end, _)) = needles().ends.iter().find(|(_, f)| f.find(event).is_some()) {
                 self.done = true;
                 if end == b"response.completed" || end == b"response.incomplete" {
                     let usage = parse_event(event).and_then(|(_, obj)| {
@@ -307,10 +303,10 @@ impl SseTap {
         if self.format == Format::Messages {
             // Nothing is stripped from an Anthropic stream: it always
             // reports usage.
-            if memchr::memmem::find(event, b"message_stop").is_some() {
+            if needles().message_stop.find(event).is_some() {
                 self.done = true;
             }
-            if memchr::memmem::find(event, b"\"usage\"").is_some()
+            if needles().usage.find(event).is_some()
                 && let Some((_, obj)) = parse_event(event)
                 && let Some(u) = Usage::from_anthropic_event(&obj, self.usage)
             {
@@ -318,12 +314,25 @@ impl SseTap {
             }
             return;
         }
-        if memchr::memmem::find(event, b"data: [DONE]").is_some()
-            || memchr::memmem::find(event, b"data:[DONE]").is_some()
-        {
+        let n = needles();
+        if n.done.find(event).is_some() || n.done_tight.find(event).is_some() {
             self.done = true;
         }
-        let parsed = if memchr::memmem::find(event, b"\"usage\"").is_some() {
+        let mentions_usage = n.usage.find(event).is_some();
+        // The usual chunk of a stream that reports usage: `"usage":null`,
+        // read and (when stripping) cut out without parsing the chunk.
+        if mentions_usage && let Some(cut) = null_usage(event) {
+            if self.strip {
+                let event = match cut {
+                    Some(cut) => [&event[..cut.start], &event[cut.end..]].concat().into(),
+                    None => Bytes::copy_from_slice(event),
+                };
+                let finishing = finishes(&event);
+                self.pass(event, finishing, out);
+            }
+            return;
+        }
+        let parsed = if mentions_usage {
             parse_event(event)
         } else {
             None
@@ -369,6 +378,129 @@ impl SseTap {
     }
 }
 
+/// For an event whose data (one `data:` line) is a JSON object with a
+/// top-level `"usage":null` or no top-level `usage`: the bytes of `event` to
+/// cut to take that member out (with its comma), or None when there is none.
+/// None (the outer one) for anything else (data on several lines, not an
+/// object by its structure, a usage that is not null, a key written with
+/// escapes, the member twice): the caller parses the event then.
+///
+/// An OpenAI stream asked for usage puts `"usage":null` on every chunk:
+/// parsing each to learn that, and writing it out again without the
+/// member, cost several times what walking its members does.
+fn null_usage(event: &[u8]) -> Option<Option<std::ops::Range<usize>>> {
+    let (offset, data) = single_data_line(event)?;
+    // OpenAI's own chunks end with it, written compactly. In a JSON object
+    // that ends `,"usage":null}`, that is the last top-level member: a
+    // nested one would be followed by another closing bracket, and a
+    // quote inside a string is escaped (`\"`). Mentioned once, it is the
+    // only one; no need to walk the members.
+    const TAIL: &[u8] = b",\"usage\":null}";
+    let trimmed = data.trim_ascii_end();
+    if trimmed.ends_with(TAIL)
+        && data.trim_ascii_start().starts_with(b"{")
+        && needles().usage.find_iter(data).nth(1).is_none()
+    {
+        let start = offset + trimmed.len() - TAIL.len();
+        return Some(Some(start..start + TAIL.len() - 1));
+    }
+    let mut found = None;
+    let mut twice = false;
+    members(data, |key, value| {
+        if key == "usage" {
+            twice |= found.is_some();
+            found = Some(value);
+        }
+    })?;
+    if twice {
+        return None;
+    }
+    let Some(value) = found else {
+        return Some(None);
+    };
+    if value != b"null" {
+        return None;
+    }
+    // Where the value sits in `data`, then its key (written plainly) and
+    // the comma before it, or else the one after it.
+    let value_start = (value.as_ptr() as usize).checked_sub(data.as_ptr() as usize)?;
+    let value_end = value_start + value.len();
+    let before = data[..value_start].trim_ascii_end().strip_suffix(b":")?;
+    let key_start = before.trim_ascii_end().strip_suffix(b"\"usage\"")?.len();
+    let head = data[..key_start].trim_ascii_end();
+    let cut = match head.strip_suffix(b",") {
+        Some(kept) => kept.trim_ascii_end().len()..value_end,
+        // The first member: up to the next one's key.
+        None => match data[value_end..].trim_ascii_start().strip_prefix(b",") {
+            Some(next) => key_start..data.len() - next.trim_ascii_start().len(),
+            None => key_start..value_end,
+        },
+    };
+    Some(Some(offset + cut.start..offset + cut.end))
+}
+
+/// An event's one `data:` line, as the offset of its data in `event` and
+/// the data (after `data:` and one space, without the line end); None
+/// when the event has no data line or several.
+fn single_data_line(event: &[u8]) -> Option<(usize, &[u8])> {
+    let mut found = None;
+    let mut start = 0;
+    let ends = memchr::memchr_iter(b'\n', event).chain(std::iter::once(event.len()));
+    for end in ends {
+        let line = event.get(start..end)?;
+        let line_start = start;
+        start = end + 1;
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if let Some(data) = line.strip_prefix(b"data:") {
+            if found.is_some() {
+                return None;
+            }
+            let (skip, data) = match data.strip_prefix(b" ") {
+                Some(d) => (6, d),
+                None => (5, data),
+            };
+            found = Some((line_start + skip, data));
+        }
+    }
+    found
+}
+
+/// What the tap looks for in events, each searcher built once: building
+/// one (`memmem::find` does, every call) cost more than searching a chunk
+/// with it, and several searches run on every event of a stream.
+struct Needles {
+    usage: Finder<'static>,
+    done: Finder<'static>,
+    done_tight: Finder<'static>,
+    message_stop: Finder<'static>,
+    /// The Responses events that end a stream.
+    ends: [(&'static [u8], Finder<'static>); 3],
+    finish_reason: Finder<'static>,
+    finish_null: Finder<'static>,
+    finish_null_spaced: Finder<'static>,
+}
+
+fn needles() -> &'static Needles {
+    static NEEDLES: LazyLock<Needles> = LazyLock::new(|| {
+        let end = |e: &'static [u8]| (e, Finder::new(e));
+        Needles {
+            usage: Finder::new(b"\"usage\""),
+            done: Finder::new(b"data: [DONE]"),
+            done_tight: Finder::new(b"data:[DONE]"),
+            message_stop: Finder::new(b"message_stop"),
+            ends: [
+                end(b"response.completed"),
+                end(b"response.incomplete"),
+                end(b"response.failed"),
+            ],
+            finish_reason: Finder::new(b"\"finish_reason\""),
+            finish_null: Finder::new(b"\"finish_reason\":null"),
+            finish_null_spaced: Finder::new(b"\"finish_reason\": null"),
+        }
+    });
+    &NEEDLES
+}
+
 /// The data of an SSE event as a JSON object, with the event's text.
 fn parse_event(event: &[u8]) -> Option<(&str, RawObject)> {
     let (text, data) = event_data(event)?;
@@ -390,12 +522,13 @@ pub(crate) fn event_data(event: &[u8]) -> Option<(&str, String)> {
 /// Whether an event finishes a choice: it has a `finish_reason` that is not
 /// null.
 fn finishes(event: &[u8]) -> bool {
-    let all = memchr::memmem::find_iter(event, b"\"finish_reason\"").count();
+    let n = needles();
+    let all = n.finish_reason.find_iter(event).count();
     if all == 0 {
         return false;
     }
-    let null = memchr::memmem::find_iter(event, b"\"finish_reason\":null").count()
-        + memchr::memmem::find_iter(event, b"\"finish_reason\": null").count();
+    let null =
+        n.finish_null.find_iter(event).count() + n.finish_null_spaced.find_iter(event).count();
     all > null
 }
 
@@ -574,6 +707,7 @@ impl JsonTap {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     const CHUNK: &str = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}],\"usage\":null}\n\n";
     const USAGE: &str = "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":11,\"completion_tokens\":2,\"total_tokens\":13}}\n\n";
@@ -638,6 +772,125 @@ mod tests {
             "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\ndata: [DONE]\n\n"
         );
         assert_eq!(tap.usage().unwrap().prompt_tokens, 11);
+    }
+
+    #[test]
+    fn a_null_usage_is_cut_out_wherever_it_sits_and_nothing_else_changes() {
+        // (event, what the client gets): the usage member goes with one
+        // comma; the rest, the event's other lines and its line ends stay.
+        let cases = [
+            (
+                "data: {\"id\":\"c\",\"choices\":[],\"usage\":null}\n\n",
+                "data: {\"id\":\"c\",\"choices\":[]}\n\n",
+            ),
+            (
+                "data: {\"usage\":null,\"id\":\"c\"}\n\n",
+                "data: {\"id\":\"c\"}\n\n",
+            ),
+            ("data:{\"usage\":null}\n\n", "data:{}\n\n"),
+            (
+                "event: chunk\r\ndata: { \"id\" : \"c\" , \"usage\" : null }\r\n\r\n",
+                "event: chunk\r\ndata: { \"id\" : \"c\" }\r\n\r\n",
+            ),
+            (
+                "data: {\"usage\" :null , \"id\":\"c\"}\n\n",
+                "data: {\"id\":\"c\"}\n\n",
+            ),
+            // Only the top level's: a nested one, or one inside a string,
+            // is content.
+            (
+                "data: {\"x\":{\"usage\":null},\"t\":\"\\\"usage\\\":null\",\"usage\":null}\n\n",
+                "data: {\"x\":{\"usage\":null},\"t\":\"\\\"usage\\\":null\"}\n\n",
+            ),
+            (
+                "data: {\"x\":{\"usage\":null}}\n\n",
+                "data: {\"x\":{\"usage\":null}}\n\n",
+            ),
+        ];
+        for (event, expected) in cases {
+            let mut tap = SseTap::new(true);
+            assert_eq!(run(&mut tap, &[event]), expected, "{event}");
+            assert!(tap.usage().is_none());
+        }
+        // Where the chunk is read by parsing it (data on two lines, the
+        // member twice), the usage goes too.
+        for event in [
+            "data: {\"id\":\"c\",\ndata: \"usage\":null}\n\n",
+            "data: {\"id\":\"c\",\"usage\":null,\"usage\":null}\n\n",
+        ] {
+            let mut tap = SseTap::new(true);
+            assert_eq!(
+                run(&mut tap, &[event]),
+                "data: {\"id\":\"c\"}\n\n",
+                "{event}"
+            );
+        }
+        // Not an object: passed on as it came.
+        let broken = "data: {\"id\":\"c\",\"usage\":null\n\n";
+        assert_eq!(run(&mut SseTap::new(true), &[broken]), broken);
+    }
+
+    /// A chunk's members, as (key, value) JSON texts: keys that repeat
+    /// across chunks, values that mention usage where it is content.
+    fn member() -> impl Strategy<Value = (String, String)> {
+        let keys = prop::sample::select(vec!["id", "usage", "choices", "a", "z"]);
+        let values = prop::sample::select(vec![
+            "null",
+            "1",
+            "\"x\"",
+            "\"usage\"",
+            "\"\\\"usage\\\":null}\"",
+            "\"a\\\\\"",
+            "{\"usage\":null}",
+            "[{\"usage\":null},{\"b\":[]}]",
+            "{\"a\":{\"usage\":null}}",
+        ]);
+        (keys, values).prop_map(|(k, v)| (format!("\"{k}\""), v.to_string()))
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+        /// Whatever the chunk, stripping takes out a top-level null usage
+        /// and nothing else; a chunk without one passes byte for byte.
+        #[test]
+        fn stripping_takes_out_a_top_level_null_usage_and_nothing_else(
+            members in prop::collection::vec(member(), 0..6),
+            usage_at in prop::option::of(0usize..6),
+            spaces in prop::collection::vec(prop::sample::select(vec!["", " ", "\t"]), 16),
+            named in proptest::bool::ANY,
+            crlf in proptest::bool::ANY,
+        ) {
+            let mut members: Vec<(String, String)> = members;
+            members.dedup_by(|a, b| a.0 == b.0);
+            members.retain(|(k, _)| k != "\"usage\"");
+            if let Some(at) = usage_at {
+                members.insert(at.min(members.len()), ("\"usage\"".into(), "null".into()));
+            }
+            let ws = |i: usize| spaces[i % spaces.len()];
+            let body = members
+                .iter()
+                .enumerate()
+                .map(|(i, (k, v))| format!("{}{k}{}:{}{v}{}", ws(i), ws(i + 3), ws(i + 5), ws(i + 7)))
+                .collect::<Vec<_>>()
+                .join(",");
+            let end = if crlf { "\r\n" } else { "\n" };
+            let name = if named { format!("event: chunk{end}") } else { String::new() };
+            let event = format!("{name}data: {}{{{body}}}{}{end}{end}", ws(1), ws(2));
+            let out = run(&mut SseTap::new(true), &[&event]);
+            if usage_at.is_none() {
+                prop_assert_eq!(out, event);
+            } else {
+                let data = |e: &str| -> serde_json::Value {
+                    let line = e.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+                    serde_json::from_str(line).unwrap()
+                };
+                let mut expected = data(&event);
+                expected.as_object_mut().unwrap().remove("usage");
+                prop_assert_eq!(data(&out), expected);
+                prop_assert_eq!(out.starts_with(&name), true);
+                prop_assert_eq!(out.ends_with(&format!("{end}{end}")), true);
+            }
+        }
     }
 
     #[test]
