@@ -75,11 +75,6 @@ impl Usage {
         serde_json::from_slice::<Option<Usage>>(raw).ok()?
     }
 
-    /// Reads Anthropic's `usage` from a message object.
-    fn from_anthropic(obj: &RawObject) -> Option<Usage> {
-        Usage::anthropic(obj.get("usage")?)
-    }
-
     /// An Anthropic `usage` value.
     fn anthropic(raw: &[u8]) -> Option<Usage> {
         let u: AnthropicUsage = serde_json::from_slice(raw).ok()?;
@@ -99,11 +94,6 @@ impl Usage {
             Format::Messages => Usage::anthropic(raw),
             Format::Responses => Usage::responses(raw),
         }
-    }
-
-    /// Reads the Responses API's `usage` from a response object.
-    fn from_responses(obj: &RawObject) -> Option<Usage> {
-        Usage::responses(obj.get("usage")?)
     }
 
     /// A Responses `usage` value: `input_tokens` is the whole prompt
@@ -128,15 +118,15 @@ impl Usage {
         Usage::from_object(&RawObject::parse(body).ok()?)
     }
 
-    /// A streamed Anthropic event's usage: `message_start` carries the
-    /// prompt's in its message, `message_delta` the completion's (and, from
-    /// some servers, the prompt's again); `seen` is what came before.
-    fn from_anthropic_event(obj: &RawObject, seen: Option<Usage>) -> Option<Usage> {
-        if let Some(message) = obj.get("message") {
-            let message = RawObject::parse(&Bytes::copy_from_slice(message)).ok()?;
-            return Usage::from_anthropic(&message);
+    /// A streamed Anthropic event's usage, from its data: `message_start`
+    /// carries the prompt's in its message, `message_delta` the
+    /// completion's (and, from some servers, the prompt's again); `seen` is
+    /// what came before.
+    fn from_anthropic_event(data: &[u8], seen: Option<Usage>) -> Option<Usage> {
+        if let Some(message) = member(data, "message") {
+            return Usage::anthropic(member(message, "usage")?);
         }
-        let u: AnthropicUsage = serde_json::from_slice(obj.get("usage")?).ok()?;
+        let u: AnthropicUsage = serde_json::from_slice(member(data, "usage")?).ok()?;
         let before = seen.unwrap_or_default();
         let prompt = u.prompt().unwrap_or(before.prompt_tokens);
         let completion = u.output_tokens.unwrap_or(before.completion_tokens);
@@ -288,10 +278,8 @@ impl SseTap {
             if let Some((end, _)) = needles().ends.iter().find(|(_, f)| f.find(event).is_some()) {
                 self.done = true;
                 if end == b"response.completed" || end == b"response.incomplete" {
-                    let usage = parse_event(event).and_then(|(_, obj)| {
-                        let r =
-                            RawObject::parse(&Bytes::copy_from_slice(obj.get("response")?)).ok()?;
-                        Usage::from_responses(&r)
+                    let usage = data_of(event).and_then(|data| {
+                        Usage::responses(member(member(&data, "response")?, "usage")?)
                     });
                     if usage.is_some() {
                         self.usage = usage;
@@ -307,8 +295,8 @@ impl SseTap {
                 self.done = true;
             }
             if needles().usage.find(event).is_some()
-                && let Some((_, obj)) = parse_event(event)
-                && let Some(u) = Usage::from_anthropic_event(&obj, self.usage)
+                && let Some(data) = data_of(event)
+                && let Some(u) = Usage::from_anthropic_event(&data, self.usage)
             {
                 self.usage = Some(u);
             }
@@ -499,6 +487,29 @@ fn needles() -> &'static Needles {
         }
     });
     &NEEDLES
+}
+
+/// An event's data: borrowed when it is on one `data:` line, as it is in
+/// practice, else its lines joined.
+fn data_of(event: &[u8]) -> Option<std::borrow::Cow<'_, [u8]>> {
+    match single_data_line(event) {
+        Some((_, data)) => Some(data.into()),
+        None => event_data(event).map(|(_, data)| data.into_bytes().into()),
+    }
+}
+
+/// The value of the top-level member `key` of the JSON object `raw` (the
+/// last one, if it is there twice), found by walking the members: a
+/// streamed answer's last event holds the whole answer, and nothing of it
+/// is copied or parsed to read its usage.
+fn member<'a>(raw: &'a [u8], key: &str) -> Option<&'a [u8]> {
+    let mut found = None;
+    members(raw, |k, v| {
+        if k == key {
+            found = Some(v);
+        }
+    })?;
+    found
 }
 
 /// The data of an SSE event as a JSON object, with the event's text.
