@@ -310,14 +310,35 @@ fn write_timestamp(now: SystemTime, out: &mut Vec<u8>) {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
-    let _ = write!(
-        out,
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
-        rem / 3_600,
-        rem % 3_600 / 60,
-        rem % 60,
-        since.subsec_micros()
-    );
+    // By hand: `write!` with padded fields cost 2,000 instructions a line.
+    let year = u64::try_from(year).unwrap_or(0);
+    let (month, day) = (month as u64, day as u64);
+    for (n, width, then) in [
+        (year, 4, b'-'),
+        (month, 2, b'-'),
+        (day, 2, b'T'),
+        (rem / 3_600, 2, b':'),
+        (rem % 3_600 / 60, 2, b':'),
+        (rem % 60, 2, b'.'),
+        (u64::from(since.subsec_micros()), 6, b'Z'),
+    ] {
+        push_padded(out, n, width);
+        out.push(then);
+    }
+}
+
+/// `n` in decimal, zero-padded to `width` digits (more if it needs them).
+fn push_padded(out: &mut Vec<u8>, n: u64, width: usize) {
+    let mut digits = [b'0'; 20];
+    let mut at = digits.len();
+    let mut rest = n;
+    while rest > 0 || at == digits.len() {
+        at -= 1;
+        digits[at] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+    }
+    let at = at.min(digits.len() - width.min(digits.len()));
+    out.extend_from_slice(&digits[at..]);
 }
 
 /// Longest client-chosen string (model name, path) put into a log line.
