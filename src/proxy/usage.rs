@@ -381,13 +381,16 @@ fn null_usage(event: &[u8]) -> Option<Option<std::ops::Range<usize>>> {
     // OpenAI's own chunks end with it, written compactly. In a JSON object
     // that ends `,"usage":null}`, that is the last top-level member: a
     // nested one would be followed by another closing bracket, and a
-    // quote inside a string is escaped (`\"`). Mentioned once, it is the
-    // only one; no need to walk the members.
+    // quote inside a string is escaped (`\"`). Mentioned once, and with
+    // no `\u` escape that could spell the key another way, it is the only
+    // one; no need to walk the members.
     const TAIL: &[u8] = b",\"usage\":null}";
     let trimmed = data.trim_ascii_end();
+    let n = needles();
     if trimmed.ends_with(TAIL)
         && data.trim_ascii_start().starts_with(b"{")
-        && needles().usage.find_iter(data).nth(1).is_none()
+        && n.usage.find_iter(data).nth(1).is_none()
+        && n.unicode_escape.find(data).is_none()
     {
         let start = offset + trimmed.len() - TAIL.len();
         return Some(Some(start..start + TAIL.len() - 1));
@@ -466,6 +469,7 @@ struct Needles {
     finish_reason: Finder<'static>,
     finish_null: Finder<'static>,
     finish_null_spaced: Finder<'static>,
+    unicode_escape: Finder<'static>,
 }
 
 fn needles() -> &'static Needles {
@@ -484,6 +488,7 @@ fn needles() -> &'static Needles {
             finish_reason: Finder::new(b"\"finish_reason\""),
             finish_null: Finder::new(b"\"finish_reason\":null"),
             finish_null_spaced: Finder::new(b"\"finish_reason\": null"),
+            unicode_escape: Finder::new(b"\\u"),
         }
     });
     &NEEDLES
@@ -751,6 +756,31 @@ mod tests {
     }
 
     #[test]
+    fn usage_is_read_from_incomplete_responses_and_data_on_several_lines_not_from_failed_ones() {
+        let ev = |kind: &str, n: u64| {
+            format!(
+                "event: {kind}\ndata: {{\"type\":\"{kind}\",\"response\":{{\"output\":[],\"usage\":{{\"input_tokens\":{n},\"output_tokens\":1}}}}}}\n\n"
+            )
+        };
+        for (kind, read) in [("response.incomplete", Some(40)), ("response.failed", None)] {
+            let mut tap = SseTap::for_format(Format::Responses, false);
+            let stream = ev(kind, 40);
+            assert_eq!(run(&mut tap, &[&stream]), stream);
+            assert_eq!(tap.usage().map(|u| u.prompt_tokens), read, "{kind}");
+            assert!(tap.saw_done());
+        }
+        // Data split over several `data:` lines is joined.
+        let split = "event: response.completed\ndata: {\"type\":\"response.completed\",\ndata: \"response\":{\"usage\":{\"input_tokens\":9}}}\n\n";
+        let mut tap = SseTap::for_format(Format::Responses, false);
+        run(&mut tap, &[split]);
+        assert_eq!(tap.usage().map(|u| u.prompt_tokens), Some(9));
+        let split = "event: message_start\ndata: {\"type\":\"message_start\",\ndata: \"message\":{\"usage\":{\"input_tokens\":5,\"output_tokens\":1}}}\n\n";
+        let mut tap = SseTap::for_format(Format::Messages, false);
+        run(&mut tap, &[split]);
+        assert_eq!(tap.usage().map(|u| u.prompt_tokens), Some(5));
+    }
+
+    #[test]
     fn anthropic_usage_counts_cache_reads_and_writes_as_prompt() {
         let body = Bytes::from_static(br#"{"id":"msg_1","type":"message","usage":{"input_tokens":12,"cache_creation_input_tokens":100,"cache_read_input_tokens":3000,"output_tokens":7}}"#);
         let mut t = JsonTap::for_format(Format::Messages, Some(body.len() as u64));
@@ -855,6 +885,7 @@ mod tests {
             "{\"usage\":null}",
             "[{\"usage\":null},{\"b\":[]}]",
             "{\"a\":{\"usage\":null}}",
+            "{\"us\\u0061ge\":1}",
         ]);
         (keys, values).prop_map(|(k, v)| (format!("\"{k}\""), v.to_string()))
     }
@@ -867,15 +898,21 @@ mod tests {
         fn stripping_takes_out_a_top_level_null_usage_and_nothing_else(
             members in prop::collection::vec(member(), 0..6),
             usage_at in prop::option::of(0usize..6),
+            escaped_at in prop::option::of(0usize..6),
             spaces in prop::collection::vec(prop::sample::select(vec!["", " ", "\t"]), 16),
             named in proptest::bool::ANY,
             crlf in proptest::bool::ANY,
+            tight in proptest::bool::ANY,
         ) {
             let mut members: Vec<(String, String)> = members;
             members.dedup_by(|a, b| a.0 == b.0);
             members.retain(|(k, _)| k != "\"usage\"");
             if let Some(at) = usage_at {
                 members.insert(at.min(members.len()), ("\"usage\"".into(), "null".into()));
+            }
+            // The same key spelled with an escape.
+            if let Some(at) = escaped_at {
+                members.insert(at.min(members.len()), ("\"us\\u0061ge\"".into(), "null".into()));
             }
             let ws = |i: usize| spaces[i % spaces.len()];
             let body = members
@@ -886,20 +923,31 @@ mod tests {
                 .join(",");
             let end = if crlf { "\r\n" } else { "\n" };
             let name = if named { format!("event: chunk{end}") } else { String::new() };
-            let event = format!("{name}data: {}{{{body}}}{}{end}{end}", ws(1), ws(2));
-            let out = run(&mut SseTap::new(true), &[&event]);
-            if usage_at.is_none() {
+            let field = if tight { "data:" } else { "data: " };
+            let event = format!("{name}{field}{}{{{body}}}{}{end}{end}", ws(1), ws(2));
+            let mut tap = SseTap::new(true);
+            let out = run(&mut tap, &[&event]);
+            prop_assert!(tap.usage().is_none());
+            // The members, in order and with their bytes, as the parser
+            // reads them (duplicates included).
+            let data = |e: &str| -> RawObject {
+                let line = e.lines().find_map(|l| l.strip_prefix("data:")).unwrap();
+                RawObject::parse(&Bytes::copy_from_slice(line.as_bytes())).unwrap()
+            };
+            // A chunk that never spells "usage" plainly is not looked at.
+            if !event.contains("\"usage\"") || data(&event).get("usage").is_none() {
                 prop_assert_eq!(out, event);
             } else {
-                let data = |e: &str| -> serde_json::Value {
-                    let line = e.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
-                    serde_json::from_str(line).unwrap()
-                };
                 let mut expected = data(&event);
-                expected.as_object_mut().unwrap().remove("usage");
-                prop_assert_eq!(data(&out), expected);
-                prop_assert_eq!(out.starts_with(&name), true);
-                prop_assert_eq!(out.ends_with(&format!("{end}{end}")), true);
+                expected.remove("usage");
+                prop_assert_eq!(data(&out).to_vec(), expected.to_vec());
+                // The event's other lines stay (where the chunk is parsed,
+                // it is written again with `\n` line ends).
+                let others = |e: &str| -> Vec<String> {
+                    e.lines().filter(|l| !l.starts_with("data:")).map(str::to_string).collect()
+                };
+                prop_assert_eq!(others(&out), others(&event));
+                prop_assert!(out.ends_with(&format!("{end}{end}")) || out.ends_with("\n\n"), "{}", out);
             }
         }
     }
