@@ -14,10 +14,11 @@
 //! first line of a batch arrived (as nginx's `access_log ... flush=` does).
 //! A serving thread spends no task, no formatting and no system call on
 //! the line, and under load one write carries many lines. The lines keep
-//! their order and their timestamps (taken when queued); a line reaches
-//! stderr at most [`GATHER`] late, and all of them before the process
-//! exits ([`flush`], after the server has drained). If stderr blocks
-//! (nobody reads it), the queue holds [`QUEUED`] lines, and then serving
+//! their order and their timestamps (taken when queued); a line waits at
+//! most [`GATHER`] for others to join it, plus any write under way, and
+//! all of them are written before the process exits ([`flush`], after the
+//! server has drained). If stderr blocks (nobody reads it), the queue
+//! holds [`QUEUED`] lines beside the batch being written, and then serving
 //! threads wait for room, as they waited on the write before: no line is
 //! dropped.
 

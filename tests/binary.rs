@@ -89,7 +89,7 @@ async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() 
         .env("CONDENSE_SUMMARY__TRIGGER__VALUE", "6")
         .env("CONDENSE_DEFAULT_CONTEXT_WINDOW", "2048")
         .env("RUST_LOG", "trace");
-    let (mut child, addr, log, reader) = spawn_logged(&mut cmd);
+    let (child, addr, log, reader) = spawn_logged(&mut cmd);
 
     let client = reqwest::Client::new();
     for stream in [false, true] {
@@ -149,18 +149,8 @@ async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() 
             >= 1
     );
 
-    let status = Command::new("kill")
-        .args(["-TERM", &child.0.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let exit = tokio::task::spawn_blocking(move || child.0.wait())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(exit.success(), "condense exited with {exit}");
-    reader.join().unwrap();
-    let log = log.lock().unwrap().clone();
+    terminate(&child);
+    let log = exit_log(child, log, reader).await;
     assert!(log.contains("shutdown signal received"), "{log}");
     // A line for each request, written after its response went out: the
     // four answered by the upstream (the 400 is the overflow passed on).
@@ -222,20 +212,9 @@ async fn every_access_line_reaches_the_log_whole_and_in_order_by_exit() {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let status = Command::new("kill")
-        .args(["-TERM", &child.0.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    terminate(&child);
     burst.await.unwrap();
-    let mut child = child;
-    let exit = tokio::task::spawn_blocking(move || child.0.wait())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(exit.success(), "condense exited with {exit}");
-    reader.join().unwrap();
-    let log = log.lock().unwrap().clone();
+    let log = exit_log(child, log, reader).await;
     // Every line whole (JSON), each request's once.
     let ids: Vec<String> = log
         .lines()
@@ -565,6 +544,31 @@ fn serve(env: &[(&str, String)]) -> (Running, String) {
         .env("CONDENSE_UPSTREAM__LEARN_WINDOWS", "false");
     let (child, addr, _, _) = spawn_logged(&mut cmd);
     (child, addr)
+}
+
+/// Sends condense SIGTERM.
+fn terminate(child: &Running) {
+    let status = Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// Waits for condense to exit, which it must do successfully, and returns
+/// everything it logged.
+async fn exit_log(
+    mut child: Running,
+    log: Arc<Mutex<String>>,
+    reader: std::thread::JoinHandle<()>,
+) -> String {
+    let exit = tokio::task::spawn_blocking(move || child.0.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(exit.success(), "condense exited with {exit}");
+    reader.join().unwrap();
+    log.lock().unwrap().clone()
 }
 
 /// A condense process, killed when dropped: a failing test does not leave
