@@ -123,10 +123,10 @@ impl Usage {
     /// completion's (and, from some servers, the prompt's again); `seen` is
     /// what came before.
     fn from_anthropic_event(data: &[u8], seen: Option<Usage>) -> Option<Usage> {
-        if let Some(message) = member(data, "message") {
-            return Usage::anthropic(member(message, "usage")?);
+        if let Some(message) = member(data, "message").flatten() {
+            return Usage::anthropic(member(message, "usage").flatten()?);
         }
-        let u: AnthropicUsage = serde_json::from_slice(member(data, "usage")?).ok()?;
+        let u: AnthropicUsage = serde_json::from_slice(member(data, "usage").flatten()?).ok()?;
         let before = seen.unwrap_or_default();
         let prompt = u.prompt().unwrap_or(before.prompt_tokens);
         let completion = u.output_tokens.unwrap_or(before.completion_tokens);
@@ -279,7 +279,8 @@ impl SseTap {
                 self.done = true;
                 if end == b"response.completed" || end == b"response.incomplete" {
                     let usage = data_of(event).and_then(|data| {
-                        Usage::responses(member(member(&data, "response")?, "usage")?)
+                        let response = member(&data, "response").flatten()?;
+                        Usage::responses(member(response, "usage").flatten()?)
                     });
                     if usage.is_some() {
                         self.usage = usage;
@@ -504,17 +505,17 @@ fn data_of(event: &[u8]) -> Option<std::borrow::Cow<'_, [u8]>> {
 }
 
 /// The value of the top-level member `key` of the JSON object `raw` (the
-/// last one, if it is there twice), found by walking the members: a
-/// streamed answer's last event holds the whole answer, and nothing of it
-/// is copied or parsed to read its usage.
-fn member<'a>(raw: &'a [u8], key: &str) -> Option<&'a [u8]> {
+/// last one, if it is there twice; None inside when there is none), found
+/// by walking the members: nothing of an answer is copied or parsed to read
+/// its usage. None when `raw` is not a JSON object by its structure.
+fn member<'a>(raw: &'a [u8], key: &str) -> Option<Option<&'a [u8]>> {
     let mut found = None;
     members(raw, |k, v| {
         if k == key {
             found = Some(v);
         }
     })?;
-    found
+    Some(found)
 }
 
 /// The data of an SSE event as a JSON object, with the event's text.
@@ -695,18 +696,12 @@ impl JsonTap {
             return;
         }
         self.finished = true;
-        let mut usage = None;
-        let object = std::str::from_utf8(body).is_ok()
-            && members(body, |key, value| {
-                if key == "usage" {
-                    usage = Some(value);
-                }
-            })
-            .is_some();
-        if object {
-            self.usage = usage.and_then(|u| Usage::of_format(self.format, u));
-        } else {
-            self.invalid = true;
+        match std::str::from_utf8(body)
+            .ok()
+            .and_then(|_| member(body, "usage"))
+        {
+            Some(usage) => self.usage = usage.and_then(|u| Usage::of_format(self.format, u)),
+            None => self.invalid = true,
         }
     }
 

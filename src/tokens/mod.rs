@@ -503,6 +503,7 @@ pub fn upper_bound(body: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
 
     #[test]
     fn a_key_is_the_hash_of_its_parts_joined_whatever_their_length() {
@@ -518,7 +519,6 @@ mod tests {
         assert_ne!(key_of(&[b"up", b"model"]), key_of(&[b"up", b"model2"]));
         assert_ne!(key_of(&[&bytes[..256]]), key_of(&[&bytes[..257]]));
     }
-    use bytes::Bytes;
 
     fn service(config: Config) -> (TokenService, Arc<Metrics>) {
         let metrics = Arc::new(Metrics::new().unwrap());
