@@ -625,12 +625,16 @@ pub(crate) fn find_event_end(buf: &[u8], from: usize) -> Option<usize> {
 /// Keeps a bounded copy of a JSON response body to read its usage at the end.
 pub struct JsonTap {
     format: Format,
+    /// The body so far, when it came in several chunks.
     buf: BytesMut,
+    /// The body, when it came in one chunk (the usual small answer): kept,
+    /// not copied.
+    whole: Option<Bytes>,
     overflowed: bool,
     usage: Option<Usage>,
     /// The upstream's Content-Length. The server stops polling a body once
     /// that many bytes went out, so the end of the stream may never be seen:
-    /// the tap finishes itself when the last byte passes.
+    /// [`JsonTap::complete`] tells when the last byte passed.
     expected_len: Option<u64>,
     seen: u64,
     finished: bool,
@@ -650,6 +654,7 @@ impl JsonTap {
         JsonTap {
             format,
             buf: BytesMut::new(),
+            whole: None,
             overflowed: false,
             usage: None,
             expected_len,
@@ -659,28 +664,37 @@ impl JsonTap {
         }
     }
 
-    pub fn push(&mut self, chunk: &[u8]) {
+    /// Keeps a chunk of the body; nothing is read until [`JsonTap::finish`].
+    pub fn push(&mut self, chunk: &Bytes) {
         self.seen += chunk.len() as u64;
-        if self.overflowed || self.buf.len() + chunk.len() > Self::MAX_BYTES {
+        let held = self.buf.len() + self.whole.as_ref().map_or(0, Bytes::len);
+        if self.overflowed || held + chunk.len() > Self::MAX_BYTES {
             self.overflowed = true;
             self.buf = BytesMut::new();
+            self.whole = None;
             return;
         }
-        if self.buf.is_empty() && self.expected_len == Some(self.seen) {
-            // The whole body in one chunk (the usual small answer): read in
-            // place, not copied.
-            self.read(chunk);
+        if held == 0 && self.expected_len == Some(self.seen) {
+            self.whole = Some(chunk.clone());
             return;
+        }
+        if let Some(first) = self.whole.take() {
+            self.buf.extend_from_slice(&first);
         }
         self.buf.extend_from_slice(chunk);
-        if self.expected_len == Some(self.seen) {
-            self.finish();
-        }
+    }
+
+    /// Whether the last byte the upstream announced has passed.
+    pub fn complete(&self) -> bool {
+        self.expected_len == Some(self.seen)
     }
 
     /// The body is complete: read its usage (once; not on every chunk).
     pub fn finish(&mut self) {
-        let body = self.buf.split().freeze();
+        let body = match self.whole.take() {
+            Some(whole) => whole,
+            None => self.buf.split().freeze(),
+        };
         self.read(&body);
     }
 
@@ -738,6 +752,7 @@ mod tests {
         let body = Bytes::from_static(br#"{"id":"resp_1","object":"response","usage":{"input_tokens":900,"input_tokens_details":{"cached_tokens":800},"output_tokens":12,"total_tokens":912}}"#);
         let mut t = JsonTap::for_format(Format::Responses, Some(body.len() as u64));
         t.push(&body);
+        t.finish();
         assert_eq!(t.usage().unwrap().prompt_tokens, 900);
         let stream = concat!(
             "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"usage\":null},\"sequence_number\":0}\n\n",
@@ -780,6 +795,7 @@ mod tests {
         let body = Bytes::from_static(br#"{"id":"msg_1","type":"message","usage":{"input_tokens":12,"cache_creation_input_tokens":100,"cache_read_input_tokens":3000,"output_tokens":7}}"#);
         let mut t = JsonTap::for_format(Format::Messages, Some(body.len() as u64));
         t.push(&body);
+        t.finish();
         let u = t.usage().unwrap();
         assert_eq!((u.prompt_tokens, u.completion_tokens), (3112, 7));
 
@@ -1045,17 +1061,32 @@ mod tests {
         t.finish();
         assert_eq!(t.usage().unwrap().completion_tokens, 4);
         assert_eq!(JsonTap::new(None).usage(), None);
-        // With a known length the tap finishes on the last byte, in one
-        // chunk or several.
+        // With a known length the tap tells when the last byte passed, in
+        // one chunk or several; a body in one chunk is kept, not copied.
         let body = Bytes::from_static(br#"{"usage":{"prompt_tokens":9}}"#);
         let mut t = JsonTap::new(Some(body.len() as u64));
         t.push(&body);
+        assert!(t.complete());
+        assert!(
+            t.whole
+                .as_ref()
+                .is_some_and(|w| w.as_ptr() == body.as_ptr())
+        );
+        t.finish();
         assert_eq!(t.usage().unwrap().prompt_tokens, 9);
         let mut t = JsonTap::new(Some(body.len() as u64));
         t.push(&body.slice(..5));
-        assert_eq!(t.usage(), None);
+        assert!(!t.complete());
         t.push(&body.slice(5..));
+        assert!(t.complete());
+        t.finish();
         assert_eq!(t.usage().unwrap().prompt_tokens, 9);
+        // Past the limit nothing is kept, and the usage stays unknown.
+        let mut t = JsonTap::new(None);
+        t.push(&Bytes::from(vec![b' '; JsonTap::MAX_BYTES]));
+        t.push(&body);
+        t.finish();
+        assert_eq!((t.usage(), t.invalid()), (None, false));
     }
 
     /// What the tap reads from a complete body of `format`: its usage, and
@@ -1064,6 +1095,7 @@ mod tests {
         let body = Bytes::copy_from_slice(body.as_bytes());
         let mut t = JsonTap::for_format(format, Some(body.len() as u64));
         t.push(&body);
+        t.finish();
         (t.usage(), t.invalid())
     }
 
@@ -1111,6 +1143,7 @@ mod tests {
         let body = Bytes::from_static(b"{\"content\":\"\xc3\",\"usage\":{\"prompt_tokens\":3}}");
         let mut t = JsonTap::new(Some(body.len() as u64));
         t.push(&body);
+        t.finish();
         assert_eq!((t.usage(), t.invalid()), (None, true));
     }
 }
