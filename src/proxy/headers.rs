@@ -7,7 +7,7 @@
 
 use http::header::{self, HeaderMap, HeaderName};
 
-const HOP_BY_HOP: [HeaderName; 8] = [
+static HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     header::PROXY_AUTHENTICATE,
@@ -23,21 +23,58 @@ pub const X_CONDENSE: HeaderName = HeaderName::from_static("x-condense");
 
 /// Removes hop-by-hop headers, including those listed in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Most messages carry none (a `Connection` header is one of them):
-    // looked for first, as every removal hashes its name.
-    if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
+    // Only the names present are removed (each removal hashes its name),
+    // found in one pass over the keys: most messages carry none, and most
+    // others `Connection: keep-alive` alone.
+    let mut present = [false; 8];
+    let mut any = false;
+    for key in headers.keys() {
+        if let Some(i) = hop_by_hop_index(key) {
+            present[i] = true;
+            any = true;
+        }
+    }
+    if !any {
         return;
     }
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+    // The names `Connection` lists besides its options and the hop-by-hop
+    // names already removed: rare, so only then collected.
+    let named: Vec<HeaderName> = if present[0] {
+        headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .filter(|n| {
+                !n.is_empty()
+                    && !n.eq_ignore_ascii_case("close")
+                    && !HOP_BY_HOP
+                        .iter()
+                        .any(|h| n.eq_ignore_ascii_case(h.as_str()))
+            })
+            .filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    for (name, _) in HOP_BY_HOP.iter().zip(present).filter(|(_, p)| *p) {
         headers.remove(name);
     }
+    for name in &named {
+        headers.remove(name);
+    }
+}
+
+/// Where `name` is in [`HOP_BY_HOP`]. Their lengths are looked at first:
+/// most names have none of them, and comparing every name with the eight
+/// cost about a thousand instructions a response.
+fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
+    let name = name.as_str();
+    if !matches!(name.len(), 2 | 7 | 10 | 17 | 18 | 19) {
+        return None;
+    }
+    HOP_BY_HOP.iter().position(|h| h.as_str() == name)
 }
 
 /// The headers to send upstream for a client's request headers.
@@ -98,5 +135,33 @@ mod tests {
         h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
         assert_eq!(to_client(h), plain);
         assert_eq!(to_client(plain.clone()), plain);
+        // `Connection` alone, with options, hop-by-hop names in any case
+        // and a name it lists; names it lists are removed, whatever their
+        // case, and only those.
+        let mut h = plain.clone();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("Keep-Alive, close, X-Hop, TE,"),
+        );
+        h.insert("x-hop", HeaderValue::from_static("1"));
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        assert_eq!(to_client(h), plain);
+        let mut h = plain.clone();
+        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+        assert_eq!(to_client(h), plain);
+        // Every hop-by-hop name is found, and no other.
+        for (i, name) in HOP_BY_HOP.iter().enumerate() {
+            assert_eq!(hop_by_hop_index(name), Some(i));
+        }
+        for name in [
+            "te2",
+            "trailers",
+            "connections",
+            "upgrade-insecure-requests",
+        ] {
+            let name = HeaderName::from_bytes(name.as_bytes()).unwrap();
+            assert_eq!(hop_by_hop_index(&name), None);
+        }
     }
 }

@@ -102,7 +102,7 @@ impl Learner {
             drop(body);
             if let Some((raw, reported)) = met.meet(Some(raw), None) {
                 let label = learner.metrics.model_label(&learner.model);
-                learner.calibrate(reported, raw, &label);
+                learner.calibrate(reported, raw, label);
             }
         });
         Sent::Counting(meeting)
@@ -121,13 +121,13 @@ impl Learner {
                 .with_label_values(&[&label])
                 .inc_by(usage.completion_tokens);
             match sent {
-                Sent::Counted(raw) => self.calibrate(usage.prompt_tokens, raw, &label),
+                Sent::Counted(raw) => self.calibrate(usage.prompt_tokens, raw, label),
                 Sent::Counting(meeting) => {
                     if let Some((raw, reported)) = meeting.meet(None, Some(usage.prompt_tokens)) {
-                        self.calibrate(reported, raw, &label);
+                        self.calibrate(reported, raw, label);
                     }
                 }
-                Sent::Unknown => self.show_ratio(&label),
+                Sent::Unknown => self.show_ratio(label),
             }
         })
     }
