@@ -13,8 +13,9 @@
 //!   connection goes with it). A request in flight that is merely slow is
 //!   never cut by this: its body has its own deadline
 //!   (`server.body_timeout_seconds`, in the proxy) and its response the
-//!   upstream timeouts. The deadline is checked every quarter of it, so a
-//!   connection closes between one and one and a quarter deadlines.
+//!   upstream timeouts. The accept loop checks every connection's deadline
+//!   every quarter of it, so a connection closes between one and one and a
+//!   quarter deadlines.
 //! - At most `max_connections` are open. A connection beyond that first
 //!   makes room by closing the longest-idle connection that has no request
 //!   in flight; when every connection is busy it is answered `503` (OpenAI
@@ -22,12 +23,18 @@
 //! - On shutdown, idle connections close at once and busy ones after their
 //!   response, so shutdown takes as long as the longest request, not the
 //!   whole grace period.
+//!
+//! The accept loop asks a connection's task to close (or to look at its
+//! deadline) with a flag and a wake-up; the task reads the flags when it
+//! wakes. A `select!` over a shutdown watch, an eviction `Notify` and a
+//! timer of its own polled all three on every wake-up of every connection,
+//! about 1,500 instructions a request.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -36,6 +43,7 @@ use axum::body::Body;
 use axum::extract::Request;
 use axum::response::Response;
 use bytes::Bytes;
+use futures_util::task::AtomicWaker;
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::service::Service;
@@ -43,7 +51,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto::Builder;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use super::workers::Workers;
@@ -54,7 +62,7 @@ use crate::metrics::Metrics;
 /// File descriptors kept free for everything that is not a client
 /// connection (the listener, logs, Redis, the upstream pool's idle ones).
 const RESERVED_FDS: u64 = 64;
-/// The shortest interval between two checks of a connection's deadlines.
+/// The shortest interval between two checks of the connections' deadlines.
 const MIN_TICK: Duration = Duration::from_millis(10);
 /// Idle connections compared to pick one to evict.
 const EVICTION_SAMPLE: usize = 64;
@@ -103,8 +111,11 @@ struct Conn {
     /// Milliseconds since the registry's epoch at which `active` last
     /// changed (or the connection was accepted).
     since: AtomicU64,
-    /// Woken to ask the connection to close if it is idle.
-    evict: Notify,
+    /// What the accept loop asks of the connection's task ([`ASK_EVICT`],
+    /// [`ASK_STOP`], [`ASK_CHECK`]), read when the task wakes.
+    asked: AtomicU8,
+    /// The connection's task, woken when something is asked.
+    task: AtomicWaker,
     /// Set while an eviction is asked and not yet answered, so that a burst
     /// of new connections evicts as many idle ones.
     evicting: AtomicBool,
@@ -112,6 +123,13 @@ struct Conn {
     /// the client started to block; 0 while they go through.
     write_blocked: AtomicU64,
 }
+
+/// Close if idle: another connection needs the room.
+const ASK_EVICT: u8 = 1;
+/// The server stops: close once idle, take no new request.
+const ASK_STOP: u8 = 2;
+/// A deadline may have passed: look.
+const ASK_CHECK: u8 = 4;
 
 /// The open connections.
 struct Registry {
@@ -133,7 +151,8 @@ impl Registry {
         let conn = Arc::new(Conn {
             active: AtomicUsize::new(0),
             since: AtomicU64::new(self.now()),
-            evict: Notify::new(),
+            asked: AtomicU8::new(0),
+            task: AtomicWaker::new(),
             evicting: AtomicBool::new(false),
             write_blocked: AtomicU64::new(0),
         });
@@ -166,15 +185,41 @@ impl Registry {
         match oldest {
             Some(c) => {
                 c.evicting.store(true, Ordering::Relaxed);
-                c.evict.notify_one();
+                c.ask(ASK_EVICT);
                 true
             }
             None => false,
         }
     }
+
+    /// Asks every connection whose deadline has passed to close.
+    fn check_deadlines(&self, idle: Duration) {
+        if let Ok(conns) = self.conns.lock() {
+            for c in conns.values() {
+                if c.overdue(idle, self).is_some() {
+                    c.ask(ASK_CHECK);
+                }
+            }
+        }
+    }
+
+    /// Tells every connection that the server stops.
+    fn stop_all(&self) {
+        if let Ok(conns) = self.conns.lock() {
+            for c in conns.values() {
+                c.ask(ASK_STOP);
+            }
+        }
+    }
 }
 
 impl Conn {
+    /// Asks the connection's task for `what` and wakes it.
+    fn ask(&self, what: u8) {
+        self.asked.fetch_or(what, Ordering::AcqRel);
+        self.task.wake();
+    }
+
     /// No request in flight and nothing left to write: hyper lets a
     /// response body (and with it the request's count) go before its last
     /// bytes are flushed, and a connection closed then would cut the
@@ -360,12 +405,14 @@ pub async fn serve(
     let builder = Arc::new(Builder::new(TokioExecutor::new()));
     let mut tasks = JoinSet::new();
     let refusing = Arc::new(AtomicUsize::new(0));
-    let for_connections = stop.clone();
+    let mut deadlines = tokio::time::interval((limits.idle / 4).max(MIN_TICK));
+    deadlines.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             biased;
             _ = stopped(&mut stop) => break,
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            _ = deadlines.tick() => registry.check_deadlines(limits.idle),
             accepted = listener.accept() => {
                 let tcp = match accepted {
                     Ok((tcp, _)) => tcp,
@@ -406,7 +453,6 @@ pub async fn serve(
                     service,
                     builder: builder.clone(),
                     idle: limits.idle,
-                    stop: for_connections.clone(),
                     metrics: metrics.clone(),
                     registered,
                 };
@@ -428,6 +474,8 @@ pub async fn serve(
             }
         }
     }
+    // Every connection spawned is in the registry by now.
+    registry.stop_all();
     drop(listener);
     while tasks.join_next().await.is_some() {}
     workers.stop().await;
@@ -443,7 +491,6 @@ struct Serving {
     service: Tracked,
     builder: Arc<Builder<TokioExecutor>>,
     idle: Duration,
-    stop: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
     registered: Registered,
 }
@@ -455,7 +502,6 @@ async fn connection(tcp: TcpStream, serving: Serving) {
         service,
         builder,
         idle,
-        mut stop,
         metrics,
         registered,
     } = serving;
@@ -469,42 +515,40 @@ async fn connection(tcp: TcpStream, serving: Serving) {
     let served = builder.serve_connection(TokioIo::new(io), service);
     tokio::pin!(served);
     let mut draining = false;
-    // The deadlines are checked on a coarse tick, a quarter of the idle
-    // deadline: a request costs its connection two atomic stores, no wakeup
-    // and no timer, and a connection closes within 1.25 deadlines.
-    let mut tick = tokio::time::interval((idle / 4).max(MIN_TICK));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let closed = loop {
-        tokio::select! {
-            result = served.as_mut() => {
-                if let Err(e) = result {
-                    tracing::debug!(error = %e, "client connection ended with an error");
-                }
-                break None;
-            }
-            _ = stopped(&mut stop), if !draining => {
-                draining = true;
-                served.as_mut().graceful_shutdown();
-                // hyper waits for the first bytes of a connection that has
-                // sent none; an idle connection has nothing to finish.
-                if conn.idle() {
-                    break None;
-                }
-            }
-            _ = conn.evict.notified() => {
-                if conn.idle() {
-                    break Some("evicted");
-                }
-                // It became busy meanwhile: it may be chosen again later.
-                conn.evicting.store(false, Ordering::Relaxed);
-            }
-            _ = tick.tick() => {
-                if let Some(reason) = conn.overdue(idle, &registry) {
-                    break Some(reason);
-                }
+    let closed = std::future::poll_fn(|cx| {
+        // Registered before the flags are read, so that nothing asked
+        // after the read goes unnoticed.
+        conn.task.register(cx.waker());
+        let asked = conn.asked.swap(0, Ordering::AcqRel);
+        if asked & ASK_STOP != 0 && !draining {
+            draining = true;
+            served.as_mut().graceful_shutdown();
+            // hyper waits for the first bytes of a connection that has
+            // sent none; an idle connection has nothing to finish.
+            if conn.idle() {
+                return Poll::Ready(None);
             }
         }
-    };
+        if asked & ASK_EVICT != 0 {
+            if conn.idle() {
+                return Poll::Ready(Some("evicted"));
+            }
+            // It became busy meanwhile: it may be chosen again later.
+            conn.evicting.store(false, Ordering::Relaxed);
+        }
+        if asked & ASK_CHECK != 0
+            && let Some(reason) = conn.overdue(idle, &registry)
+        {
+            return Poll::Ready(Some(reason));
+        }
+        served.as_mut().poll(cx).map(|result| {
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "client connection ended with an error");
+            }
+            None
+        })
+    })
+    .await;
     // Out of the registry and the gauge before the close is counted, so
     // that no one sees it both closed and open.
     drop(registered);
