@@ -31,8 +31,30 @@ async fn send(h: &Harness, body: &Value, extra: &[(&str, &str)]) -> reqwest::Res
 async fn an_overflow_is_recovered_and_later_requests_are_compacted_first() {
     let h = Harness::start().await;
     let window = [("x-mock-window", "8192")];
-    let resp = send(&h, &session(14), &window).await;
+    let first = [
+        ("x-mock-window", "8192"),
+        ("authorization", "Bearer sk-client"),
+        ("openai-organization", "org-1"),
+    ];
+    let resp = send(&h, &session(14), &first).await;
     assert_eq!(resp.status(), 200);
+    // The retry goes with the rejected request's headers (the client's
+    // key among them); only the body's length differs.
+    let sent: Vec<_> = h
+        .mock
+        .chat_requests()
+        .iter()
+        .map(|r| {
+            let mut h = r.headers.clone();
+            h.remove("content-length");
+            h
+        })
+        .collect();
+    assert_eq!(sent.len(), 2);
+    assert_eq!(sent[0], sent[1]);
+    assert_eq!(sent[1]["authorization"], "Bearer sk-client");
+    assert_eq!(sent[1]["openai-organization"], "org-1");
+    assert_eq!(sent[1]["accept-encoding"], "identity");
     let actions = resp.headers()["x-condense-actions"]
         .to_str()
         .unwrap()

@@ -31,6 +31,8 @@ const COMPRESS: &str = "compress_context";
 #[derive(Default)]
 struct Model {
     requests: Mutex<Vec<(String, Value)>>,
+    /// The headers of each request, beside `requests`.
+    headers: Mutex<Vec<http::HeaderMap>>,
     /// Write some text before the call (a stream lets it through first).
     text_first: AtomicBool,
     /// Call the tool on every request, results or not.
@@ -84,6 +86,7 @@ fn first_key(text: &str) -> Option<String> {
 
 async fn answer(State(model): State<Arc<Model>>, req: Request) -> Response {
     let path = req.uri().path().to_string();
+    let headers = req.headers().clone();
     let bytes = axum::body::to_bytes(req.into_body(), usize::MAX)
         .await
         .unwrap();
@@ -96,6 +99,7 @@ async fn answer(State(model): State<Arc<Model>>, req: Request) -> Response {
         .lock()
         .unwrap()
         .push((path.clone(), body.clone()));
+    model.headers.lock().unwrap().push(headers);
     let text = String::from_utf8_lossy(&bytes);
     let offered = body["tools"]
         .as_array()
@@ -458,6 +462,19 @@ async fn a_chat_recall_is_answered_inside_the_request_json_and_streamed() {
         assert_eq!(status, 200, "{body}");
         let seen = &up.model.requests()[before..];
         assert_eq!(seen.len(), 2, "the recall took one more round");
+        // The round after it goes with the first one's headers (the
+        // client's key among them); only the body's length differs.
+        let sent: Vec<_> = up.model.headers.lock().unwrap()[before..]
+            .iter()
+            .map(|h| {
+                let mut h = h.clone();
+                h.remove("content-length");
+                h
+            })
+            .collect();
+        assert_eq!(sent[0], sent[1]);
+        assert_eq!(sent[1]["authorization"], "Bearer sk-test");
+        assert_eq!(sent[1]["accept-encoding"], "identity");
         // The first request was compacted and offered the tool.
         let first = &seen[0].1;
         let tools = first["tools"].as_array().unwrap();

@@ -93,13 +93,19 @@ impl Proxy {
             .headers
             .get(headers::X_CONDENSE)
             .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"off"));
-        let mut headers = headers::to_upstream(&parts.headers, false);
-        credentials.apply(&mut headers);
-        // The usage tap reads the response, so ask for it uncompressed.
-        headers.insert(
-            header::ACCEPT_ENCODING,
-            HeaderValue::from_static("identity"),
-        );
+        // The same headers are made again for a retry or a follow-up, which
+        // few requests need, rather than kept as a copy by every one.
+        let upstream_headers = || {
+            let mut headers = headers::to_upstream(&parts.headers, false);
+            credentials.apply(&mut headers);
+            // The usage tap reads the response, so ask for it uncompressed.
+            headers.insert(
+                header::ACCEPT_ENCODING,
+                HeaderValue::from_static("identity"),
+            );
+            headers
+        };
+        let headers = upstream_headers();
 
         // Prepare.
         let (prepared, upstream_wait) = self
@@ -114,7 +120,7 @@ impl Proxy {
         let retry = prepared
             .report
             .is_some()
-            .then(|| (parts.method.clone(), url.clone(), headers.clone()));
+            .then(|| (parts.method.clone(), url.clone()));
         let resp = upstream
             .send(
                 parts.method,
@@ -129,18 +135,12 @@ impl Proxy {
         // into a box of its own) would otherwise carry their room, 17 KB
         // instead of 7.
         let (resp, mut prepared) = match &retry {
-            Some(retry) if OVERFLOW_STATUSES.contains(&resp.status().as_u16()) => {
-                Box::pin(self.recover(format, resp, prepared, &bytes, retry)).await?
+            Some((method, url)) if OVERFLOW_STATUSES.contains(&resp.status().as_u16()) => {
+                let retry = (method.clone(), url.clone(), upstream_headers());
+                Box::pin(self.recover(format, resp, prepared, &bytes, &retry)).await?
             }
             _ => (resp, prepared),
         };
-        // Follow-ups carrying condense's tool results go the same way (a
-        // request recovered from an overflow may be offered the tools too).
-        let again = retry.map(|(method, url, headers)| Again {
-            method,
-            url,
-            headers,
-        });
         *report = prepared.report.take();
 
         // Recall: condense's own tools answered. The originals go to the
@@ -150,8 +150,16 @@ impl Proxy {
                 .remember(&self.recall_state, &offer.originals)
                 .await;
         }
-        let (resp, first_round) = match (prepared.offer.take(), again) {
-            (Some(offer), Some(again)) if resp.status().is_success() => {
+        let (resp, first_round) = match (prepared.offer.take(), retry) {
+            (Some(offer), Some((method, url))) if resp.status().is_success() => {
+                // Follow-ups carrying condense's tool results go the same
+                // way (a request recovered from an overflow may be offered
+                // the tools too).
+                let again = Again {
+                    method,
+                    url,
+                    headers: upstream_headers(),
+                };
                 let answered = Box::pin(self.answer_tools(
                     format,
                     *offer,
