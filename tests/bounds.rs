@@ -1293,6 +1293,39 @@ async fn clients_that_never_read_their_responses_do_not_hold_the_connection_cap(
     h.shutdown().await;
 }
 
+/// Shutdown waits for responses in flight, but not for a client that
+/// stopped reading its own: its connection still closes once writes have
+/// been blocked for the idle deadline, not after the whole grace period.
+#[tokio::test]
+async fn a_client_that_stopped_reading_does_not_hold_the_shutdown_for_the_grace_period() {
+    let mut h = Harness::with(|c| {
+        c.server.idle_timeout_seconds = 1.0;
+        c.server.shutdown_grace_seconds = 30.0;
+        c.upstream.idle_timeout_seconds = 30.0;
+    })
+    .await;
+    let body = vec![b'a'; 8 * MIB];
+    let head = format!(
+        "POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = sock.connect(h.addr).await.unwrap();
+    stalled.write_all(head.as_bytes()).await.unwrap();
+    stalled.write_all(&body).await.unwrap();
+    let s = h.server.take().unwrap();
+    // The answer is on its way: the connection is busy, not idle.
+    eventually("the echo under way", || h.mock.requests().len() == 1).await;
+    let started = std::time::Instant::now();
+    tokio::time::timeout(Duration::from_secs(10), s.shutdown())
+        .await
+        .unwrap_or_else(|_| panic!("a client that stopped reading held the shutdown"))
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10));
+    drop(stalled);
+}
+
 /// Headers that announce bodies never sent take no room: four clients each
 /// declaring 32 MiB and sending nothing more leave the budget to others.
 #[tokio::test]

@@ -477,7 +477,15 @@ pub async fn serve(
     // Every connection spawned is in the registry by now.
     registry.stop_all();
     drop(listener);
-    while tasks.join_next().await.is_some() {}
+    // Deadlines still hold while connections finish: a client that stopped
+    // reading its response must not hold the shutdown for the whole grace
+    // period.
+    loop {
+        tokio::select! {
+            joined = tasks.join_next() => if joined.is_none() { break },
+            _ = deadlines.tick() => registry.check_deadlines(limits.idle),
+        }
+    }
     workers.stop().await;
 }
 
