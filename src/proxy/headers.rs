@@ -37,8 +37,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if !any {
         return;
     }
-    // The names `Connection` lists besides its options and the hop-by-hop
-    // names already removed: rare, so only then collected.
+    // The names `Connection` lists besides the hop-by-hop names removed
+    // anyway (`keep-alive` among them): rare, so only then collected.
     let named: Vec<HeaderName> = if present[0] {
         headers
             .get_all(header::CONNECTION)
@@ -48,7 +48,6 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             .map(str::trim)
             .filter(|n| {
                 !n.is_empty()
-                    && !n.eq_ignore_ascii_case("close")
                     && !HOP_BY_HOP
                         .iter()
                         .any(|h| n.eq_ignore_ascii_case(h.as_str()))
@@ -135,15 +134,16 @@ mod tests {
         h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
         assert_eq!(to_client(h), plain);
         assert_eq!(to_client(plain.clone()), plain);
-        // `Connection` alone, with options, hop-by-hop names in any case
-        // and a name it lists; names it lists are removed, whatever their
-        // case, and only those.
+        // `Connection` with options, hop-by-hop names in any case and a
+        // name it lists: every name it lists is removed, whatever its case
+        // (a field named by the `close` option too), and only those.
         let mut h = plain.clone();
         h.insert(
             header::CONNECTION,
             HeaderValue::from_static("Keep-Alive, close, X-Hop, TE,"),
         );
         h.insert("x-hop", HeaderValue::from_static("1"));
+        h.insert("close", HeaderValue::from_static("1"));
         h.insert(header::TE, HeaderValue::from_static("trailers"));
         h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
         assert_eq!(to_client(h), plain);

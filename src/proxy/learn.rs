@@ -181,6 +181,21 @@ impl Background {
         }
     }
 
+    /// Runs `work` on this thread once the task running now yields (see
+    /// [`crate::server::workers::after_yield`]), counted as running until
+    /// it is done, so that [`Background::settled`] waits for it too.
+    pub fn after_yield(&self, work: impl FnOnce() + Send + 'static) {
+        self.running.fetch_add(1, Ordering::AcqRel);
+        let this = self.clone();
+        crate::server::workers::after_yield(move || {
+            // A panic in the work must not leave `running` up.
+            let _ = std::panic::catch_unwind(AssertUnwindSafe(work));
+            if this.running.fetch_sub(1, Ordering::AcqRel) == 1 {
+                this.idle.notify_waiters();
+            }
+        });
+    }
+
     /// Resolves once no work is running.
     pub async fn settled(&self) {
         loop {

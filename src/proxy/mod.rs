@@ -297,6 +297,7 @@ impl Proxy {
             upstream.idle_timeout(),
             self.metrics.clone(),
             guard,
+            &self.background,
         );
         let mut response = Response::new(body);
         *response.status_mut() = status;

@@ -12,10 +12,10 @@ use axum::body::Body;
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 
+use super::learn::Background;
 use super::upstream::{self, BoxError, UpstreamResponse};
 use super::usage::{JsonTap, SseTap, Usage};
 use crate::metrics::Metrics;
-use crate::server::workers::after_yield;
 use crate::wire::Format;
 
 /// Time between a stream's error event and the body failing.
@@ -211,6 +211,8 @@ struct Settle {
     on_usage: Option<UsageCallback>,
     metrics: Arc<Metrics>,
     anomaly_counted: bool,
+    /// Where the work left for after the answer is counted.
+    background: Background,
 }
 
 impl Settle {
@@ -240,9 +242,9 @@ impl Settle {
 
     /// Reads a complete JSON body and learns from it once the connection's
     /// task has written the last bytes to the client (see
-    /// [`after_yield`]): reading the usage and calibrating took about 7,000
-    /// instructions a small answer between the upstream's last byte and
-    /// the client's.
+    /// [`Background::after_yield`], which `Proxy::settled` waits for):
+    /// reading the usage and calibrating took about 7,000 instructions a
+    /// small answer between the upstream's last byte and the client's.
     fn json_later(&mut self) {
         let Tap::Json(_) = self.tap else {
             return;
@@ -252,8 +254,9 @@ impl Settle {
             on_usage: self.on_usage.take(),
             metrics: self.metrics.clone(),
             anomaly_counted: self.anomaly_counted,
+            background: self.background.clone(),
         };
-        after_yield(move || json.end());
+        self.background.after_yield(move || json.end());
     }
 
     /// The body is over: what is left in the tap is read and learned from.
@@ -283,6 +286,7 @@ pub fn relay(
     idle: Duration,
     metrics: Arc<Metrics>,
     inflight: InflightGuard,
+    background: &Background,
 ) -> Body {
     let state = State {
         upstream: body,
@@ -291,6 +295,7 @@ pub fn relay(
             on_usage,
             metrics,
             anomaly_counted: false,
+            background: background.clone(),
         },
         idle,
         done: false,

@@ -45,15 +45,17 @@ struct Later {
 /// are dropped unrun.
 pub fn after_yield(job: impl FnOnce() + Send + 'static) {
     let job: Box<dyn FnOnce() + Send> = Box::new(job);
-    let now = LATER.with(|later| match later.try_borrow_mut().as_deref_mut() {
-        Ok(Some(later)) => {
+    let mut job = Some(job);
+    // Not while the thread's locals are being torn down: then at once.
+    let _ = LATER.try_with(|later| {
+        if let Ok(Some(later)) = later.try_borrow_mut().as_deref_mut()
+            && let Some(job) = job.take()
+        {
             later.jobs.push(job);
             later.waker.wake_by_ref();
-            None
         }
-        _ => Some(job),
     });
-    if let Some(job) = now {
+    if let Some(job) = job {
         job();
     }
 }
