@@ -411,8 +411,10 @@ pub async fn serve(
         tokio::select! {
             biased;
             _ = stopped(&mut stop) => break,
-            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            // Before the joins: a run of closing connections must not put
+            // the deadlines off.
             _ = deadlines.tick() => registry.check_deadlines(limits.idle),
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             accepted = listener.accept() => {
                 let tcp = match accepted {
                     Ok((tcp, _)) => tcp,
