@@ -157,7 +157,9 @@ impl Setup {
             .unwrap()
     }
 
+    /// A metric, once the work after an answer (its usage read) is done.
     async fn metric(&self, series: &str) -> f64 {
+        self.server.state().proxy.settled().await;
         common::metric_at(self.server.local_addr(), series).await
     }
 

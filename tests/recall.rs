@@ -426,6 +426,8 @@ async fn send(server: &Server, path: &str, body: &Value) -> (u16, String) {
 }
 
 async fn metric(server: &Server, series: &str) -> f64 {
+    // Once the work after an answer (its usage read) is done.
+    server.state().proxy.settled().await;
     common::metric_at(server.local_addr(), series).await
 }
 

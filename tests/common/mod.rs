@@ -462,7 +462,12 @@ impl Harness {
         format!("http://{}{}", self.addr, path)
     }
 
+    /// The metrics text, once the work condense does after an answer has
+    /// gone out (reading a JSON answer's usage) is done.
     pub async fn metrics(&self) -> String {
+        if let Some(server) = &self.server {
+            server.state().proxy.settled().await;
+        }
         self.client
             .get(self.url("/metrics"))
             .send()
