@@ -1238,6 +1238,24 @@ async fn distinct_long_model_names_keep_the_model_label_bounded() {
 // A client that never reads its response
 // ---------------------------------------------------------------------------
 
+/// A client that sends an 8 MB body to be echoed back (the mock echoes
+/// embeddings requests) and never reads: the answer is more than the
+/// socket buffers hold with a 4 KiB receive buffer, so condense's writes
+/// block.
+async fn stalled_client(addr: SocketAddr) -> TcpStream {
+    let body = vec![b'a'; 8 * MIB];
+    let head = format!(
+        "POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    let mut c = sock.connect(addr).await.unwrap();
+    c.write_all(head.as_bytes()).await.unwrap();
+    c.write_all(&body).await.unwrap();
+    c
+}
+
 /// A client that stopped reading keeps its request in flight (so the
 /// connection is never idle) and the relay unpolled (so the upstream idle
 /// timeout never fires); without a deadline on blocked writes,
@@ -1253,21 +1271,9 @@ async fn clients_that_never_read_their_responses_do_not_hold_the_connection_cap(
         c.upstream.idle_timeout_seconds = 1.0;
     })
     .await;
-    // The mock echoes the body back: an 8 MB answer, more than the socket
-    // buffers hold for a client with a 4 KiB receive buffer.
-    let body = vec![b'a'; 8 * MIB];
-    let head = format!(
-        "POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    );
     let mut stalled = Vec::new();
     for _ in 0..2 {
-        let sock = tokio::net::TcpSocket::new_v4().unwrap();
-        sock.set_recv_buffer_size(4096).unwrap();
-        let mut c = sock.connect(h.addr).await.unwrap();
-        c.write_all(head.as_bytes()).await.unwrap();
-        c.write_all(&body).await.unwrap();
-        stalled.push(c);
+        stalled.push(stalled_client(h.addr).await);
     }
     let served = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
@@ -1304,16 +1310,7 @@ async fn a_client_that_stopped_reading_does_not_hold_the_shutdown_for_the_grace_
         c.upstream.idle_timeout_seconds = 30.0;
     })
     .await;
-    let body = vec![b'a'; 8 * MIB];
-    let head = format!(
-        "POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    );
-    let sock = tokio::net::TcpSocket::new_v4().unwrap();
-    sock.set_recv_buffer_size(4096).unwrap();
-    let mut stalled = sock.connect(h.addr).await.unwrap();
-    stalled.write_all(head.as_bytes()).await.unwrap();
-    stalled.write_all(&body).await.unwrap();
+    let stalled = stalled_client(h.addr).await;
     let s = h.server.take().unwrap();
     // The answer is on its way: the connection is busy, not idle.
     eventually("the echo under way", || h.mock.requests().len() == 1).await;

@@ -165,15 +165,7 @@ impl Background {
             work();
             return;
         };
-        self.running.fetch_add(1, Ordering::AcqRel);
-        let this = self.clone();
-        let run = move || {
-            // A panic in the work must not leave `running` up.
-            let _ = std::panic::catch_unwind(AssertUnwindSafe(work));
-            if this.running.fetch_sub(1, Ordering::AcqRel) == 1 {
-                this.idle.notify_waiters();
-            }
-        };
+        let run = self.counted(work);
         if blocking {
             runtime.spawn_blocking(run);
         } else {
@@ -185,15 +177,20 @@ impl Background {
     /// [`crate::server::workers::after_yield`]), counted as running until
     /// it is done, so that [`Background::settled`] waits for it too.
     pub fn after_yield(&self, work: impl FnOnce() + Send + 'static) {
+        crate::server::workers::after_yield(self.counted(work));
+    }
+
+    /// `work`, counted as running from now until it has run.
+    fn counted(&self, work: impl FnOnce() + Send + 'static) -> impl FnOnce() + Send + 'static {
         self.running.fetch_add(1, Ordering::AcqRel);
         let this = self.clone();
-        crate::server::workers::after_yield(move || {
+        move || {
             // A panic in the work must not leave `running` up.
             let _ = std::panic::catch_unwind(AssertUnwindSafe(work));
             if this.running.fetch_sub(1, Ordering::AcqRel) == 1 {
                 this.idle.notify_waiters();
             }
-        });
+        }
     }
 
     /// Resolves once no work is running.

@@ -194,20 +194,19 @@ impl Registry {
 
     /// Asks every connection whose deadline has passed to close.
     fn check_deadlines(&self, idle: Duration) {
-        if let Ok(conns) = self.conns.lock() {
-            for c in conns.values() {
-                if c.overdue(idle, self).is_some() {
-                    c.ask(ASK_CHECK);
-                }
-            }
-        }
+        self.ask_each(ASK_CHECK, |c| c.overdue(idle, self).is_some());
     }
 
     /// Tells every connection that the server stops.
     fn stop_all(&self) {
+        self.ask_each(ASK_STOP, |_| true);
+    }
+
+    /// Asks `what` of every connection `which` picks.
+    fn ask_each(&self, what: u8, which: impl Fn(&Conn) -> bool) {
         if let Ok(conns) = self.conns.lock() {
-            for c in conns.values() {
-                c.ask(ASK_STOP);
+            for c in conns.values().filter(|c| which(c)) {
+                c.ask(what);
             }
         }
     }
