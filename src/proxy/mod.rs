@@ -14,6 +14,7 @@ mod conversation;
 pub mod headers;
 pub mod learn;
 pub mod listing;
+pub mod pool;
 mod prepare;
 mod recall;
 mod recover;

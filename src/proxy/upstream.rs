@@ -1,4 +1,4 @@
-//! The upstream: one pooled HTTP client, the URL mapping, and the timeouts.
+//! The upstream: the URL mapping, the transport, and the timeouts.
 //!
 //! The upstream host is fixed by configuration. A request's path and query
 //! are appended to `upstream.base_url`; nothing the client sends (an
@@ -7,11 +7,11 @@
 //! `base_url`'s: with a base of `https://gw/tenant-a/v1`, no client reaches
 //! `/tenant-b/...` with the upstream key condense adds.
 //!
-//! Requests go out on hyper's pooled client (HTTP/1.1, or HTTP/2 where TLS
-//! negotiates it; rustls with the Mozilla roots). When the environment
-//! names a proxy for the upstream (`HTTPS_PROXY`, `HTTP_PROXY`, `ALL_PROXY`,
-//! minus `NO_PROXY`), they go through reqwest instead, which speaks the
-//! proxy protocol (absolute-form requests, `CONNECT` tunnels, proxy
+//! Requests go out on condense's connection pools ([`super::pool`]:
+//! HTTP/1.1, or HTTP/2 where TLS negotiates it; rustls with the Mozilla
+//! roots). When the environment names a proxy for the upstream
+//! (`HTTPS_PROXY`, `HTTP_PROXY`, `ALL_PROXY`, minus `NO_PROXY`), they go
+//! through reqwest instead, which speaks the proxy protocol (absolute-form requests, `CONNECT` tunnels, proxy
 //! credentials from the proxy URL). reqwest costs about 22 µs more CPU a
 //! request (it parses the URL three times over), so it is kept off the
 //! direct path.
@@ -23,11 +23,9 @@ use bytes::Bytes;
 use http::{HeaderMap, Method, Uri};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Either, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use url::Url;
 
+use super::pool::{self, Connector, Pool, PooledBody, RequestBody};
 use crate::cache::Bounded;
 use crate::config::UpstreamConfig;
 use crate::error::ProxyError;
@@ -63,57 +61,13 @@ pub enum Outgoing {
     Streamed(UnsyncBoxBody<Bytes, BoxError>),
 }
 
-type DirectBody = Either<Full<Bytes>, UnsyncBoxBody<Bytes, BoxError>>;
-type DirectClient = Client<Deadline<hyper_rustls::HttpsConnector<HttpConnector>>, DirectBody>;
-
-/// A connector whose whole connect (name lookup, TCP, TLS handshake) has
-/// `limit` to finish; after it, an `io::ErrorKind::TimedOut` error.
-#[derive(Clone)]
-struct Deadline<C> {
-    inner: C,
-    limit: Duration,
-}
-
-impl<C> tower::Service<Uri> for Deadline<C>
-where
-    C: tower::Service<Uri>,
-    C::Future: Send + 'static,
-    C::Error: Into<BoxError>,
-{
-    type Response = C::Response;
-    type Error = BoxError;
-    type Future =
-        std::pin::Pin<Box<dyn std::future::Future<Output = Result<C::Response, BoxError>> + Send>>;
-
-    fn poll_ready(
-        &mut self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, uri: Uri) -> Self::Future {
-        let connecting = self.inner.call(uri);
-        let limit = self.limit;
-        Box::pin(async move {
-            match tokio::time::timeout(limit, connecting).await {
-                Ok(done) => done.map_err(Into::into),
-                Err(_) => Err(Box::new(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("connecting took longer than {limit:?}"),
-                )) as BoxError),
-            }
-        })
-    }
-}
-
 /// How requests reach the upstream.
 #[derive(Clone)]
 enum Transport {
     /// One pool per worker thread (and one for any other thread): a pooled
     /// connection's task runs on the thread that opened it, and a request
     /// on another thread would wake that one for every read and write.
-    Direct(Arc<[DirectClient]>),
+    Direct(Arc<[Arc<Pool>]>),
     /// Through the proxy the environment names for the upstream.
     Proxied(reqwest::Client),
 }
@@ -125,15 +79,12 @@ struct Timeouts {
     idle: Duration,
 }
 
-/// How long an idle pooled connection is kept.
-const POOL_IDLE: Duration = Duration::from_secs(90);
-
 impl Transport {
     /// The transport for `base`: proxied when the environment says so.
     fn for_base(
         base: &Uri,
         connect_timeout: Duration,
-        direct: Option<&Arc<[DirectClient]>>,
+        direct: Option<&Arc<[Arc<Pool>]>>,
     ) -> Result<Transport, UpstreamError> {
         let matcher = hyper_util::client::proxy::matcher::Matcher::from_env();
         if matcher.intercept(base).is_some() {
@@ -142,7 +93,7 @@ impl Transport {
                 // A proxy relays redirects; it does not follow them.
                 .redirect(reqwest::redirect::Policy::none())
                 .tcp_nodelay(true)
-                .pool_idle_timeout(POOL_IDLE)
+                .pool_idle_timeout(pool::IDLE)
                 .build()?;
             return Ok(Transport::Proxied(client));
         }
@@ -155,7 +106,7 @@ impl Transport {
                     .with_safe_default_protocol_versions()?
                     .with_webpki_roots()
                     .with_no_client_auth();
-                direct_clients(tls, connect_timeout)
+                direct_pools(tls, connect_timeout)
             }
         };
         Ok(Transport::Direct(clients))
@@ -171,13 +122,13 @@ impl Transport {
     ) -> Result<UpstreamResponse, BoxError> {
         match self {
             Transport::Direct(clients) => {
-                let client = &clients[workers::slot() % clients.len()];
+                let pool = &clients[workers::slot() % clients.len()];
                 let whole = match body {
                     Outgoing::Empty => Bytes::new(),
                     Outgoing::Whole(b) => b,
                     Outgoing::Streamed(b) => {
                         let req = direct_request(method, uri, headers, Either::Right(b));
-                        return Ok(boxed(client.request(req).await?));
+                        return Ok(boxed(pool.send(req).await?));
                     }
                 };
                 // An HTTP/2 server may refuse a request it never processed
@@ -186,19 +137,19 @@ impl Transport {
                 // did. Only TLS negotiates HTTP/2 here.
                 if uri.scheme() != Some(&http::uri::Scheme::HTTPS) {
                     let req = direct_request(method, uri, headers, Either::Left(Full::new(whole)));
-                    return Ok(boxed(client.request(req).await?));
+                    return Ok(boxed(pool.send(req).await?));
                 }
                 let mut tried = 0;
                 loop {
                     tried += 1;
                     let body = Either::Left(Full::new(whole.clone()));
                     let req = direct_request(method.clone(), uri.clone(), headers.clone(), body);
-                    match client.request(req).await {
+                    match pool.send(req).await {
                         Ok(resp) => return Ok(boxed(resp)),
-                        Err(e) if tried < 3 && refused_unprocessed(&e) => {
+                        Err(e) if tried < 3 && refused_unprocessed(&*e) => {
                             tracing::debug!(error = %e, "the upstream refused the request unprocessed; sending it again");
                         }
-                        Err(e) => return Err(e.into()),
+                        Err(e) => return Err(e),
                     }
                 }
             }
@@ -221,36 +172,13 @@ impl Transport {
     }
 }
 
-/// hyper's pooled client over `tls`, one for each worker thread and one for
+/// The connection pools over `tls`, one for each worker thread and one for
 /// the other threads: HTTP/1.1, or HTTP/2 where the server picks it in the
 /// TLS handshake (as api.openai.com does).
-fn direct_clients(tls: rustls::ClientConfig, connect_timeout: Duration) -> Arc<[DirectClient]> {
-    let mut http = HttpConnector::new();
-    http.enforce_http(false);
-    http.set_nodelay(true);
-    // TCP keepalive and a user timeout, as reqwest set them: a long silent
-    // answer stays open through NATs and load balancers with an idle
-    // cutoff, and a peer that vanished is noticed in about a minute.
-    http.set_keepalive(Some(Duration::from_secs(15)));
-    http.set_keepalive_interval(Some(Duration::from_secs(15)));
-    http.set_keepalive_retries(Some(3));
-    #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
-    http.set_tcp_user_timeout(Some(Duration::from_secs(30)));
-    let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_or_http()
-        .enable_all_versions()
-        .wrap_connector(http);
-    let https = Deadline {
-        inner: https,
-        limit: connect_timeout,
-    };
-    let mut builder = Client::builder(TokioExecutor::new());
-    builder
-        .pool_idle_timeout(POOL_IDLE)
-        .pool_timer(TokioTimer::new());
+fn direct_pools(tls: rustls::ClientConfig, connect_timeout: Duration) -> Arc<[Arc<Pool>]> {
+    let connector = Connector::new(tls, connect_timeout);
     (0..=workers::count())
-        .map(|_| builder.build(https.clone()))
+        .map(|_| Arc::new(Pool::new(connector.clone())))
         .collect()
 }
 
@@ -298,7 +226,7 @@ impl Upstream {
     fn with(
         base_url: &str,
         t: Timeouts,
-        direct: Option<&Arc<[DirectClient]>>,
+        direct: Option<&Arc<[Arc<Pool>]>>,
     ) -> Result<Upstream, UpstreamError> {
         let parsed = Url::parse(base_url)?;
         let base_uri: Uri = parsed.as_str().parse()?;
@@ -465,8 +393,8 @@ fn direct_request(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
-    body: DirectBody,
-) -> http::Request<DirectBody> {
+    body: RequestBody,
+) -> http::Request<RequestBody> {
     let mut req = http::Request::new(body);
     *req.method_mut() = method;
     *req.uri_mut() = uri;
@@ -474,8 +402,8 @@ fn direct_request(
     req
 }
 
-/// hyper's response with its body boxed.
-fn boxed(resp: http::Response<hyper::body::Incoming>) -> UpstreamResponse {
+/// A pooled connection's response with its body boxed.
+fn boxed(resp: http::Response<PooledBody>) -> UpstreamResponse {
     resp.map(|b| b.map_err(BoxError::from).boxed_unsync())
 }
 
@@ -585,6 +513,7 @@ pub fn describe(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hyper_util::rt::TokioExecutor;
 
     fn upstream(base: &str) -> Upstream {
         Upstream::new(&UpstreamConfig {
@@ -771,7 +700,7 @@ mod tests {
             .unwrap()
             .with_root_certificates(roots)
             .with_no_client_auth();
-        Transport::Direct(direct_clients(tls, Duration::from_secs(5)))
+        Transport::Direct(direct_pools(tls, Duration::from_secs(5)))
     }
 
     /// What the test server saw of a GET through `u`: the HTTP version, the
@@ -809,6 +738,46 @@ mod tests {
                 (version, authority, "-".to_string())
             );
         }
+    }
+
+    #[tokio::test]
+    async fn requests_to_an_http2_upstream_share_one_connection() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let connections = std::sync::Arc::new(AtomicUsize::new(0));
+        let count = connections.clone();
+        let addr = serve_tls(&[b"h2"], move |tls| {
+            count.fetch_add(1, Ordering::SeqCst);
+            let service = hyper::service::service_fn(|_req: http::Request<_>| async {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
+                    Bytes::from_static(b"ok"),
+                )))
+            });
+            async move {
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                    .await;
+            }
+        })
+        .await;
+        let u = trusting(&format!("https://localhost:{}/v1", addr.port()));
+        let get = || async {
+            let uri = u.url_for("/v1/models", None).unwrap();
+            let resp = u
+                .send(Method::GET, uri, HeaderMap::new(), Outgoing::Empty)
+                .await
+                .unwrap();
+            let version = resp.version();
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            (version, body)
+        };
+        let ok = (http::Version::HTTP_2, Bytes::from_static(b"ok"));
+        // The first request opens the connection; the next ones, at once,
+        // share it.
+        assert_eq!(get().await, ok);
+        let (a, b, c) = tokio::join!(get(), get(), get());
+        assert_eq!([a, b, c], [ok.clone(), ok.clone(), ok]);
+        assert_eq!(connections.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]
