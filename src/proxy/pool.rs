@@ -4,8 +4,10 @@
 //!
 //! HTTP/1.1 connections are taken by one request at a time, from the most
 //! recently used; one goes back to the pool when its response body has
-//! been read to the end (a body dropped before its end takes the
-//! connection down with it). Over TLS, a server that picks HTTP/2 in the
+//! been read to the end. A body dropped before its end (a client that went
+//! away, an answer over the size limit) takes its connection down with it:
+//! hyper-util's client let hyper drain what was left, when it could, and
+//! kept the connection. Over TLS, a server that picks HTTP/2 in the
 //! handshake gets one connection per host, shared by every request. A
 //! connection unused for [`IDLE`] is closed, and one the server closed is
 //! dropped when found. A request the pooled connection closed under before
@@ -21,7 +23,10 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// tokio's clock (the system's outside tests) so a test can move it on.
+use tokio::time::Instant;
 
 use bytes::Bytes;
 use http::uri::{Authority, Scheme};
@@ -374,8 +379,9 @@ impl Pool {
         if tx.is_closed() {
             return;
         }
-        let since = Instant::now();
         let mut hosts = self.hosts();
+        // Read under the lock: the list stays in the order of its times.
+        let since = Instant::now();
         if let Some(host) = hosts.get_mut(slot) {
             if host.idle.len() >= MAX_IDLE_PER_HOST {
                 host.idle.remove(0);
@@ -406,8 +412,11 @@ impl Pool {
             return;
         };
         let pool = Arc::downgrade(self);
+        // Made before the task is: a task dropped unpolled (its runtime
+        // shutting down) still clears the mark.
+        let done = Unmark(pool.clone());
         runtime.spawn(async move {
-            let _done = Unmark(pool.clone());
+            let _done = done;
             let mut every = tokio::time::interval(SWEEP_EVERY);
             every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             every.tick().await;
@@ -519,7 +528,11 @@ impl Body for PooledBody {
         let polled = Pin::new(&mut this.body).poll_frame(cx);
         match &polled {
             Poll::Ready(None) => this.give_back(),
-            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.give_back(),
+            // Trailers are the last frame; a server that wrote them need
+            // not poll again.
+            Poll::Ready(Some(Ok(frame))) if frame.is_trailers() || this.body.is_end_stream() => {
+                this.give_back()
+            }
             // A connection that failed mid-body is not reused.
             Poll::Ready(Some(Err(_))) => this.back = None,
             _ => {}
@@ -684,37 +697,52 @@ mod tests {
         assert_eq!(text(resp).await, "ok");
         pool.sweep(Instant::now() + IDLE / 2);
         assert_eq!(pool.unused(), 1, "still within the idle time");
-        pool.sweep(Instant::now() + IDLE);
+        pool.sweep(Instant::now() + IDLE + Duration::from_millis(1));
         assert_eq!(pool.unused(), 0);
         eventually(|| seen.ended.load(Ordering::SeqCst) == 1).await;
     }
 
-    #[tokio::test]
-    async fn a_connection_the_server_closed_while_pooled_is_not_used() {
-        // A server that answers once per connection, then closes it
-        // without saying so.
+    /// A server that writes `answer` to each request (GETs, without a
+    /// body), and closes each connection after its first answer if `once`,
+    /// without saying so; its address and how many connections it took.
+    async fn raw_server(
+        answer: &'static [u8],
+        once: bool,
+    ) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let opened = Arc::new(AtomicUsize::new(0));
         let o = opened.clone();
         tokio::spawn(async move {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
             while let Ok((mut sock, _)) = listener.accept().await {
                 o.fetch_add(1, Ordering::SeqCst);
-                let mut buf = vec![0u8; 4096];
-                let mut got = Vec::new();
-                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match sock.read(&mut buf).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    let mut got = Vec::new();
+                    loop {
+                        while let Some(at) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                            got.drain(..at + 4);
+                            if sock.write_all(answer).await.is_err() || once {
+                                return;
+                            }
+                        }
+                        match sock.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                        }
                     }
-                }
-                let _ = sock
-                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                    .await;
-                drop(sock);
+                });
             }
         });
+        (addr, opened)
+    }
+
+    const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+
+    #[tokio::test]
+    async fn a_connection_the_server_closed_while_pooled_is_not_used() {
+        let (addr, opened) = raw_server(OK, true).await;
         let pool = pool();
         for path in ["/1", "/2", "/3"] {
             let resp = pool.send(get(addr, path)).await.unwrap();
@@ -723,6 +751,57 @@ mod tests {
             eventually(|| pool.unused_open() == 0).await;
         }
         assert_eq!(opened.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn answers_without_a_body_or_chunked_give_their_connection_back() {
+        for answer in [
+            &b"HTTP/1.1 204 No Content\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-done\r\n\r\n2\r\nok\r\n0\r\nx-done: 1\r\n\r\n",
+        ] {
+            let (addr, opened) = raw_server(answer, false).await;
+            let pool = pool();
+            for _ in 0..3 {
+                let mut body = pool.send(get(addr, "/")).await.unwrap().into_body();
+                // Read frame by frame, as the server relays it: nothing
+                // after the last frame.
+                while !body.is_end_stream() {
+                    match body.frame().await {
+                        Some(frame) => {
+                            if frame.unwrap().is_trailers() {
+                                break;
+                            }
+                        }
+                        None => break,
+                    }
+                }
+                drop(body);
+            }
+            assert_eq!(opened.load(Ordering::SeqCst), 1, "{}", String::from_utf8_lossy(answer));
+        }
+    }
+
+    #[tokio::test]
+    async fn the_pool_closes_connections_unused_for_the_idle_time_on_its_own() {
+        let (addr, seen) = server("ok").await;
+        let pool = pool();
+        let resp = pool.send(get(addr, "/")).await.unwrap();
+        assert_eq!(text(resp).await, "ok");
+        // A second at a time on tokio's clock, until the pool has swept it.
+        tokio::time::pause();
+        let mut waited = Duration::ZERO;
+        while pool.unused() > 0 {
+            assert!(
+                waited <= IDLE + 2 * SWEEP_EVERY,
+                "not swept after {waited:?}"
+            );
+            tokio::time::advance(Duration::from_secs(1)).await;
+            waited += Duration::from_secs(1);
+        }
+        tokio::time::resume();
+        assert!(waited >= IDLE, "swept after {waited:?}");
+        eventually(|| seen.ended.load(Ordering::SeqCst) == 1).await;
     }
 
     #[tokio::test]

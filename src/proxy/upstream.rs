@@ -11,10 +11,10 @@
 //! HTTP/1.1, or HTTP/2 where TLS negotiates it; rustls with the Mozilla
 //! roots). When the environment names a proxy for the upstream
 //! (`HTTPS_PROXY`, `HTTP_PROXY`, `ALL_PROXY`, minus `NO_PROXY`), they go
-//! through reqwest instead, which speaks the proxy protocol (absolute-form requests, `CONNECT` tunnels, proxy
-//! credentials from the proxy URL). reqwest costs about 22 µs more CPU a
-//! request (it parses the URL three times over), so it is kept off the
-//! direct path.
+//! through reqwest instead, which speaks the proxy protocol (absolute-form
+//! requests, `CONNECT` tunnels, proxy credentials from the proxy URL).
+//! reqwest costs about 22 µs more CPU a request (it parses the URL three
+//! times over), so it is kept off the direct path.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -501,8 +501,11 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// A one-line description of a client error with its causes (the clients'
-/// own Display stops at "client error (Connect)" or "error sending request").
+/// A one-line description of a client error with its causes, such as
+/// "cannot connect to the upstream: tcp connect error: Connection refused
+/// (os error 111)" (an error's own Display stops at its first part: the
+/// pool's "cannot connect to the upstream", reqwest's "error sending
+/// request").
 pub fn describe(e: &(dyn std::error::Error + 'static)) -> String {
     causes(e)
         .map(ToString::to_string)
