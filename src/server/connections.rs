@@ -342,27 +342,43 @@ struct Tracked {
 impl Service<Request<Incoming>> for Tracked {
     type Response = Response;
     type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+    type Future = Handling;
 
     fn call(&self, req: Request<Incoming>) -> Self::Future {
-        let active = Active::new(self.conn.clone(), self.registry.clone());
-        let handled = front::handle(self.app.clone(), req.map(Body::new));
-        Box::pin(async move {
-            let resp = handled.await;
-            Ok(resp.map(|body| {
-                Body::new(Counted {
-                    body,
-                    _active: active,
-                })
-            }))
-        })
+        Handling {
+            // Boxed where it is made: wrapped in an `async` block first, the
+            // request's whole future (kilobytes) was copied twice more.
+            handled: Box::pin(front::handle(self.app.clone(), req.map(Body::new))),
+            active: Some(Active::new(self.conn.clone(), self.registry.clone())),
+        }
+    }
+}
+
+/// A request being handled; its response's body keeps it counted.
+struct Handling {
+    handled: Pin<Box<dyn Future<Output = Response> + Send>>,
+    active: Option<Active>,
+}
+
+impl Future for Handling {
+    type Output = Result<Response, Infallible>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let resp = std::task::ready!(self.handled.as_mut().poll(cx));
+        let active = self.active.take();
+        Poll::Ready(Ok(resp.map(|body| {
+            Body::new(Counted {
+                body,
+                _active: active,
+            })
+        })))
     }
 }
 
 /// A response body that keeps its request counted in flight.
 struct Counted {
     body: Body,
-    _active: Active,
+    _active: Option<Active>,
 }
 
 impl http_body::Body for Counted {

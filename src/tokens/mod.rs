@@ -198,20 +198,19 @@ impl TokenService {
     /// The window, encoding and thresholds for a model on an upstream.
     pub fn model_info(&self, upstream: &str, model: &str) -> ModelInfo {
         let profile = self.profile(model);
-        let listed = self.listings.window(upstream, model);
+        // One key for the three lookups.
+        let key = pair_key(upstream, model);
+        let listed = self.listings.window_keyed(upstream, key);
         let (window, source) = match (listed, profile) {
             (Some(l), Some(p)) if p.context_window < l => (p.context_window, WindowSource::Profile),
             (Some(l), _) => (l, WindowSource::Listing),
             (None, Some(p)) => (p.context_window, WindowSource::Profile),
             (None, None) => (self.config.default_context_window, WindowSource::Default),
         };
-        let learned = [
-            self.overflows.get(upstream, model),
-            self.bounds.get(upstream, model),
-        ]
-        .into_iter()
-        .flatten()
-        .min();
+        let learned = [self.overflows.get_keyed(key), self.bounds.get_keyed(key)]
+            .into_iter()
+            .flatten()
+            .min();
         let (window, source) = match learned {
             Some(learned) if learned < window => (learned, WindowSource::Overflow),
             _ => (window, source),

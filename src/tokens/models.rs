@@ -149,7 +149,12 @@ impl Listings {
     }
 
     pub fn get(&self, upstream: &str, model: &str) -> Option<u64> {
-        self.windows.get(&pair_key(upstream, model))
+        self.get_keyed(pair_key(upstream, model))
+    }
+
+    /// [`Listings::get`] by the pair's [`pair_key`].
+    pub fn get_keyed(&self, key: u64) -> Option<u64> {
+        self.windows.get(&key)
     }
 
     /// Stores the windows of a listing response body; returns how many.
@@ -171,7 +176,12 @@ impl Listings {
 
     /// The window for `model`: its own, or the only model's.
     pub fn window(&self, upstream: &str, model: &str) -> Option<u64> {
-        self.get(upstream, model)
+        self.window_keyed(upstream, pair_key(upstream, model))
+    }
+
+    /// [`Listings::window`] by the pair's [`pair_key`].
+    pub fn window_keyed(&self, upstream: &str, key: u64) -> Option<u64> {
+        self.get_keyed(key)
             .or_else(|| self.windows.get(&only_model_key(upstream)))
     }
 }
@@ -222,8 +232,13 @@ impl Bounds {
     }
 
     pub fn get(&self, upstream: &str, model: &str) -> Option<u64> {
+        self.get_keyed(pair_key(upstream, model))
+    }
+
+    /// [`Bounds::get`] by the pair's [`pair_key`].
+    pub fn get_keyed(&self, key: u64) -> Option<u64> {
         self.windows
-            .get(&pair_key(upstream, model))
+            .get(&key)
             .filter(|(_, at)| at.elapsed() < Self::TTL)
             .map(|(w, _)| w)
     }
