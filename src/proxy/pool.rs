@@ -689,12 +689,19 @@ mod tests {
         assert_eq!(seen.opened.load(Ordering::SeqCst), 2);
     }
 
-    #[tokio::test]
-    async fn connections_unused_for_the_idle_time_are_closed() {
+    /// A pool holding one unused connection, and what its server saw.
+    async fn one_pooled() -> (Arc<Pool>, Arc<Seen>) {
         let (addr, seen) = server("ok").await;
         let pool = pool();
         let resp = pool.send(get(addr, "/")).await.unwrap();
         assert_eq!(text(resp).await, "ok");
+        assert_eq!(pool.unused(), 1);
+        (pool, seen)
+    }
+
+    #[tokio::test]
+    async fn connections_unused_for_the_idle_time_are_closed() {
+        let (pool, seen) = one_pooled().await;
         pool.sweep(Instant::now() + IDLE / 2);
         assert_eq!(pool.unused(), 1, "still within the idle time");
         pool.sweep(Instant::now() + IDLE + Duration::from_millis(1));
@@ -784,10 +791,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_pool_closes_connections_unused_for_the_idle_time_on_its_own() {
-        let (addr, seen) = server("ok").await;
-        let pool = pool();
-        let resp = pool.send(get(addr, "/")).await.unwrap();
-        assert_eq!(text(resp).await, "ok");
+        let (pool, seen) = one_pooled().await;
         // A second at a time on tokio's clock, until the pool has swept it.
         tokio::time::pause();
         let mut waited = Duration::ZERO;
