@@ -97,8 +97,8 @@ impl Transport {
                 .build()?;
             return Ok(Transport::Proxied(client));
         }
-        let clients = match direct {
-            Some(clients) => clients.clone(),
+        let pools = match direct {
+            Some(pools) => pools.clone(),
             None => {
                 use hyper_rustls::ConfigBuilderExt;
                 let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -109,7 +109,7 @@ impl Transport {
                 direct_pools(tls, connect_timeout)
             }
         };
-        Ok(Transport::Direct(clients))
+        Ok(Transport::Direct(pools))
     }
 
     /// Sends a request; the response comes back when its headers have.
@@ -121,8 +121,8 @@ impl Transport {
         body: Outgoing,
     ) -> Result<UpstreamResponse, BoxError> {
         match self {
-            Transport::Direct(clients) => {
-                let pool = &clients[workers::slot() % clients.len()];
+            Transport::Direct(pools) => {
+                let pool = &pools[workers::slot() % pools.len()];
                 let whole = match body {
                     Outgoing::Empty => Bytes::new(),
                     Outgoing::Whole(b) => b,
