@@ -172,7 +172,7 @@ struct Shared {
 struct Host {
     https: bool,
     authority: Authority,
-    /// `Host` for HTTP/1.1 requests: the authority without a default port.
+    /// `Host` for HTTP/1.1 requests ([`host_header`]).
     host_header: Option<HeaderValue>,
     /// Oldest first.
     idle: Vec<Idle>,
@@ -181,15 +181,10 @@ struct Host {
 
 impl Host {
     fn new(https: bool, authority: &Authority) -> Host {
-        let default_port = if https { 443 } else { 80 };
-        let host = match authority.port_u16() {
-            Some(p) if p != default_port => format!("{}:{p}", authority.host()),
-            _ => authority.host().to_string(),
-        };
         Host {
             https,
             authority: authority.clone(),
-            host_header: HeaderValue::from_str(&host).ok(),
+            host_header: host_header(https, authority),
             idle: Vec::new(),
             h2: None,
         }
@@ -237,6 +232,16 @@ impl Host {
         }
         None
     }
+}
+
+/// `Host` for HTTP/1.1 requests to `authority`: without a default port.
+fn host_header(https: bool, authority: &Authority) -> Option<HeaderValue> {
+    let default_port = if https { 443 } else { 80 };
+    let host = match authority.port_u16() {
+        Some(p) if p != default_port => format!("{}:{p}", authority.host()),
+        _ => authority.host().to_string(),
+    };
+    HeaderValue::from_str(&host).ok()
 }
 
 /// One worker thread's connections to the upstream hosts.
@@ -349,7 +354,7 @@ impl Pool {
             }
             None => {
                 drop(hosts);
-                return (None, None, Host::new(https, authority).host_header);
+                return (None, None, host_header(https, authority));
             }
         };
         let host = &mut hosts[slot];
