@@ -370,6 +370,12 @@ pub struct ServerConfig {
     /// hold them). Beyond it the longest-idle connection is closed to make
     /// room, or, with every connection busy, the new one gets a 503.
     pub max_connections: usize,
+    /// Requests in flight at once, across all connections: an HTTP/2
+    /// connection carries many, each holding an upstream socket (fewer if
+    /// the open-file limit cannot hold them). Beyond it a request gets its
+    /// API's overload error (503, `Retry-After: 1`) and `/readyz` says
+    /// `saturated`; `/healthz`, `/readyz` and `/metrics` are never refused.
+    pub max_inflight_requests: usize,
     /// A client connection on which nothing moves is closed after this
     /// long: no request in flight (idle keep-alive, or still sending its
     /// request headers), or a client that stopped reading its response.
@@ -387,6 +393,7 @@ impl Default for ServerConfig {
             max_buffered_bytes: 128 * 1024 * 1024,
             body_timeout_seconds: 60.0,
             max_connections: 10_000,
+            max_inflight_requests: 10_000,
             idle_timeout_seconds: 60.0,
             shutdown_grace_seconds: 30.0,
         }
@@ -600,6 +607,12 @@ impl Config {
         }
         if self.server.max_connections == 0 {
             return Err(invalid("server.max_connections", "must be greater than 0"));
+        }
+        if self.server.max_inflight_requests == 0 {
+            return Err(invalid(
+                "server.max_inflight_requests",
+                "must be greater than 0",
+            ));
         }
         if self.auth.client_keys.iter().any(|k| k.expose().is_empty()) {
             return Err(invalid("auth.client_keys", "keys must not be empty"));

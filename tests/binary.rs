@@ -665,3 +665,158 @@ async fn a_proxy_named_in_the_environment_carries_the_requests_unless_no_proxy_s
     assert_eq!(mock.chat_requests().len(), 1);
     assert_eq!(seen.lock().unwrap().len(), 1, "the proxy got no more");
 }
+
+/// An upstream that takes every request and never answers, holding the
+/// sockets until dropped; says how many it holds.
+async fn silent_upstream() -> (
+    String,
+    Arc<std::sync::atomic::AtomicUsize>,
+    tokio::task::JoinHandle<()>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}/v1", listener.local_addr().unwrap());
+    let held = Arc::new(AtomicUsize::new(0));
+    let count = held.clone();
+    let task = tokio::spawn(async move {
+        let mut sockets = Vec::new();
+        while let Ok((s, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            sockets.push(s);
+        }
+    });
+    (base, held, task)
+}
+
+/// How many files the process `pid` has open.
+fn open_files(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+/// The attack of 5 HTTP/2 connections with 200 slow streams each, against
+/// condense under a 1,024 open-file limit: each stream held an upstream
+/// socket, the descriptors ran out, and nothing was answered any more,
+/// `/healthz` included. Requests in flight are capped over all connections
+/// now: the streams past it get the overload error at once, the process
+/// stays under its limit, liveness answers 200 and readiness 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn h2c_streams_cannot_exhaust_file_descriptors_and_liveness_still_answers() {
+    use std::sync::atomic::Ordering;
+    let (base, held, upstream) = silent_upstream().await;
+    let mut cmd = Command::new("sh");
+    cmd.args([
+        "-c",
+        "ulimit -n 1024 && exec \"$0\"",
+        env!("CARGO_BIN_EXE_condense"),
+    ]);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("CONDENSE_") || k == "RUST_LOG" || k.to_lowercase().ends_with("_proxy") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env("CONDENSE_SERVER__LISTEN", "127.0.0.1:0")
+        .env("CONDENSE_UPSTREAM__LEARN_WINDOWS", "false")
+        .env("CONDENSE_UPSTREAM__BASE_URL", &base)
+        .env("CONDENSE_UPSTREAM__FIRST_BYTE_TIMEOUT_SECONDS", "60");
+    let (child, addr, log, _) = spawn_logged(&mut cmd);
+    let pid = child.0.id();
+    let url = format!("http://{addr}/v1/chat/completions");
+    let body = serde_json::to_vec(&chat_body(false)).unwrap();
+    let mut streams = tokio::task::JoinSet::new();
+    for _ in 0..5 {
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .http2_prior_knowledge()
+            .timeout(Duration::from_secs(90))
+            .build()
+            .unwrap();
+        for _ in 0..200 {
+            let (client, url, body) = (client.clone(), url.clone(), body.clone());
+            streams.spawn(async move {
+                match client.post(url).body(body).send().await {
+                    Ok(r) => r.status().as_u16(),
+                    Err(_) => 0,
+                }
+            });
+        }
+    }
+    // The cap condense chose under this limit, from its start-up line.
+    let cap: usize = log
+        .lock()
+        .unwrap()
+        .split("max_inflight_requests=")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .expect("condense names its cap of requests in flight");
+    assert!(cap < 500, "a cap of {cap} under a 1,024 open-file limit");
+    // Each connection takes 100 streams at once (the client queues the
+    // rest): the streams past the cap are refused at once, the others held.
+    let mut refused = 0;
+    let settled = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            if held.load(Ordering::SeqCst) == cap && refused >= 500 - cap {
+                break;
+            }
+            let status = streams.join_next().await.unwrap().unwrap();
+            assert_eq!(status, 503, "a stream neither held nor refused");
+            refused += 1;
+        }
+    })
+    .await;
+    let held_now = held.load(Ordering::SeqCst);
+    assert!(
+        settled.is_ok(),
+        "{held_now} held upstream, {refused} refused, cap {cap}"
+    );
+    let files = open_files(pid);
+    assert!(files < 1000, "condense has {files} files open");
+
+    // A new connection is still answered, liveness 200, readiness 503.
+    let probe = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let live = probe
+        .get(format!("http://{addr}/healthz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(live.status(), 200);
+    let ready = probe
+        .get(format!("http://{addr}/readyz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 503);
+    assert_eq!(ready.text().await.unwrap(), "saturated");
+    // A refused stream got the API's overload error, in its shape.
+    let over = probe.post(&url).body(body.clone()).send().await.unwrap();
+    assert_eq!(over.status(), 503);
+    assert_eq!(over.headers()["retry-after"], "1");
+    let v: serde_json::Value = serde_json::from_slice(&over.bytes().await.unwrap()).unwrap();
+    assert_eq!(v["error"]["code"], "overloaded");
+    let over = probe
+        .post(format!("http://{addr}/v1/messages"))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&over.bytes().await.unwrap()).unwrap();
+    assert_eq!(v["error"]["type"], "overloaded_error");
+
+    // Once the upstream lets go, the held streams end and condense is
+    // ready again.
+    upstream.abort();
+    let _ = tokio::time::timeout(Duration::from_secs(60), async {
+        while streams.join_next().await.is_some() {}
+    })
+    .await;
+    let ready = probe
+        .get(format!("http://{addr}/readyz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 200);
+}

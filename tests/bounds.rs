@@ -796,6 +796,49 @@ async fn with_every_connection_busy_a_new_one_gets_a_503_and_is_closed() {
     h.shutdown().await;
 }
 
+/// Under HTTP/1.1 load every connection is busy and a new one is refused;
+/// a liveness probe on it must still get its 200 (else the pod is restarted
+/// for being busy), and a readiness probe its 503.
+#[tokio::test]
+async fn with_every_connection_busy_liveness_answers_200_and_readiness_503() {
+    let h = Harness::with(|c| c.server.max_connections = 2).await;
+    let s = server(&h);
+    let busy: Vec<_> = (0..2)
+        .map(|_| {
+            let url = h.url("/v1/files");
+            tokio::spawn(async move {
+                client()
+                    .get(url)
+                    .header("x-mock-sleep-ms", "1500")
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+            })
+        })
+        .collect();
+    eventually("2 requests in flight", || h.mock.requests().len() == 2).await;
+    let live = raw(h.addr, b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").await;
+    assert_eq!(live.status, 200, "{:?}", live.body);
+    assert_eq!(live.body, b"ok");
+    let ready = raw(h.addr, b"GET /readyz HTTP/1.1\r\nhost: x\r\n\r\n").await;
+    assert_eq!(ready.status, 503);
+    assert_eq!(ready.body, b"saturated");
+    let messages = raw(
+        h.addr,
+        b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}",
+    )
+    .await;
+    assert_eq!(messages.status, 503);
+    assert_eq!(messages.json()["error"]["type"], "overloaded_error");
+    // Only the API request counts as refused.
+    assert_eq!(closed(s, "refused"), 1.0);
+    for b in busy {
+        assert_eq!(bounded("a busy request", b).await.unwrap(), 200);
+    }
+    h.shutdown().await;
+}
+
 // ---------------------------------------------------------------------------
 // 6, 7, 8, 9: oversized upstream bodies
 // ---------------------------------------------------------------------------

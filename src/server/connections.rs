@@ -56,17 +56,21 @@ use tokio::task::JoinSet;
 
 use super::workers::Workers;
 use super::{AppState, front};
-use crate::error::openai_error_body;
 use crate::metrics::Metrics;
 
 /// File descriptors kept free for everything that is not a client
-/// connection (the listener, logs, Redis, the upstream pool's idle ones).
+/// connection or a request's upstream socket (the listener, logs, Redis,
+/// the upstream pool's idle ones), besides the connections being refused.
 const RESERVED_FDS: u64 = 64;
+/// Concurrent streams one HTTP/2 client connection may open, as OpenAI's
+/// and Anthropic's own endpoints allow (hyper's default is 200).
+const H2_STREAMS: u32 = 100;
 /// The shortest interval between two checks of the connections' deadlines.
 const MIN_TICK: Duration = Duration::from_millis(10);
 /// Idle connections compared to pick one to evict.
 const EVICTION_SAMPLE: usize = 64;
-/// Connections being refused at once; beyond it they are dropped unanswered.
+/// Connections being refused at once (at most; fewer under a low open-file
+/// limit, see [`Limits::new`]); beyond it they are dropped unanswered.
 const MAX_REFUSING: usize = 256;
 /// Time a refused connection gets to read its 503.
 const REFUSE_TIME: Duration = Duration::from_secs(1);
@@ -74,23 +78,41 @@ const REFUSE_TIME: Duration = Duration::from_secs(1);
 /// loop does not spin while the condition lasts.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// How many connections a server keeps, and for how long an idle one.
+/// How many connections and requests a server keeps, and for how long an
+/// idle connection.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     pub max_connections: usize,
+    /// Requests in flight across all connections (HTTP/2 streams count one
+    /// each): each holds an upstream socket.
+    pub max_inflight: usize,
+    /// Connections over the cap being answered at once.
+    pub max_refusing: usize,
     pub idle: Duration,
 }
 
 impl Limits {
-    /// `configured` connections, or fewer when the process's open-file limit
-    /// could not hold them: each client connection with a request in flight
-    /// also holds one to the upstream.
-    pub fn new(configured: usize, idle: Duration) -> Limits {
-        let by_files = open_file_limit()
-            .map(|n| (n.saturating_sub(RESERVED_FDS) / 2).max(1))
+    /// The configured caps, or lower ones when the process's open-file limit
+    /// could not hold them. Each client connection takes a descriptor, and
+    /// each request in flight one more to the upstream, whichever
+    /// connection it came on; the connections being refused take theirs
+    /// too. So the limit, less [`RESERVED_FDS`] and the refusals' share (a
+    /// sixteenth, at most [`MAX_REFUSING`]), is split between connections
+    /// and requests in flight, half each.
+    pub fn new(configured: usize, inflight: usize, idle: Duration) -> Limits {
+        let files = open_file_limit();
+        let refusing = files.map_or(MAX_REFUSING, |n| {
+            usize::try_from(n / 16)
+                .unwrap_or(MAX_REFUSING)
+                .clamp(1, MAX_REFUSING)
+        });
+        let by_files = files
+            .map(|n| (n.saturating_sub(RESERVED_FDS + refusing as u64) / 2).max(1))
             .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
         Limits {
             max_connections: configured.min(by_files).max(1),
+            max_inflight: inflight.min(by_files).max(1),
+            max_refusing: refusing,
             idle,
         }
     }
@@ -136,6 +158,8 @@ struct Registry {
     conns: Mutex<HashMap<u64, Arc<Conn>>>,
     next_id: AtomicU64,
     epoch: Instant,
+    /// Requests in flight on all connections together.
+    requests: AtomicUsize,
 }
 
 impl Registry {
@@ -308,22 +332,25 @@ impl tokio::io::AsyncWrite for Watched {
     }
 }
 
-/// Counts a request in flight on its connection until dropped.
+/// Counts a request in flight, on its connection and in all, until dropped.
 struct Active {
     conn: Arc<Conn>,
     registry: Arc<Registry>,
 }
 
 impl Active {
-    fn new(conn: Arc<Conn>, registry: Arc<Registry>) -> Active {
+    /// The request counted, and how many are in flight with it.
+    fn new(conn: Arc<Conn>, registry: Arc<Registry>) -> (Active, usize) {
         conn.active.fetch_add(1, Ordering::AcqRel);
         conn.since.store(registry.now(), Ordering::Relaxed);
-        Active { conn, registry }
+        let inflight = registry.requests.fetch_add(1, Ordering::AcqRel) + 1;
+        (Active { conn, registry }, inflight)
     }
 }
 
 impl Drop for Active {
     fn drop(&mut self) {
+        self.registry.requests.fetch_sub(1, Ordering::AcqRel);
         self.conn.active.fetch_sub(1, Ordering::AcqRel);
         self.conn
             .since
@@ -337,6 +364,8 @@ struct Tracked {
     app: Arc<AppState>,
     conn: Arc<Conn>,
     registry: Arc<Registry>,
+    /// Requests in flight in all beyond which a request is refused.
+    max_inflight: usize,
 }
 
 impl Service<Request<Incoming>> for Tracked {
@@ -345,11 +374,19 @@ impl Service<Request<Incoming>> for Tracked {
     type Future = Handling;
 
     fn call(&self, req: Request<Incoming>) -> Self::Future {
+        let (active, inflight) = Active::new(self.conn.clone(), self.registry.clone());
+        // Over the cap with this one: the front refuses it, unless it is
+        // one of condense's own endpoints.
+        let saturated = inflight > self.max_inflight;
         Handling {
             // Boxed where it is made: wrapped in an `async` block first, the
             // request's whole future (kilobytes) was copied twice more.
-            handled: Box::pin(front::handle(self.app.clone(), req.map(Body::new))),
-            active: Some(Active::new(self.conn.clone(), self.registry.clone())),
+            handled: Box::pin(front::handle(
+                self.app.clone(),
+                req.map(Body::new),
+                saturated,
+            )),
+            active: Some(active),
         }
     }
 }
@@ -416,8 +453,11 @@ pub async fn serve(
         conns: Mutex::new(HashMap::new()),
         next_id: AtomicU64::new(0),
         epoch: Instant::now(),
+        requests: AtomicUsize::new(0),
     });
-    let builder = Arc::new(Builder::new(TokioExecutor::new()));
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder.http2().max_concurrent_streams(H2_STREAMS);
+    let builder = Arc::new(builder);
     let mut tasks = JoinSet::new();
     let refusing = Arc::new(AtomicUsize::new(0));
     let mut deadlines = tokio::time::interval((limits.idle / 4).max(MIN_TICK));
@@ -449,7 +489,7 @@ pub async fn serve(
                     tracing::debug!(error = %e, "cannot set TCP_NODELAY on a client connection");
                 }
                 if registry.len() >= limits.max_connections && !registry.evict_idle() {
-                    refuse(tcp, &refusing, &metrics);
+                    refuse(tcp, &refusing, limits.max_refusing, &metrics);
                     continue;
                 }
                 let (id, conn) = registry.add();
@@ -465,6 +505,7 @@ pub async fn serve(
                     app: app.clone(),
                     conn: conn.clone(),
                     registry: registry.clone(),
+                    max_inflight: limits.max_inflight,
                 };
                 let serving = Serving {
                     service,
@@ -599,9 +640,25 @@ impl Drop for Registered {
     }
 }
 
-/// Answers a connection over the cap with a 503 and closes it (in the
-/// background, bounded in time and in number).
-fn refuse(mut tcp: TcpStream, refusing: &Arc<AtomicUsize>, metrics: &Metrics) {
+/// Answers a connection over the cap and closes it (in the background,
+/// bounded in time and in number). Its request head is read first, so that
+/// a liveness probe still gets its 200 from a process that is only busy,
+/// and a readiness probe its 503; anything else gets a 503 in the shape of
+/// the API it asked for.
+fn refuse(tcp: TcpStream, refusing: &Arc<AtomicUsize>, max: usize, metrics: &Arc<Metrics>) {
+    if refusing.fetch_add(1, Ordering::AcqRel) >= max {
+        refusing.fetch_sub(1, Ordering::AcqRel);
+        count_refused(metrics);
+        return;
+    }
+    let (refusing, metrics) = (refusing.clone(), metrics.clone());
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(REFUSE_TIME, refusal(tcp, &metrics)).await;
+        refusing.fetch_sub(1, Ordering::AcqRel);
+    });
+}
+
+fn count_refused(metrics: &Metrics) {
     metrics
         .connections_closed_total
         .with_label_values(&["refused"])
@@ -610,32 +667,140 @@ fn refuse(mut tcp: TcpStream, refusing: &Arc<AtomicUsize>, metrics: &Metrics) {
         .proxy_errors_total
         .with_label_values(&["overloaded"])
         .inc();
-    if refusing.fetch_add(1, Ordering::AcqRel) >= MAX_REFUSING {
-        refusing.fetch_sub(1, Ordering::AcqRel);
-        return;
+}
+
+/// The request head a refused connection may send before its answer, and
+/// the time it has to send it.
+const REFUSED_HEAD: usize = 8 * 1024;
+const REFUSED_HEAD_TIME: Duration = Duration::from_millis(250);
+
+async fn refusal(mut tcp: TcpStream, metrics: &Metrics) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(1024);
+    let mut buf = [0u8; 1024];
+    // A client that sends nothing (yet) is answered as an API client.
+    let _ = tokio::time::timeout(REFUSED_HEAD_TIME, async {
+        while head.len() < REFUSED_HEAD && memchr::memmem::find(&head, b"\r\n\r\n").is_none() {
+            match tcp.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    let (status, content_type, body) = match refused_route(&head) {
+        Refused::Live => ("200 OK", "text/plain; charset=utf-8", "ok".to_string()),
+        Refused::Ready => (
+            "503 Service Unavailable",
+            "text/plain; charset=utf-8",
+            "saturated".to_string(),
+        ),
+        Refused::Api(format) => {
+            count_refused(metrics);
+            let resp = crate::error::ProxyError::Overloaded("too many open connections")
+                .response_for(format);
+            let body = axum::body::to_bytes(resp.into_body(), REFUSED_HEAD)
+                .await
+                .map_err(std::io::Error::other)?;
+            (
+                "503 Service Unavailable",
+                "application/json",
+                String::from_utf8_lossy(&body).into_owned(),
+            )
+        }
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    tcp.write_all(head.as_bytes()).await?;
+    tcp.write_all(body.as_bytes()).await?;
+    tcp.shutdown().await?;
+    // Read what the client sent until it closes, so that the close is not
+    // a reset that discards the answer before it is read.
+    let mut sink = [0u8; 4096];
+    while tcp.read(&mut sink).await? > 0 {}
+    Ok(())
+}
+
+/// What a refused connection asked for.
+#[derive(Debug, PartialEq)]
+enum Refused {
+    /// `GET /healthz` (or `HEAD`).
+    Live,
+    /// `GET /readyz`.
+    Ready,
+    /// Anything else, answered in this API's shape.
+    Api(crate::wire::Format),
+}
+
+/// Reads the request line (and the headers, for Anthropic's) of what a
+/// refused connection sent; a head that is not HTTP/1 is answered as the
+/// OpenAI API would be.
+fn refused_route(head: &[u8]) -> Refused {
+    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut req = httparse::Request::new(&mut headers);
+    // A partial head still names its method and path.
+    let _ = req.parse(head);
+    let path = req.path.unwrap_or("");
+    let path = path.split('?').next().unwrap_or(path);
+    match (req.method, path) {
+        (Some("GET" | "HEAD"), "/healthz") => Refused::Live,
+        (Some("GET" | "HEAD"), "/readyz") => Refused::Ready,
+        _ => {
+            let mut map = http::HeaderMap::new();
+            for h in req.headers.iter().filter(|h| !h.name.is_empty()) {
+                if let (Ok(name), Ok(value)) = (
+                    http::HeaderName::from_bytes(h.name.as_bytes()),
+                    http::HeaderValue::from_bytes(h.value),
+                ) {
+                    map.append(name, value);
+                }
+            }
+            Refused::Api(crate::wire::api_of(path, &map))
+        }
     }
-    let refusing = refusing.clone();
-    tokio::spawn(async move {
-        let body = openai_error_body(
-            "condense: too many open connections; try again shortly",
-            "api_error",
-            "overloaded",
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::Format;
+
+    #[test]
+    fn a_refused_connection_is_answered_by_what_it_asked_for() {
+        assert_eq!(
+            refused_route(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"),
+            Refused::Live
         );
-        let head = format!(
-            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
-            body.len()
+        assert_eq!(
+            refused_route(b"HEAD /healthz?x=1 HTTP/1.1\r\n"),
+            Refused::Live
         );
-        let _ = tokio::time::timeout(REFUSE_TIME, async {
-            tcp.write_all(head.as_bytes()).await?;
-            tcp.write_all(body.as_bytes()).await?;
-            tcp.shutdown().await?;
-            // Read what the client sent until it closes, so that the close
-            // is not a reset that discards the 503 before it is read.
-            let mut sink = [0u8; 4096];
-            while tcp.read(&mut sink).await? > 0 {}
-            Ok::<_, std::io::Error>(())
-        })
-        .await;
-        refusing.fetch_sub(1, Ordering::AcqRel);
-    });
+        assert_eq!(
+            refused_route(b"GET /readyz HTTP/1.1\r\n\r\n"),
+            Refused::Ready
+        );
+        assert_eq!(
+            refused_route(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n\r\n"),
+            Refused::Api(Format::Messages)
+        );
+        assert_eq!(
+            refused_route(b"POST /v1/files HTTP/1.1\r\nanthropic-version: 2023-06-01\r\n\r\n"),
+            Refused::Api(Format::Messages)
+        );
+        assert_eq!(
+            refused_route(b"POST /v1/chat/completions HTTP/1.1\r\n\r\n"),
+            Refused::Api(Format::Chat)
+        );
+        assert_eq!(
+            refused_route(b"\x16\x03\x01garbage"),
+            Refused::Api(Format::Chat)
+        );
+        assert_eq!(refused_route(b""), Refused::Api(Format::Chat));
+        // POST /healthz is not a probe.
+        assert_eq!(
+            refused_route(b"POST /healthz HTTP/1.1\r\n\r\n"),
+            Refused::Api(Format::Chat)
+        );
+    }
 }

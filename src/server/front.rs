@@ -17,7 +17,10 @@
 //!    else this one.
 //! 4. One access-log line and `condense_requests_total` per request.
 //! 5. Client keys are checked, when `auth.client_keys` is set.
-//! 6. The route: condense's own endpoints, the conversation routes (chat
+//! 6. Over `server.max_inflight_requests` (counted by the connections, over
+//!    all of them), a request gets its API's overload error; condense's
+//!    own endpoints are always answered, `/readyz` with `saturated`.
+//! 7. The route: condense's own endpoints, the conversation routes (chat
 //!    completions, Anthropic Messages, Responses; `POST` only), and
 //!    everything else forwarded as it is.
 
@@ -52,9 +55,10 @@ const SENSITIVE: [HeaderName; 4] = [
     HeaderName::from_static("x-api-key"),
 ];
 
-/// Serves one request, whatever it is.
-pub async fn handle(app: Arc<AppState>, req: Request) -> Response {
-    guarded(serve(app, req)).await
+/// Serves one request, whatever it is; `saturated` when the requests in
+/// flight, this one included, are over the cap.
+pub async fn handle(app: Arc<AppState>, req: Request, saturated: bool) -> Response {
+    guarded(serve(app, req, saturated)).await
 }
 
 /// `serve`'s response, or a 500 if it panics.
@@ -65,7 +69,7 @@ async fn guarded(serve: impl Future<Output = Response>) -> Response {
         .unwrap_or_else(|_| panic_response())
 }
 
-async fn serve(app: Arc<AppState>, mut req: Request) -> Response {
+async fn serve(app: Arc<AppState>, mut req: Request, saturated: bool) -> Response {
     let headers = req.headers_mut();
     mark_sensitive(headers);
     let request_id = request_id(headers);
@@ -85,7 +89,8 @@ async fn serve(app: Arc<AppState>, mut req: Request) -> Response {
     let start = Instant::now();
     let mut resp = match denied(&app, route, &req) {
         Some(refusal) => refusal,
-        None => dispatch(&app, route, req).await,
+        None if saturated && !own_endpoint(route) => overloaded(&app, &req),
+        None => dispatch(&app, route, req, saturated).await,
     };
     let status = resp.status().as_u16();
     app.metrics
@@ -193,6 +198,22 @@ fn route_of(req: &Request) -> &'static str {
     }
 }
 
+/// condense's own endpoints, answered whatever the load.
+fn own_endpoint(route: &str) -> bool {
+    matches!(route, "healthz" | "readyz" | "metrics")
+}
+
+/// The answer to a request over the in-flight cap: its API's overload
+/// error, before anything of it is read.
+fn overloaded(app: &AppState, req: &Request) -> Response {
+    let e = ProxyError::Overloaded("too many requests in flight");
+    app.metrics
+        .proxy_errors_total
+        .with_label_values(&[e.metric_label()])
+        .inc();
+    e.response_for(crate::wire::api_of(req.uri().path(), req.headers()))
+}
+
 /// The refusal of a request without a client key, when `auth.client_keys`
 /// is set: the health endpoints are open, `/metrics` when
 /// `auth.metrics_public` says so.
@@ -216,7 +237,7 @@ fn denied(app: &AppState, route: &str, req: &Request) -> Option<Response> {
 /// The conversation routes' futures are several kilobytes each: they are
 /// boxed here, so that this function's own future (moved into a box per
 /// request by the connection) stays small.
-async fn dispatch(app: &AppState, route: &'static str, req: Request) -> Response {
+async fn dispatch(app: &AppState, route: &'static str, req: Request, saturated: bool) -> Response {
     match route {
         ROUTE_CHAT => Box::pin(app.proxy.clone().chat(req)).await,
         ROUTE_MESSAGES => Box::pin(app.proxy.clone().messages(req)).await,
@@ -233,6 +254,9 @@ async fn dispatch(app: &AppState, route: &'static str, req: Request) -> Response
         "readyz" if app.shutting_down.load(Ordering::Relaxed) => {
             (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response()
         }
+        // Liveness stays 200 under any load; readiness tells a balancer to
+        // send its requests elsewhere for now.
+        "readyz" if saturated => (StatusCode::SERVICE_UNAVAILABLE, "saturated").into_response(),
         "readyz" => "ready".into_response(),
         _ => metrics(app),
     }

@@ -98,12 +98,21 @@ impl Server {
         }
         let limits = connections::Limits::new(
             config.server.max_connections,
+            config.server.max_inflight_requests,
             Duration::from_secs_f64(config.server.idle_timeout_seconds),
         );
         tracing::info!(
             max_connections = limits.max_connections,
-            "client connection cap"
+            max_inflight_requests = limits.max_inflight,
+            "client connection and request caps"
         );
+        if limits.max_inflight < config.server.max_inflight_requests {
+            tracing::warn!(
+                max_inflight_requests = limits.max_inflight,
+                configured = config.server.max_inflight_requests,
+                "the open-file limit allows fewer requests in flight than server.max_inflight_requests; raise it (ulimit -n) to serve more"
+            );
+        }
         if limits.max_connections < config.server.max_connections {
             tracing::warn!(
                 max_connections = limits.max_connections,
