@@ -3,6 +3,10 @@
 //! as the agent's next turn sends it), including measuring, planning,
 //! rewriting and serializing the body.
 //!
+//! Also the hostile case of a tool result the agent read: 16 MB of
+//! distinct path lines (each one scored and deduplicated when the result is
+//! masked; this cost minutes when the paths seen were kept in a list).
+//!
 //! Run: `cargo bench --bench compaction`. Uses the shared traces when
 //! `../shared/traces/` is beside the repository, else a synthetic session.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
@@ -53,6 +57,23 @@ fn conversation() -> Value {
         }
         messages.pop();
     }
+}
+
+/// A conversation whose one tool result is `lines` distinct path lines
+/// (400k lines: 16 MB), answered, so that it is masked.
+fn distinct_paths(lines: usize) -> Bytes {
+    let out: String = (0..lines)
+        .map(|i| format!("src/module_{i}/sub_{}/file_{i}.py: ok\n", i * 7))
+        .collect();
+    let body = json!({"model": "gpt-4o", "messages": [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Look at the tree."},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "sh", "arguments": "{\"cmd\":\"find .\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": out},
+        {"role": "assistant", "content": "Seen it."},
+        {"role": "user", "content": "Now what?"},
+    ]});
+    Bytes::from(body.to_string())
 }
 
 fn run(svc: &TokenService, config: &Config, body: &Bytes) -> usize {
@@ -112,6 +133,19 @@ fn benches(c: &mut Criterion) {
                 body
             },
             |body| run(&svc, &config, &body),
+            BatchSize::LargeInput,
+        )
+    });
+    group.finish();
+
+    let hostile = distinct_paths(400_000);
+    println!("distinct path lines: {} bytes in", hostile.len());
+    let mut group = c.benchmark_group("hostile tool result");
+    group.sample_size(10);
+    group.bench_function("16 MB of distinct path lines (cold)", |b| {
+        b.iter_batched(
+            || TokenService::new(config.clone(), &Metrics::new().unwrap()),
+            |svc| run(&svc, &config, &hostile),
             BatchSize::LargeInput,
         )
     });

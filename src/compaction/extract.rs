@@ -12,6 +12,8 @@
 //! Placeholders depend on the text alone, never on the budget or the turn,
 //! so a masked message is byte-identical on every later turn.
 
+use std::collections::HashSet;
+
 use serde_json::Value;
 
 use super::text::MARK;
@@ -165,18 +167,22 @@ fn path_in(l: &str) -> Option<&str> {
 /// The highest-scoring lines, in their original order, within `budget`
 /// characters. A line naming a path already kept counts only for its other
 /// merits; long lines are cut (error lines less than others).
+///
+/// Linear in the text (plus a sort of the scored lines): a tool result is
+/// whatever file or page the agent read, and a crafted one of 400k
+/// distinct path lines cost minutes of CPU when each path was looked up in
+/// a list of the ones seen.
 pub fn key_lines(text: &str, budget: usize) -> String {
-    let mut seen_paths: Vec<&str> = Vec::new();
+    let mut seen_paths: HashSet<&str> = HashSet::new();
     // (score, line index, line, where a path new to the placeholder ends)
     let mut scored: Vec<(u32, usize, &str, Option<usize>)> = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let (mut s, path) = score(line);
         let mut path_end = None;
         if let Some(p) = path {
-            if seen_paths.contains(&p) {
+            if !seen_paths.insert(p) {
                 s = s.saturating_sub(3);
             } else {
-                seen_paths.push(p);
                 path_end = line.find(p).map(|at| line[..at + p.len()].chars().count());
             }
         }
@@ -190,23 +196,29 @@ pub fn key_lines(text: &str, budget: usize) -> String {
     let mut chosen: Vec<(usize, String)> = Vec::new();
     let mut used = 0;
     for (s, i, line, path_end) in scored {
+        // Nothing more can go in: the rest need not be looked at.
+        if used + 2 > budget {
+            break;
+        }
         let mut max_line = if s >= 7 { 240 } else { (budget / 2).max(60) };
+        let chars = line.chars().count();
         // A line too long for what is left still goes in, cut, when the
         // path it names fits (a traceback's middle frames).
         let room = budget.saturating_sub(used + 2);
-        if line.chars().count() + used + 1 > budget && path_end.is_some_and(|end| end <= room) {
+        if chars + used + 1 > budget && path_end.is_some_and(|end| end <= room) {
             max_line = max_line.min(room);
         }
-        let line = if line.chars().count() > max_line {
+        // What the line costs, worked out before anything is copied.
+        let cost = chars.min(max_line) + usize::from(chars > max_line) + 1;
+        if used + cost > budget {
+            continue;
+        }
+        let line = if chars > max_line {
             let cut: String = line.chars().take(max_line).collect();
             format!("{cut}…")
         } else {
             line.to_string()
         };
-        let cost = line.chars().count() + 1;
-        if used + cost > budget {
-            continue;
-        }
         used += cost;
         chosen.push((i, line));
     }
