@@ -69,6 +69,7 @@ pub struct Metrics {
     pub context_overflow_total: IntCounterVec,
     pub upstream_invalid_responses_total: IntCounterVec,
     pub stateful_requests_total: IntCounterVec,
+    pub prepare_jobs_total: IntCounterVec,
     pub recalls_total: IntCounterVec,
     pub recalled_bytes_total: IntCounter,
     pub agent_compactions_total: IntCounterVec,
@@ -265,6 +266,16 @@ impl Metrics {
             ),
             &["provider_format", "outcome"],
         )?;
+        let prepare_jobs_total = IntCounterVec::new(
+            Opts::new(
+                "condense_prepare_jobs_total",
+                "Large request bodies prepared (parsed, counted, compacted) off the async workers, by outcome: run; busy (their lane's queue was full, so the request went upstream as it came); abandoned (the client went away while the job waited, so it never ran).",
+            ),
+            &["outcome"],
+        )?;
+        for outcome in ["run", "busy", "abandoned"] {
+            prepare_jobs_total.with_label_values(&[outcome]);
+        }
         let stateful_requests_total = IntCounterVec::new(
             Opts::new(
                 "condense_stateful_requests_total",
@@ -337,6 +348,7 @@ impl Metrics {
         register(Box::new(context_overflow_total.clone()))?;
         register(Box::new(upstream_invalid_responses_total.clone()))?;
         register(Box::new(stateful_requests_total.clone()))?;
+        register(Box::new(prepare_jobs_total.clone()))?;
         register(Box::new(recalls_total.clone()))?;
         register(Box::new(recalled_bytes_total.clone()))?;
         register(Box::new(agent_compactions_total.clone()))?;
@@ -397,6 +409,7 @@ impl Metrics {
             context_overflow_total,
             upstream_invalid_responses_total,
             stateful_requests_total,
+            prepare_jobs_total,
             recalls_total,
             recalled_bytes_total,
             agent_compactions_total,

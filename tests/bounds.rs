@@ -839,6 +839,113 @@ async fn with_every_connection_busy_liveness_answers_200_and_readiness_503() {
     h.shutdown().await;
 }
 
+/// A chat body whose one tool result is `lines` distinct path lines, each
+/// line tagged with `tag` (so no two bodies share a message to count).
+fn distinct_paths_body(lines: usize, tag: &str) -> Vec<u8> {
+    let out: String = (0..lines)
+        .map(|i| format!("src/{tag}/module_{i}/file_{i}.py: ok\n"))
+        .collect();
+    serde_json::to_vec(&json!({"model": "gpt-4o", "messages": [
+        {"role": "user", "content": "Look at the tree."},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "sh", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": out},
+        {"role": "assistant", "content": "Seen it."},
+        {"role": "user", "content": "Now what?"},
+    ]}))
+    .unwrap()
+}
+
+/// Large bodies are prepared in a lane of their own, which an ordinary
+/// request never waits behind; a queued job whose client hung up is never
+/// run. (Before, all bodies of 128 KB or more shared one set of slots: an
+/// ordinary 272 KB request waited 79 s behind three crafted ones, and the
+/// jobs of clients that had gone still ran.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_jobs_cannot_delay_ordinary_requests_and_abandoned_ones_never_run() {
+    let h = Harness::start().await;
+    let s = server(&h);
+    let jobs = |outcome: &str| {
+        metric(
+            s,
+            &format!("condense_prepare_jobs_total{{outcome=\"{outcome}\"}}"),
+        )
+    };
+    // Every slot of the large lane busy with a large body (8 MB each).
+    let large_slots = (std::thread::available_parallelism().map_or(2, |n| n.get()) / 2).max(1);
+    let busy: Vec<_> = (0..large_slots)
+        .map(|i| {
+            let url = h.url("/v1/chat/completions");
+            let body = distinct_paths_body(200_000, &format!("busy{i}"));
+            tokio::spawn(async move {
+                client()
+                    .post(url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .timeout(Duration::from_secs(120))
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16())
+            })
+        })
+        .collect();
+    eventually("the large lane busy", || jobs("run") >= large_slots as f64).await;
+
+    // A large body whose client hangs up while its job waits.
+    let gone = distinct_paths_body(60_000, "gone");
+    let mut conn = TcpStream::connect(h.addr).await.unwrap();
+    conn.write_all(
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            gone.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    conn.write_all(&gone).await.unwrap();
+    // Read by condense, its job waiting behind the busy ones: then the
+    // client goes.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        busy.iter().all(|b| !b.is_finished()),
+        "the large lane emptied too soon"
+    );
+    drop(conn);
+    eventually("the waiting job abandoned", || jobs("abandoned") == 1.0).await;
+
+    // An ordinary 300 KB request is answered while the large lane is still
+    // busy (none of the large ones has been forwarded yet).
+    let ordinary = distinct_paths_body(8_000, "ordinary");
+    assert!(ordinary.len() > 128 * 1024 && ordinary.len() < 2 << 20);
+    let resp = bounded(
+        "an ordinary request",
+        client()
+            .post(h.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(ordinary)
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(
+        busy.iter().any(|b| !b.is_finished()),
+        "the large jobs finished before the ordinary request was answered: nothing was shown"
+    );
+    for b in busy {
+        let status = tokio::time::timeout(Duration::from_secs(120), b)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(status, 200);
+    }
+    // The abandoned job never ran: only the busy ones and the ordinary one.
+    assert_eq!(jobs("run"), large_slots as f64 + 1.0);
+    assert_eq!(jobs("abandoned"), 1.0);
+    h.shutdown().await;
+}
+
 // ---------------------------------------------------------------------------
 // 6, 7, 8, 9: oversized upstream bodies
 // ---------------------------------------------------------------------------

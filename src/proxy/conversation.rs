@@ -189,12 +189,9 @@ impl Proxy {
         });
         let counted = match (&learner, report.as_ref().and_then(|r| r.raw_after)) {
             (_, Some(raw)) => Sent::Counted(raw),
-            (Some(l), None) if resp.status.is_success() => l.count_later(
-                prepared.body.clone(),
-                held,
-                &self.prepare_slots,
-                &self.background,
-            ),
+            (Some(l), None) if resp.status.is_success() => {
+                l.count_later(prepared.body.clone(), held, &self.jobs, &self.background)
+            }
             _ => Sent::Unknown,
         };
         let mut on_usage = learner.map(|l| l.on_usage(counted));

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit};
 
 use super::body::Held;
 use super::relay::UsageCallback;
@@ -80,10 +80,10 @@ impl Learner {
         &self,
         body: Bytes,
         held: Held,
-        slots: &Arc<Semaphore>,
+        jobs: &super::jobs::Jobs,
         background: &Background,
     ) -> Sent {
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
+        let Some(slot) = jobs.try_slot(body.len()) else {
             return Sent::Unknown;
         };
         let meeting = Arc::new(Meeting::default());

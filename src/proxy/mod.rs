@@ -12,6 +12,7 @@ pub mod auth;
 pub mod body;
 mod conversation;
 pub mod headers;
+mod jobs;
 pub mod learn;
 pub mod listing;
 pub mod pool;
@@ -76,8 +77,9 @@ pub struct Proxy {
     pub metrics: Arc<Metrics>,
     pub tokens: Arc<TokenService>,
     listing: ListingFetcher,
-    /// Slots for measuring large bodies on the blocking pool, one per core.
-    prepare_slots: Arc<tokio::sync::Semaphore>,
+    /// Parsing, counting and compacting large bodies, off the async
+    /// workers and under a bound.
+    jobs: jobs::Jobs,
     compaction: CompactionConfig,
     /// None when `summary.enabled` is false.
     summarizer: Option<Summarizer>,
@@ -160,11 +162,12 @@ impl Proxy {
             window_checks: Bounded::hashed(4096, 4096, one),
             credentials: Credentials::new(&config.auth, config.upstream.api_key.as_ref()),
             tokens: Arc::new(TokenService::new(config.clone(), &metrics)),
+            jobs: jobs::Jobs::new(
+                std::thread::available_parallelism().map_or(2, |n| n.get()),
+                metrics.prepare_jobs_total.clone(),
+            ),
             metrics,
             listing: ListingFetcher::default(),
-            prepare_slots: Arc::new(tokio::sync::Semaphore::new(
-                std::thread::available_parallelism().map_or(2, |n| n.get()),
-            )),
             compaction: config.compaction.clone(),
             max_body_bytes: config.server.max_body_bytes,
             body_timeout: Duration::from_secs_f64(config.server.body_timeout_seconds),
@@ -245,23 +248,15 @@ impl Proxy {
         ))
     }
 
-    /// Runs long counting work off the async workers, in one of the slots
-    /// (one per core). Counting a large history the cache has not seen
-    /// takes tens of milliseconds; with at most one such job per core, a
-    /// burst of new conversations queues instead of starting hundreds of
-    /// threads that all count the same messages at once (the ones that
-    /// wait find them cached). None when the work did not finish (a panic).
+    /// Runs the preparation of a body of `bytes` off the async workers, in
+    /// its lane (see `jobs.rs`). None when it did not run: its lane was
+    /// full, or it panicked; the request then goes on without it.
     async fn off_workers<T: Send + 'static>(
         &self,
+        bytes: usize,
         work: impl FnOnce() -> T + Send + 'static,
     ) -> Option<T> {
-        let permit = self.prepare_slots.clone().acquire_owned().await;
-        tokio::task::spawn_blocking(move || {
-            let _permit = permit;
-            work()
-        })
-        .await
-        .ok()
+        self.jobs.run(bytes, work).await.ok()
     }
 
     /// Waits until the work started off the request path (counting bodies

@@ -88,7 +88,8 @@ impl Proxy {
         // is work for the blocking pool, as counting is.
         let parsed = if format != Format::Chat && bytes.len() >= BLOCKING_PREPARE_BYTES {
             let body = bytes.clone();
-            self.off_workers(move || Parsed::parse(format, &body)).await
+            self.off_workers(body.len(), move || Parsed::parse(format, &body))
+                .await
         } else {
             Some(Parsed::parse(format, bytes))
         };
@@ -142,7 +143,7 @@ impl Proxy {
                 >= BLOCKING_PREPARE_BYTES
         {
             let (this, body, name) = (self.clone(), bytes.clone(), model.clone());
-            self.off_workers(move || {
+            self.off_workers(bytes.len(), move || {
                 this.measure_or_forward(
                     format,
                     parsed,

@@ -202,7 +202,7 @@ impl Proxy {
         ratio: f64,
     ) -> Option<(overflow::Rejected, Option<u64>)> {
         let large = body.len() >= BLOCKING_PREPARE_BYTES;
-        let (tokens, body) = (self.tokens.clone(), body.clone());
+        let (tokens, size, body) = (self.tokens.clone(), body.len(), body.clone());
         let measure = move || {
             let req = crate::wire::conversation_of(format, &body)?;
             let rejected = overflow::Rejected {
@@ -214,7 +214,7 @@ impl Proxy {
             Some((rejected, req.max_completion_tokens()))
         };
         if large {
-            self.off_workers(measure).await.flatten()
+            self.off_workers(size, measure).await.flatten()
         } else {
             measure()
         }
