@@ -1473,6 +1473,52 @@ async fn a_client_that_stopped_reading_does_not_hold_the_shutdown_for_the_grace_
     drop(stalled);
 }
 
+/// A stream still open when the shutdown grace ends gets an error event in
+/// its API's shape and the body's proper end (the chunked terminator), so
+/// the client's SDK raises an API error instead of a broken connection.
+#[tokio::test]
+async fn streams_open_at_the_end_of_the_grace_end_with_an_error_event() {
+    let mut h = Harness::with(|c| {
+        c.server.shutdown_grace_seconds = 0.5;
+        c.upstream.idle_timeout_seconds = 30.0;
+    })
+    .await;
+    let resp = client()
+        .post(h.url("/v1/chat/completions"))
+        .header("x-mock-stall", "1")
+        .header("content-type", "application/json")
+        .body(chat_body(true).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let first = bounded("the first chunk", stream.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(first.starts_with(b"data: "), "{first:?}");
+    let s = h.server.take().unwrap();
+    let stopped = tokio::spawn(s.shutdown());
+    let mut rest = Vec::new();
+    bounded("the stream's end", async {
+        while let Some(chunk) = stream.next().await {
+            // A cut connection would be an error here.
+            rest.extend_from_slice(&chunk.unwrap());
+        }
+    })
+    .await;
+    let rest = String::from_utf8(rest).unwrap();
+    let data = rest
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .next_back()
+        .unwrap_or_else(|| panic!("no event after the first: {rest:?}"));
+    let event: Value = serde_json::from_str(data).unwrap();
+    assert_eq!(event["error"]["code"], "shutting_down", "{rest}");
+    bounded("the shutdown", stopped).await.unwrap().unwrap();
+}
+
 /// Headers that announce bodies never sent take no room: four clients each
 /// declaring 32 MiB and sending nothing more leave the budget to others.
 #[tokio::test]

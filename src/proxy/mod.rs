@@ -100,6 +100,8 @@ pub struct Proxy {
     learn_windows: bool,
     /// Which recall originals this process stored lately.
     recall_written: crate::recall::store::Written,
+    /// Turns true when the shutdown grace is over: open streams end.
+    streams_end: tokio::sync::watch::Sender<bool>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -179,6 +181,7 @@ impl Proxy {
                 65_536,
                 Duration::from_secs(config.state.ttl_seconds),
             ),
+            streams_end: tokio::sync::watch::Sender::new(false),
         })
     }
 
@@ -259,6 +262,12 @@ impl Proxy {
         self.jobs.run(bytes, work).await.ok()
     }
 
+    /// Ends every stream still open with an error event in its API's shape
+    /// and the body's proper end (the shutdown grace is over).
+    pub fn end_streams(&self) {
+        self.streams_end.send_replace(true);
+    }
+
     /// Waits until the work started off the request path (counting bodies
     /// for calibration) is done: `condense replay` and tests use it to see
     /// each turn's effect before the next.
@@ -294,6 +303,7 @@ impl Proxy {
             self.metrics.clone(),
             guard,
             &self.background,
+            &self.streams_end,
         );
         let mut response = Response::new(body);
         *response.status_mut() = status;

@@ -2,7 +2,10 @@
 //! arrive (never buffering a stream), enforces the idle timeout between
 //! chunks, feeds the usage tap, and keeps the in-flight gauge honest: the
 //! guard lives inside the stream, so a client that disconnects drops the
-//! stream, the guard, and with it the upstream connection.
+//! stream, the guard, and with it the upstream connection. A stream still
+//! open when the server's shutdown grace ends is closed the way the API
+//! closes a failed one: an error event in its shape, then the body's proper
+//! end (the chunked terminator), not a cut connection.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -11,6 +14,7 @@ use std::time::Duration;
 use axum::body::Body;
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
+use tokio::sync::watch;
 
 use super::learn::Background;
 use super::upstream::{self, BoxError, UpstreamResponse};
@@ -22,7 +26,7 @@ use crate::wire::Format;
 const FLUSH_BEFORE_ABORT: Duration = Duration::from_millis(20);
 
 /// The `cause` label of `condense_stream_interruptions_total`.
-pub const INTERRUPTION_CAUSES: &[&str] = &["idle_timeout", "upstream_error"];
+pub const INTERRUPTION_CAUSES: &[&str] = &["idle_timeout", "upstream_error", "shutdown"];
 /// The `kind` label of `condense_upstream_invalid_responses_total`.
 pub const ANOMALIES: &[&str] = &["invalid_json", "sse_without_done", "sse_event_too_long"];
 
@@ -201,6 +205,8 @@ struct State {
     done: bool,
     /// An error to end the body with, after the event that announces it.
     failure: Option<RelayError>,
+    /// Turns true when the server's shutdown grace is over (streams only).
+    cut: Option<watch::Receiver<bool>>,
     _inflight: InflightGuard,
 }
 
@@ -278,7 +284,16 @@ impl State {
     }
 }
 
-/// The client-facing body for an upstream response.
+/// Resolves once `cut` turns true; never when its sender is gone.
+async fn cut_off(cut: &mut watch::Receiver<bool>) {
+    if cut.wait_for(|c| *c).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// The client-facing body for an upstream response. A stream (an SSE tap)
+/// ends with an error event once `cut` turns true.
+#[allow(clippy::too_many_arguments)]
 pub fn relay(
     body: BodyStream,
     tap: Tap,
@@ -287,7 +302,9 @@ pub fn relay(
     metrics: Arc<Metrics>,
     inflight: InflightGuard,
     background: &Background,
+    cut: &watch::Sender<bool>,
 ) -> Body {
+    let cut = matches!(tap, Tap::Sse(_)).then(|| cut.subscribe());
     let state = State {
         upstream: body,
         settle: Settle {
@@ -300,6 +317,7 @@ pub fn relay(
         idle,
         done: false,
         failure: None,
+        cut,
         _inflight: inflight,
     };
     let stream = futures_util::stream::unfold(state, |mut st| async move {
@@ -313,7 +331,26 @@ pub fn relay(
             if st.done {
                 return None;
             }
-            match tokio::time::timeout(st.idle, st.upstream.next()).await {
+            let next = tokio::time::timeout(st.idle, st.upstream.next());
+            let polled = match st.cut.as_mut() {
+                Some(cut) => tokio::select! {
+                    biased;
+                    () = cut_off(cut) => None,
+                    polled = next => Some(polled),
+                },
+                None => Some(next.await),
+            };
+            let Some(polled) = polled else {
+                st.interrupted("shutdown");
+                tracing::warn!("stream still open at the end of the shutdown grace; ending it");
+                let message = "condense is shutting down; the stream ends here";
+                return st
+                    .settle
+                    .tap
+                    .error_event("shutting_down", message)
+                    .map(|event| (Ok(event), st));
+            };
+            match polled {
                 Err(_) => {
                     st.interrupted("idle_timeout");
                     tracing::warn!(idle = ?st.idle, "upstream stream idle too long; cutting it off");

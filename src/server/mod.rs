@@ -57,6 +57,10 @@ impl AppState {
     }
 }
 
+/// Time the streams ended at the close of the shutdown grace get to reach
+/// their clients before the remaining connections are cut.
+const STREAMS_END: Duration = Duration::from_secs(1);
+
 /// A running server.
 pub struct Server {
     addr: SocketAddr,
@@ -161,8 +165,13 @@ impl Server {
             Ok(Ok(result)) => Ok(result?),
             Ok(Err(join)) => Err(ServerError::Io(std::io::Error::other(join))),
             Err(_) => {
-                tracing::warn!(grace = ?self.grace, "shutdown grace period over; closing remaining connections");
-                task.abort();
+                tracing::warn!(grace = ?self.grace, "shutdown grace period over; ending open streams and closing remaining connections");
+                // Streams end as the API ends a failed one (an error event,
+                // then the body's end), and get a moment to be written.
+                self.state.proxy.end_streams();
+                if tokio::time::timeout(STREAMS_END, &mut task).await.is_err() {
+                    task.abort();
+                }
                 Ok(())
             }
         }
