@@ -411,9 +411,10 @@ pub struct UpstreamConfig {
     pub anthropic_api_key: Option<Secret>,
     /// Time allowed to open the TCP/TLS connection.
     pub connect_timeout_seconds: f64,
-    /// Time allowed from sending the request to the response headers. A
-    /// non-streamed reasoning-model answer only starts when it is complete,
-    /// so this is generous by default.
+    /// Time allowed from sending the request to the response headers (for
+    /// a client body streamed through, from its last byte). A non-streamed
+    /// reasoning-model answer only starts when it is complete, so this is
+    /// generous by default.
     pub first_byte_timeout_seconds: f64,
     /// Longest silence allowed between two chunks of a response body. There
     /// is no total timeout: a stream may run as long as it keeps talking.

@@ -10,6 +10,8 @@
 //! - A client body streamed upstream unread (passthrough routes) has the
 //!   same size limit and deadline; when it fails, the client learns whose
 //!   fault it was (413, 408, or 400 for a malformed body) rather than a 502.
+//!   The upstream's first-byte timeout starts only once the body is sent:
+//!   until then the client is the one keeping the upstream waiting.
 //! - An upstream body condense reads itself (an error body it inspects for
 //!   overflow, a model listing, a summarizer answer) is read up to a limit;
 //!   an error body over it is passed on unread.
@@ -23,7 +25,7 @@ use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use http::HeaderMap;
 use http_body_util::BodyExt;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::time::Instant;
 
 use super::relay::BodyStream;
@@ -153,23 +155,35 @@ pub async fn read_request(
     }
 }
 
-/// Why a streamed client body failed, for the error the client gets.
-#[derive(Clone, Default)]
-pub struct StreamFault(Arc<AtomicU8>);
+/// A client body streamed upstream, as its handler sees it: when it is
+/// done with (the upstream's first-byte clock starts then), and why it
+/// failed, if it did, for the error the client gets.
+pub struct Upload {
+    fault: Arc<AtomicU8>,
+    /// Closed (its sender dropped) once the body has ended, failed, or been
+    /// let go of; nothing is ever sent on it.
+    done: watch::Receiver<()>,
+    deadline: Instant,
+}
 
 const FAULT_TOO_LARGE: u8 = 1;
 const FAULT_TIMEOUT: u8 = 2;
 const FAULT_CLIENT: u8 = 3;
 
-impl StreamFault {
-    fn set(&self, fault: u8) {
-        self.0.store(fault, Ordering::Relaxed);
+impl Upload {
+    /// Resolves once the body is sent whole, has failed or was let go of,
+    /// or at its deadline (an upstream that stops reading it never lets the
+    /// deadline be checked).
+    pub async fn sent(&self) {
+        let mut done = self.done.clone();
+        let closed = async { while done.changed().await.is_ok() {} };
+        let _ = tokio::time::timeout_at(self.deadline, closed).await;
     }
 
     /// The client's error for a failed upstream exchange, when the client
     /// body is what failed; `otherwise` when it is not.
     pub fn or(&self, limit: u64, timeout: Duration, otherwise: ProxyError) -> ProxyError {
-        match self.0.load(Ordering::Relaxed) {
+        match self.fault.load(Ordering::Relaxed) {
             FAULT_TOO_LARGE => ProxyError::BodyTooLarge(limit),
             FAULT_TIMEOUT => ProxyError::BodyTimeout(timeout.as_secs_f64()),
             FAULT_CLIENT => {
@@ -185,17 +199,22 @@ impl StreamFault {
 struct ClientBodyError(&'static str);
 
 /// Streams a client body upstream, failing it once it passes `limit` bytes,
-/// takes longer than `timeout`, or breaks (and recording which in `fault`).
-pub fn streamed_request(body: Body, limit: u64, timeout: Duration, fault: StreamFault) -> Outgoing {
+/// takes longer than `timeout`, or breaks (and recording which).
+pub fn streamed_request(body: Body, limit: u64, timeout: Duration) -> (Outgoing, Upload) {
     let deadline = Instant::now() + timeout;
-    let start = Some((body.into_data_stream(), 0u64));
+    let fault = Arc::new(AtomicU8::new(0));
+    let (done, done_rx) = watch::channel(());
+    // `done` lives in the stream's state: it is dropped when the stream
+    // ends, fails, or is dropped itself.
+    let start = Some((body.into_data_stream(), 0u64, done));
+    let failed = fault.clone();
     let stream = futures_util::stream::unfold(start, move |state| {
-        let fault = fault.clone();
+        let fault = failed.clone();
         async move {
-            let (mut body, mut seen) = state?;
+            let (mut body, mut seen, done) = state?;
             // After a failure the stream ends (state None).
             let fail = |code: u8, why: &'static str| {
-                fault.set(code);
+                fault.store(code, Ordering::Relaxed);
                 let e: BoxError = Box::new(ClientBodyError(why));
                 Some((Err(e), None))
             };
@@ -208,14 +227,22 @@ pub fn streamed_request(body: Body, limit: u64, timeout: Duration, fault: Stream
                     if seen > limit {
                         fail(FAULT_TOO_LARGE, "over the limit")
                     } else {
-                        Some((Ok(chunk), Some((body, seen))))
+                        Some((Ok(chunk), Some((body, seen, done))))
                     }
                 }
             }
         }
     });
     let frames = stream.map(|chunk| chunk.map(http_body::Frame::data));
-    Outgoing::Streamed(http_body_util::StreamBody::new(frames).boxed_unsync())
+    let upload = Upload {
+        fault,
+        done: done_rx,
+        deadline,
+    };
+    (
+        Outgoing::Streamed(http_body_util::StreamBody::new(frames).boxed_unsync()),
+        upload,
+    )
 }
 
 /// What reading an upstream body up to a limit gave.
