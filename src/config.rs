@@ -362,7 +362,9 @@ pub struct ServerConfig {
     /// Largest request body accepted; larger ones get a 413.
     pub max_body_bytes: u64,
     /// Bytes of request bodies condense holds in memory at once (bodies it
-    /// reads whole); a request that would pass it gets a 503.
+    /// reads whole); a request that would pass it gets a 503. A body without
+    /// a `Content-Length` needs room for twice its size while it is put
+    /// together.
     pub max_buffered_bytes: u64,
     /// Time a request body has to arrive whole (408 after it).
     pub body_timeout_seconds: f64,
