@@ -604,8 +604,17 @@ impl Config {
         if self.server.max_connections == 0 {
             return Err(invalid("server.max_connections", "must be greater than 0"));
         }
-        if self.auth.client_keys.iter().any(|k| k.expose().is_empty()) {
-            return Err(invalid("auth.client_keys", "keys must not be empty"));
+        for (i, k) in self.auth.client_keys.iter().enumerate() {
+            if k.expose().is_empty() {
+                return Err(invalid("auth.client_keys", "keys must not be empty"));
+            }
+            // A client could never present it.
+            if let Some(why) = unfit_for_header(k.expose()) {
+                return Err(ConfigError::Invalid {
+                    key: "auth.client_keys",
+                    reason: format!("key {} of the list {why}", i + 1),
+                });
+            }
         }
         for (key, secret) in [
             ("upstream.api_key", &self.upstream.api_key),
@@ -615,8 +624,13 @@ impl Config {
             ),
             ("summary.api_key", &self.summary.api_key),
         ] {
-            if secret.as_ref().is_some_and(|k| k.expose().is_empty()) {
+            let Some(secret) = secret else { continue };
+            if secret.expose().is_empty() {
                 return Err(invalid(key, "must not be empty when set"));
+            }
+            // Such a key would not be sent at all (no header can hold it).
+            if let Some(why) = unfit_for_header(secret.expose()) {
+                return Err(ConfigError::Invalid { key, reason: why });
             }
         }
         if let Some(u) = &self.summary.base_url {
@@ -728,6 +742,32 @@ impl Config {
         shown.summary.base_url = self.summary.base_url.as_deref().map(redact_url);
         toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
     }
+}
+
+/// Why a key cannot travel as an HTTP header value as it is, if it cannot:
+/// a line break or other control character, a character outside ASCII (an
+/// HTTP header carries bytes; no API key has one), or whitespace around it
+/// (often a newline left by the file or command it came from). The reason
+/// never quotes the key.
+fn unfit_for_header(key: &str) -> Option<String> {
+    let len = key.len();
+    let at = |i: usize| format!("at byte {} of {len}; the key is not shown", i + 1);
+    for (i, b) in key.bytes().enumerate() {
+        let what = match b {
+            b'\r' | b'\n' => "a line break",
+            0..0x20 | 0x7f => "a control character",
+            0x80.. => "a character outside ASCII",
+            _ => continue,
+        };
+        return Some(format!(
+            "contains {what}, which an HTTP header cannot carry ({})",
+            at(i)
+        ));
+    }
+    if key.trim() != key {
+        return Some("has a space at its start or end; the key is not shown".to_string());
+    }
+    None
 }
 
 /// A URL fit to print: credentials in it (`user:pass@`) replaced.
@@ -867,6 +907,41 @@ mod tests {
             assert!(c.summary.model.is_none());
             Ok(())
         });
+    }
+
+    #[test]
+    fn a_key_no_http_header_can_carry_is_refused_without_being_shown() {
+        let secret = "sk-do-not-print-me";
+        for (bad, why) in [
+            (format!("{secret}\n"), "line break"),
+            (format!("{secret}\r\nX-Injected: 1"), "line break"),
+            (format!("{secret}\u{7f}"), "control character"),
+            (format!("{secret}\tx"), "control character"),
+            (format!("{secret}\u{e9}"), "outside ASCII"),
+            (format!(" {secret}"), "space"),
+        ] {
+            type Set = fn(&mut Config, Secret);
+            let set: [(&str, Set); 4] = [
+                ("upstream.api_key", |c, k| c.upstream.api_key = Some(k)),
+                ("upstream.anthropic_api_key", |c, k| {
+                    c.upstream.anthropic_api_key = Some(k)
+                }),
+                ("summary.api_key", |c, k| c.summary.api_key = Some(k)),
+                ("auth.client_keys", |c, k| {
+                    c.auth.client_keys = vec![Secret::new("fine"), k]
+                }),
+            ];
+            for (key, set) in set {
+                let mut c = Config::default();
+                set(&mut c, Secret::new(bad.clone()));
+                let err = c.validate().unwrap_err().to_string();
+                assert!(err.contains(key) && err.contains(why), "{err}");
+                assert!(!err.contains("do-not-print"), "{err}");
+            }
+        }
+        let mut c = Config::default();
+        c.upstream.api_key = Some(Secret::new("sk-proj-AZaz09_-.~+/="));
+        c.validate().unwrap();
     }
 
     #[test]

@@ -75,6 +75,35 @@ fn check_config_fails_on_unknown_or_invalid_keys() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+#[test]
+fn check_config_refuses_a_key_no_header_can_carry_and_does_not_print_it() {
+    // (The environment's values are trimmed: a trailing newline is gone
+    // before condense sees it.)
+    for (var, value) in [
+        (
+            "CONDENSE_UPSTREAM__API_KEY",
+            "sk-top-secret\r\nX-Injected: 1",
+        ),
+        ("CONDENSE_UPSTREAM__ANTHROPIC_API_KEY", "sk-top-secret\u{1}"),
+        ("CONDENSE_SUMMARY__API_KEY", "sk-top-secret\u{e9}"),
+    ] {
+        let out = condense()
+            .arg("check-config")
+            .env(var, value)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{var}={value:?} was accepted");
+        let key = var
+            .trim_start_matches("CONDENSE_")
+            .replace("__", ".")
+            .to_lowercase();
+        assert!(stderr.contains(&key), "{var}: {stderr}");
+        assert!(!stderr.contains("top-secret"), "{var}: {stderr}");
+        assert!(out.stdout.is_empty());
+    }
+}
+
 #[tokio::test]
 async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() {
     let mock = MockUpstream::start().await;
