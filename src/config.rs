@@ -5,35 +5,26 @@
 //! merges the layers into the raw [`Config`] (every struct denies unknown
 //! fields, so a typo fails at start-up instead of silently falling back to a
 //! default), then [`Config::validate`] checks what types alone cannot.
+//! Which variables are configuration is `env`'s to say; the wording of
+//! errors, which never show a credential, `error`'s.
 
 use std::fmt;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use figment::Figment;
-use figment::providers::{Env, Format, Serialized, Toml};
+use figment::providers::{Format, Serialized, Toml};
 use serde::{Deserialize, Serialize, Serializer};
 
 use crate::tokens::Encoding;
 
+mod env;
+mod error;
+
+pub use error::ConfigError;
+
 /// The file read when no `--config` is given and it exists.
 pub const DEFAULT_CONFIG_PATH: &str = "config/condense.toml";
-
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("configuration file {0} does not exist")]
-    MissingFile(PathBuf),
-    #[error("invalid configuration: {0}")]
-    Figment(Box<figment::Error>),
-    #[error("invalid configuration: {key}: {reason}")]
-    Invalid { key: &'static str, reason: String },
-}
-
-impl From<figment::Error> for ConfigError {
-    fn from(e: figment::Error) -> Self {
-        ConfigError::Figment(Box::new(e))
-    }
-}
 
 /// A credential. Its `Debug` and `Serialize` never show the value, so it
 /// cannot leak through logs or `condense check-config`.
@@ -504,9 +495,7 @@ impl Config {
             }
             None => {}
         }
-        let mut config: Config = figment
-            .merge(Env::prefixed("CONDENSE_").split("__"))
-            .extract()?;
+        let mut config: Config = figment.merge(env::provider()).extract()?;
         config.unset_empty();
         config.validate()?;
         Ok(config)
@@ -942,6 +931,73 @@ mod tests {
         let mut c = Config::default();
         c.upstream.api_key = Some(Secret::new("sk-proj-AZaz09_-.~+/="));
         c.validate().unwrap();
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)]
+    fn a_malformed_secret_is_named_with_its_variable_but_never_shown() {
+        for (var, value, wrong) in [
+            // The common slip: no brackets around the list.
+            (
+                "CONDENSE_AUTH__CLIENT_KEYS",
+                "sekrit-1, sekrit-2",
+                "found a string, expected a sequence",
+            ),
+            (
+                "CONDENSE_AUTH__CLIENT_KEYS",
+                "[sekrit-1",
+                "expected a sequence",
+            ),
+            (
+                "CONDENSE_AUTH__CLIENT_KEYS",
+                "[ok, 8675309]",
+                "found an integer, expected a string",
+            ),
+            ("CONDENSE_UPSTREAM__API_KEY", "8675309", "found an integer"),
+            (
+                "CONDENSE_UPSTREAM__ANTHROPIC_API_KEY",
+                "8675309",
+                "found an integer",
+            ),
+            ("CONDENSE_SUMMARY__API_KEY", "true", "found a boolean"),
+            ("CONDENSE_STATE__REDIS_URL", "8675309", "found an integer"),
+            ("CONDENSE_UPSTREAM__BASE_URL", "8675309", "found an integer"),
+        ] {
+            figment::Jail::expect_with(|jail| {
+                jail.set_env(var, value);
+                let err = Config::load(None).unwrap_err().to_string();
+                assert!(err.contains(var) && err.contains(wrong), "{var}: {err}");
+                assert!(err.contains("not shown"), "{var}: {err}");
+                assert!(
+                    !err.contains("sekrit") && !err.contains("8675309") && !err.contains("true"),
+                    "{var}: {err}"
+                );
+                Ok(())
+            });
+        }
+        // The same from a file, and a file that does not parse (whose
+        // error would quote the line).
+        for text in [
+            "[auth]\nclient_keys = \"sekrit\"\n",
+            "[upstream]\napi_key = sekrit-unquoted\n",
+        ] {
+            let err = Config::from_toml(text).unwrap_err().to_string();
+            assert!(!err.contains("sekrit"), "{err}");
+            assert!(
+                err.contains("client_keys") || err.contains("line 2"),
+                "{err}"
+            );
+        }
+        // Other values are still quoted: they help, and are not secret.
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("CONDENSE_SERVER__MAX_BODY_BYTES", "lots");
+            let err = Config::load(None).unwrap_err().to_string();
+            assert!(
+                err.contains("CONDENSE_SERVER__MAX_BODY_BYTES") && err.contains("\"lots\""),
+                "{err}"
+            );
+            Ok(())
+        });
     }
 
     #[test]

@@ -104,6 +104,23 @@ fn check_config_refuses_a_key_no_header_can_carry_and_does_not_print_it() {
     }
 }
 
+#[test]
+fn check_config_names_a_malformed_secret_by_its_variable_without_its_value() {
+    // A list without its brackets: a string where a sequence belongs.
+    let out = condense()
+        .arg("check-config")
+        .env("CONDENSE_AUTH__CLIENT_KEYS", "team-key-1, team-key-2")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("CONDENSE_AUTH__CLIENT_KEYS") && stderr.contains("expected a sequence"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("team-key"), "{stderr}");
+}
+
 #[tokio::test]
 async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() {
     let mock = MockUpstream::start().await;
