@@ -21,6 +21,7 @@ use crate::tokens::Encoding;
 mod env;
 mod error;
 
+pub use env::ignored_variables;
 pub use error::ConfigError;
 
 /// The file read when no `--config` is given and it exists.
@@ -998,6 +999,39 @@ mod tests {
             );
             Ok(())
         });
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)]
+    fn stray_condense_variables_are_ignored_and_named_but_typos_in_settings_are_not() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("CONDENSE_EXTRA", "1");
+            jail.set_env("CONDENSE_BIN", "/usr/local/bin/condense");
+            jail.set_env("CONDENSE_E2E_API_KEY", "sk-test");
+            jail.set_env("CONDENSE_SERVER", "x");
+            jail.set_env("CONDENSE_DEFAULT_CONTEXT_WINDOW", "4096");
+            let c = Config::load(None).unwrap();
+            assert_eq!(c.default_context_window, 4096);
+            assert_eq!(
+                ignored_variables(),
+                [
+                    "CONDENSE_BIN",
+                    "CONDENSE_E2E_API_KEY",
+                    "CONDENSE_EXTRA",
+                    "CONDENSE_SERVER"
+                ]
+            );
+            Ok(())
+        });
+        for typo in ["CONDENSE_SERVER__LISTN", "CONDENSE_SERVR__LISTEN"] {
+            figment::Jail::expect_with(|jail| {
+                jail.set_env("CONDENSE_EXTRA", "1");
+                jail.set_env(typo, "127.0.0.1:1");
+                let err = Config::load(None).unwrap_err().to_string();
+                assert!(err.contains(typo) && err.contains("unknown field"), "{err}");
+                Ok(())
+            });
+        }
     }
 
     #[test]

@@ -122,6 +122,52 @@ fn check_config_names_a_malformed_secret_by_its_variable_without_its_value() {
 }
 
 #[tokio::test]
+async fn stray_condense_variables_are_named_in_a_warning_and_never_stop_condense() {
+    let mock = MockUpstream::start().await;
+    let mut cmd = condense();
+    cmd.env("CONDENSE_SERVER__LISTEN", "127.0.0.1:0")
+        .env("CONDENSE_UPSTREAM__BASE_URL", mock.base_url())
+        .env("CONDENSE_UPSTREAM__LEARN_WINDOWS", "false")
+        // A script's and a test's variables, not condense's.
+        .env("CONDENSE_BIN", "/opt/never-log-this/condense")
+        .env("CONDENSE_E2E_API_KEY", "sk-never-log-this");
+    let (child, addr, log, reader) = spawn_logged(&mut cmd);
+    let resp = reqwest::get(format!("http://{addr}/healthz"))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    terminate(&child);
+    let log = exit_log(child, log, reader).await;
+    for name in ["CONDENSE_BIN", "CONDENSE_E2E_API_KEY"] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains("WARN") && l.contains(name) && l.contains("ignored")),
+            "{name}:\n{log}"
+        );
+    }
+    assert!(!log.contains("never-log-this"), "{log}");
+
+    let out = condense()
+        .arg("check-config")
+        .env("CONDENSE_EXTRA", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("warning: CONDENSE_EXTRA"), "{stderr}");
+
+    // A misspelled key of a section is still an error.
+    let out = condense()
+        .arg("check-config")
+        .env("CONDENSE_SERVER__LISTN", "127.0.0.1:1")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("CONDENSE_SERVER__LISTN"), "{stderr}");
+}
+
+#[tokio::test]
 async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() {
     let mock = MockUpstream::start().await;
     // The summarizer (the mock) answers 401 quoting the key it was sent.
