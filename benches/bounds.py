@@ -13,6 +13,8 @@ Scenarios (from the issue):
   b  20 clients each declaring a 30 MB chat body and withholding the last
      byte (default config: max_body_bytes 32 MiB, max_buffered_bytes
      128 MiB). Goal: peak < 256 MiB above idle.
+  b2 the same with chunked bodies (no Content-Length), each withholding its
+     last chunk.
   c  a 60 MB newline-free SSE line from the upstream on a streamed chat
      request (c1: the client did not ask for usage, so condense filters the
      stream; c2: it did, the stream passes unfiltered). Goal: < 64-128 MiB.
@@ -438,8 +440,9 @@ def run_idle_connections(binary: str, time_limit: float) -> Result:
     return r
 
 
-def run_withheld_bodies(binary: str, time_limit: float) -> Result:
-    r = Result("b: 20 x 30 MB bodies withheld", goal="< 256 MiB")
+def run_withheld_bodies(binary: str, time_limit: float, chunked: bool = False) -> Result:
+    name = "b2: 20 x 30 MB chunked bodies withheld" if chunked else "b: 20 x 30 MB bodies withheld"
+    r = Result(name, goal="< 256 MiB")
     up = FakeUpstream("ok")
     c = Condense(binary, up.base_url)
     declared = 30 * 1000 * 1000
@@ -456,9 +459,11 @@ def run_withheld_bodies(binary: str, time_limit: float) -> Result:
             return
         with lock:
             conns.append(s)
+        framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % declared
         head = (
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % declared
+            + framing
+            + b"\r\n\r\n"
         )
         try:
             s.sendall(head)
@@ -474,7 +479,10 @@ def run_withheld_bodies(binary: str, time_limit: float) -> Result:
                 if select.select([s], [], [], 0)[0]:
                     break
                 n = min(len(piece), left)
-                s.sendall(piece[:n])
+                if chunked:
+                    s.sendall(b"%x\r\n" % n + piece[:n] + b"\r\n")
+                else:
+                    s.sendall(piece[:n])
                 left -= n
             if left == 0:
                 outcome[i] = "holding"
@@ -550,7 +558,7 @@ def run_upstream_body(binary: str, time_limit: float, name: str, mode: str, body
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bin", default="target/release/condense", help="the condense binary (default: %(default)s)")
-    p.add_argument("--only", default="a,b,c1,c2,d", help="scenarios to run (default: %(default)s)")
+    p.add_argument("--only", default="a,b,b2,c1,c2,d", help="scenarios to run (default: %(default)s)")
     p.add_argument("--time-limit", type=float, default=120.0, help="seconds per scenario")
     args = p.parse_args()
     if not os.access(args.bin, os.X_OK):
@@ -561,6 +569,7 @@ def main() -> int:
     scenarios = {
         "a": lambda: run_idle_connections(args.bin, args.time_limit),
         "b": lambda: run_withheld_bodies(args.bin, args.time_limit),
+        "b2": lambda: run_withheld_bodies(args.bin, args.time_limit, chunked=True),
         "c1": lambda: run_upstream_body(
             args.bin, args.time_limit, "c1: 60 MB SSE line (usage stripped)", "long_sse", streamed, 200, SSE_TOTAL, "< 64-128 MiB"
         ),

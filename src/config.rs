@@ -5,35 +5,27 @@
 //! merges the layers into the raw [`Config`] (every struct denies unknown
 //! fields, so a typo fails at start-up instead of silently falling back to a
 //! default), then [`Config::validate`] checks what types alone cannot.
+//! Which variables are configuration is `env`'s to say; the wording of
+//! errors, which never show a credential, `error`'s.
 
 use std::fmt;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use figment::Figment;
-use figment::providers::{Env, Format, Serialized, Toml};
+use figment::providers::{Format, Serialized, Toml};
 use serde::{Deserialize, Serialize, Serializer};
 
 use crate::tokens::Encoding;
 
+mod env;
+mod error;
+
+pub use env::ignored_variables;
+pub use error::ConfigError;
+
 /// The file read when no `--config` is given and it exists.
 pub const DEFAULT_CONFIG_PATH: &str = "config/condense.toml";
-
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("configuration file {0} does not exist")]
-    MissingFile(PathBuf),
-    #[error("invalid configuration: {0}")]
-    Figment(Box<figment::Error>),
-    #[error("invalid configuration: {key}: {reason}")]
-    Invalid { key: &'static str, reason: String },
-}
-
-impl From<figment::Error> for ConfigError {
-    fn from(e: figment::Error) -> Self {
-        ConfigError::Figment(Box::new(e))
-    }
-}
 
 /// A credential. Its `Debug` and `Serialize` never show the value, so it
 /// cannot leak through logs or `condense check-config`.
@@ -362,7 +354,9 @@ pub struct ServerConfig {
     /// Largest request body accepted; larger ones get a 413.
     pub max_body_bytes: u64,
     /// Bytes of request bodies condense holds in memory at once (bodies it
-    /// reads whole); a request that would pass it gets a 503.
+    /// reads whole); a request that would pass it gets a 503. A body without
+    /// a `Content-Length` needs room for twice its size while it is put
+    /// together.
     pub max_buffered_bytes: u64,
     /// Time a request body has to arrive whole (408 after it).
     pub body_timeout_seconds: f64,
@@ -418,9 +412,10 @@ pub struct UpstreamConfig {
     pub anthropic_api_key: Option<Secret>,
     /// Time allowed to open the TCP/TLS connection.
     pub connect_timeout_seconds: f64,
-    /// Time allowed from sending the request to the response headers. A
-    /// non-streamed reasoning-model answer only starts when it is complete,
-    /// so this is generous by default.
+    /// Time allowed from sending the request to the response headers (for
+    /// a client body streamed through, from its last byte). A non-streamed
+    /// reasoning-model answer only starts when it is complete, so this is
+    /// generous by default.
     pub first_byte_timeout_seconds: f64,
     /// Longest silence allowed between two chunks of a response body. There
     /// is no total timeout: a stream may run as long as it keeps talking.
@@ -508,9 +503,7 @@ impl Config {
             }
             None => {}
         }
-        let mut config: Config = figment
-            .merge(Env::prefixed("CONDENSE_").split("__"))
-            .extract()?;
+        let mut config: Config = figment.merge(env::provider()).extract()?;
         config.unset_empty();
         config.validate()?;
         Ok(config)
@@ -614,8 +607,17 @@ impl Config {
                 "must be greater than 0",
             ));
         }
-        if self.auth.client_keys.iter().any(|k| k.expose().is_empty()) {
-            return Err(invalid("auth.client_keys", "keys must not be empty"));
+        for (i, k) in self.auth.client_keys.iter().enumerate() {
+            if k.expose().is_empty() {
+                return Err(invalid("auth.client_keys", "keys must not be empty"));
+            }
+            // A client could never present it.
+            if let Some(why) = unfit_for_header(k.expose()) {
+                return Err(ConfigError::Invalid {
+                    key: "auth.client_keys",
+                    reason: format!("key {} of the list {why}", i + 1),
+                });
+            }
         }
         for (key, secret) in [
             ("upstream.api_key", &self.upstream.api_key),
@@ -625,8 +627,13 @@ impl Config {
             ),
             ("summary.api_key", &self.summary.api_key),
         ] {
-            if secret.as_ref().is_some_and(|k| k.expose().is_empty()) {
+            let Some(secret) = secret else { continue };
+            if secret.expose().is_empty() {
                 return Err(invalid(key, "must not be empty when set"));
+            }
+            // Such a key would not be sent at all (no header can hold it).
+            if let Some(why) = unfit_for_header(secret.expose()) {
+                return Err(ConfigError::Invalid { key, reason: why });
             }
         }
         if let Some(u) = &self.summary.base_url {
@@ -738,6 +745,32 @@ impl Config {
         shown.summary.base_url = self.summary.base_url.as_deref().map(redact_url);
         toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
     }
+}
+
+/// Why a key cannot travel as an HTTP header value as it is, if it cannot:
+/// a line break or other control character, a character outside ASCII (an
+/// HTTP header carries bytes; no API key has one), or whitespace around it
+/// (often a newline left by the file or command it came from). The reason
+/// never quotes the key.
+fn unfit_for_header(key: &str) -> Option<String> {
+    let len = key.len();
+    let at = |i: usize| format!("at byte {} of {len}; the key is not shown", i + 1);
+    for (i, b) in key.bytes().enumerate() {
+        let what = match b {
+            b'\r' | b'\n' => "a line break",
+            0..0x20 | 0x7f => "a control character",
+            0x80.. => "a character outside ASCII",
+            _ => continue,
+        };
+        return Some(format!(
+            "contains {what}, which an HTTP header cannot carry ({})",
+            at(i)
+        ));
+    }
+    if key.trim() != key {
+        return Some("has a space at its start or end; the key is not shown".to_string());
+    }
+    None
 }
 
 /// A URL fit to print: credentials in it (`user:pass@`) replaced.
@@ -877,6 +910,141 @@ mod tests {
             assert!(c.summary.model.is_none());
             Ok(())
         });
+    }
+
+    #[test]
+    fn a_key_no_http_header_can_carry_is_refused_without_being_shown() {
+        let secret = "sk-do-not-print-me";
+        for (bad, why) in [
+            (format!("{secret}\n"), "line break"),
+            (format!("{secret}\r\nX-Injected: 1"), "line break"),
+            (format!("{secret}\u{7f}"), "control character"),
+            (format!("{secret}\tx"), "control character"),
+            (format!("{secret}\u{e9}"), "outside ASCII"),
+            (format!(" {secret}"), "space"),
+        ] {
+            type Set = fn(&mut Config, Secret);
+            let set: [(&str, Set); 4] = [
+                ("upstream.api_key", |c, k| c.upstream.api_key = Some(k)),
+                ("upstream.anthropic_api_key", |c, k| {
+                    c.upstream.anthropic_api_key = Some(k)
+                }),
+                ("summary.api_key", |c, k| c.summary.api_key = Some(k)),
+                ("auth.client_keys", |c, k| {
+                    c.auth.client_keys = vec![Secret::new("fine"), k]
+                }),
+            ];
+            for (key, set) in set {
+                let mut c = Config::default();
+                set(&mut c, Secret::new(bad.clone()));
+                let err = c.validate().unwrap_err().to_string();
+                assert!(err.contains(key) && err.contains(why), "{err}");
+                assert!(!err.contains("do-not-print"), "{err}");
+            }
+        }
+        let mut c = Config::default();
+        c.upstream.api_key = Some(Secret::new("sk-proj-AZaz09_-.~+/="));
+        c.validate().unwrap();
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)]
+    fn a_malformed_secret_is_named_with_its_variable_but_never_shown() {
+        for (var, value, wrong) in [
+            // The common slip: no brackets around the list.
+            (
+                "CONDENSE_AUTH__CLIENT_KEYS",
+                "sekrit-1, sekrit-2",
+                "found a string, expected a sequence",
+            ),
+            (
+                "CONDENSE_AUTH__CLIENT_KEYS",
+                "[sekrit-1",
+                "expected a sequence",
+            ),
+            (
+                "CONDENSE_AUTH__CLIENT_KEYS",
+                "[ok, 8675309]",
+                "found an integer, expected a string",
+            ),
+            ("CONDENSE_UPSTREAM__API_KEY", "8675309", "found an integer"),
+            (
+                "CONDENSE_UPSTREAM__ANTHROPIC_API_KEY",
+                "8675309",
+                "found an integer",
+            ),
+            ("CONDENSE_SUMMARY__API_KEY", "true", "found a boolean"),
+            ("CONDENSE_STATE__REDIS_URL", "8675309", "found an integer"),
+            ("CONDENSE_UPSTREAM__BASE_URL", "8675309", "found an integer"),
+        ] {
+            figment::Jail::expect_with(|jail| {
+                jail.set_env(var, value);
+                let err = Config::load(None).unwrap_err().to_string();
+                assert!(err.contains(var) && err.contains(wrong), "{var}: {err}");
+                assert!(err.contains("not shown"), "{var}: {err}");
+                assert!(
+                    !err.contains("sekrit") && !err.contains("8675309") && !err.contains("true"),
+                    "{var}: {err}"
+                );
+                Ok(())
+            });
+        }
+        // The same from a file, and a file that does not parse (whose
+        // error would quote the line).
+        for text in [
+            "[auth]\nclient_keys = \"sekrit\"\n",
+            "[upstream]\napi_key = sekrit-unquoted\n",
+        ] {
+            let err = Config::from_toml(text).unwrap_err().to_string();
+            assert!(!err.contains("sekrit"), "{err}");
+            assert!(
+                err.contains("client_keys") || err.contains("line 2"),
+                "{err}"
+            );
+        }
+        // Other values are still quoted: they help, and are not secret.
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("CONDENSE_SERVER__MAX_BODY_BYTES", "lots");
+            let err = Config::load(None).unwrap_err().to_string();
+            assert!(
+                err.contains("CONDENSE_SERVER__MAX_BODY_BYTES") && err.contains("\"lots\""),
+                "{err}"
+            );
+            Ok(())
+        });
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)]
+    fn stray_condense_variables_are_ignored_and_named_but_typos_in_settings_are_not() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("CONDENSE_EXTRA", "1");
+            jail.set_env("CONDENSE_BIN", "/usr/local/bin/condense");
+            jail.set_env("CONDENSE_E2E_API_KEY", "sk-test");
+            jail.set_env("CONDENSE_SERVER", "x");
+            jail.set_env("CONDENSE_DEFAULT_CONTEXT_WINDOW", "4096");
+            let c = Config::load(None).unwrap();
+            assert_eq!(c.default_context_window, 4096);
+            assert_eq!(
+                ignored_variables(),
+                [
+                    "CONDENSE_BIN",
+                    "CONDENSE_E2E_API_KEY",
+                    "CONDENSE_EXTRA",
+                    "CONDENSE_SERVER"
+                ]
+            );
+            Ok(())
+        });
+        for typo in ["CONDENSE_SERVER__LISTN", "CONDENSE_SERVR__LISTEN"] {
+            figment::Jail::expect_with(|jail| {
+                jail.set_env("CONDENSE_EXTRA", "1");
+                jail.set_env(typo, "127.0.0.1:1");
+                let err = Config::load(None).unwrap_err().to_string();
+                assert!(err.contains(typo) && err.contains("unknown field"), "{err}");
+                Ok(())
+            });
+        }
     }
 
     #[test]

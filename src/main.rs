@@ -110,15 +110,21 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // Variables such as CONDENSE_BIN belong to something else: named, never
+    // fatal (see config/env.rs).
+    let ignored = condense::config::ignored_variables();
     match cli.command.unwrap_or(Command::Serve) {
         Command::CheckConfig => {
+            for name in &ignored {
+                eprintln!("condense: warning: {name} {NOT_CONFIGURATION}");
+            }
             let mut out = std::io::stdout().lock();
             if out.write_all(config.to_redacted_toml().as_bytes()).is_err() {
                 return ExitCode::FAILURE;
             }
             ExitCode::SUCCESS
         }
-        Command::Serve => serve(config),
+        Command::Serve => serve(config, &ignored),
         Command::Healthcheck { url } => healthcheck(&config, url),
         Command::Compact {
             file,
@@ -347,8 +353,15 @@ fn healthcheck(config: &Config, url: Option<String>) -> ExitCode {
     }
 }
 
-fn serve(config: Config) -> ExitCode {
+/// What a warning says of a `CONDENSE_` variable that is not configuration.
+const NOT_CONFIGURATION: &str =
+    "is not configuration (not CONDENSE_<SECTION>__<KEY>) and is ignored";
+
+fn serve(config: Config, ignored: &[String]) -> ExitCode {
     condense::logging::init(&config.log);
+    for name in ignored {
+        tracing::warn!(variable = %name, "{NOT_CONFIGURATION}");
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -75,6 +75,98 @@ fn check_config_fails_on_unknown_or_invalid_keys() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+#[test]
+fn check_config_refuses_a_key_no_header_can_carry_and_does_not_print_it() {
+    // (The environment's values are trimmed: a trailing newline is gone
+    // before condense sees it.)
+    for (var, value) in [
+        (
+            "CONDENSE_UPSTREAM__API_KEY",
+            "sk-top-secret\r\nX-Injected: 1",
+        ),
+        ("CONDENSE_UPSTREAM__ANTHROPIC_API_KEY", "sk-top-secret\u{1}"),
+        ("CONDENSE_SUMMARY__API_KEY", "sk-top-secret\u{e9}"),
+    ] {
+        let out = condense()
+            .arg("check-config")
+            .env(var, value)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{var}={value:?} was accepted");
+        let key = var
+            .trim_start_matches("CONDENSE_")
+            .replace("__", ".")
+            .to_lowercase();
+        assert!(stderr.contains(&key), "{var}: {stderr}");
+        assert!(!stderr.contains("top-secret"), "{var}: {stderr}");
+        assert!(out.stdout.is_empty());
+    }
+}
+
+#[test]
+fn check_config_names_a_malformed_secret_by_its_variable_without_its_value() {
+    // A list without its brackets: a string where a sequence belongs.
+    let out = condense()
+        .arg("check-config")
+        .env("CONDENSE_AUTH__CLIENT_KEYS", "team-key-1, team-key-2")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("CONDENSE_AUTH__CLIENT_KEYS") && stderr.contains("expected a sequence"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("team-key"), "{stderr}");
+}
+
+#[tokio::test]
+async fn stray_condense_variables_are_named_in_a_warning_and_never_stop_condense() {
+    let mock = MockUpstream::start().await;
+    let mut cmd = condense();
+    cmd.env("CONDENSE_SERVER__LISTEN", "127.0.0.1:0")
+        .env("CONDENSE_UPSTREAM__BASE_URL", mock.base_url())
+        .env("CONDENSE_UPSTREAM__LEARN_WINDOWS", "false")
+        // A script's and a test's variables, not condense's.
+        .env("CONDENSE_BIN", "/opt/never-log-this/condense")
+        .env("CONDENSE_E2E_API_KEY", "sk-never-log-this");
+    let (child, addr, log, reader) = spawn_logged(&mut cmd);
+    let resp = reqwest::get(format!("http://{addr}/healthz"))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    terminate(&child);
+    let log = exit_log(child, log, reader).await;
+    for name in ["CONDENSE_BIN", "CONDENSE_E2E_API_KEY"] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains("WARN") && l.contains(name) && l.contains("ignored")),
+            "{name}:\n{log}"
+        );
+    }
+    assert!(!log.contains("never-log-this"), "{log}");
+
+    let out = condense()
+        .arg("check-config")
+        .env("CONDENSE_EXTRA", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("warning: CONDENSE_EXTRA"), "{stderr}");
+
+    // A misspelled key of a section is still an error.
+    let out = condense()
+        .arg("check-config")
+        .env("CONDENSE_SERVER__LISTN", "127.0.0.1:1")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("CONDENSE_SERVER__LISTN"), "{stderr}");
+}
+
 #[tokio::test]
 async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() {
     let mock = MockUpstream::start().await;
@@ -758,9 +850,15 @@ async fn h2c_streams_cannot_exhaust_file_descriptors_and_liveness_still_answers(
             if held.load(Ordering::SeqCst) == cap && refused >= 500 - cap {
                 break;
             }
-            let status = streams.join_next().await.unwrap().unwrap();
-            assert_eq!(status, 503, "a stream neither held nor refused");
-            refused += 1;
+            // The upstream may take its last sockets after the last
+            // refusal: look again every so often.
+            if let Ok(joined) =
+                tokio::time::timeout(Duration::from_millis(50), streams.join_next()).await
+            {
+                let status = joined.unwrap().unwrap();
+                assert_eq!(status, 503, "a stream neither held nor refused");
+                refused += 1;
+            }
         }
     })
     .await;

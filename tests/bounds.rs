@@ -661,6 +661,44 @@ async fn a_body_sent_byte_by_byte_gets_a_408_on_chat_and_passthrough_routes() {
 }
 
 #[tokio::test]
+async fn a_body_that_stops_mid_way_on_a_passthrough_route_is_the_clients_408() {
+    // The upstream's first-byte timeout is the shorter: it must not run
+    // while the upstream is still waiting for the client's body.
+    let h = Harness::with(|c| {
+        c.server.body_timeout_seconds = 1.0;
+        c.upstream.first_byte_timeout_seconds = 0.3;
+    })
+    .await;
+    let conn = TcpStream::connect(h.addr).await.unwrap();
+    let (mut r, mut w) = conn.into_split();
+    w.write_all(
+        b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\nContent-Length: 100\r\n\r\nhalf of it",
+    )
+    .await
+    .unwrap();
+    let resp = bounded("an answer to a stalled body", read_response(&mut r)).await;
+    resp.assert_error(408, "request_timeout");
+    drop(w);
+    let s = server(&h);
+    assert_eq!(
+        metric(s, "condense_proxy_errors_total{kind=\"upstream_timeout\"}"),
+        0.0
+    );
+
+    // A body sent whole still gives a slow upstream its 504.
+    let resp = h
+        .client
+        .post(h.url("/v1/files"))
+        .header("x-mock-sleep-ms", "3000")
+        .body(vec![b'x'; 100])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 504);
+    h.shutdown().await;
+}
+
+#[tokio::test]
 async fn withheld_bodies_cannot_hold_more_than_the_buffer_budget() {
     const DECLARED: usize = 1536 * 1024; // 1.5 MiB
     const CAP: u64 = 4 * MIB as u64;

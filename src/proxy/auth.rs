@@ -66,21 +66,20 @@ impl Credentials {
         if !self.gated() {
             return Ok(());
         }
-        let bearer = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(bearer_token);
-        let presented = CREDENTIAL_HEADERS[1..]
-            .iter()
-            .filter_map(|name| headers.get(name)?.to_str().ok())
-            .map(str::trim)
-            .chain(bearer);
+        // `Authorization` counts only as a bearer token.
+        let presented = CREDENTIAL_HEADERS.iter().filter_map(|name| {
+            let value = headers.get(name)?;
+            match name == header::AUTHORIZATION {
+                true => bearer_token(value.as_bytes().trim_ascii()),
+                false => Some(key_in(name, value)),
+            }
+        });
         let mut ok = false;
         for token in presented {
             // Every header is compared with every key, so timing tells
             // nothing about which one matched.
             for k in &self.client_keys {
-                ok |= ct_eq(k.expose(), token);
+                ok |= ct_eq(k.expose().as_bytes(), token);
             }
         }
         if ok {
@@ -118,15 +117,29 @@ pub fn bearer(key: &Secret) -> Option<HeaderValue> {
     Some(v)
 }
 
-fn bearer_token(value: &str) -> Option<&str> {
-    let (scheme, token) = value.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+/// The key a credential header carries: a bearer token without its scheme
+/// (`Bearer`, in any case), any other value as it is (`Basic ...` whole);
+/// spaces around it trimmed. The same key sent as `Authorization: Bearer
+/// K`, `x-api-key: K` or `api-key: K` is the same `K`.
+pub fn key_in<'a>(name: &HeaderName, value: &'a HeaderValue) -> &'a [u8] {
+    let value = value.as_bytes().trim_ascii();
+    match name == header::AUTHORIZATION {
+        true => bearer_token(value).unwrap_or(value),
+        false => value,
+    }
+}
+
+/// The token of a `Bearer` credential (the scheme in any case).
+fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    let space = value.iter().position(|&b| b == b' ')?;
+    value[..space]
+        .eq_ignore_ascii_case(b"bearer")
+        .then(|| value[space..].trim_ascii())
 }
 
 /// Compares without an early exit, so response timing does not reveal how
 /// much of a key was right.
-fn ct_eq(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
+fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     let mut diff = a.len() ^ b.len();
     for i in 0..a.len().max(b.len()) {
         let x = a.get(i).copied().unwrap_or(0);
@@ -173,6 +186,7 @@ mod tests {
         assert!(c.check(&with_auth("Bearer ck-3")).is_err());
         assert!(c.check(&with_auth("Bearer ck-")).is_err());
         assert!(c.check(&with_auth("Basic ck-1")).is_err());
+        assert!(c.check(&with_auth("ck-1")).is_err());
         let mut h = with_auth("bearer ck-2");
         c.check(&h).unwrap();
         c.apply(&mut h);

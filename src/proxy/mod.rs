@@ -41,7 +41,7 @@ use crate::summary::client::CallError;
 use crate::tokens::TokenService;
 use crate::wire::Format;
 use auth::Credentials;
-use body::{BodyBudget, StreamFault};
+use body::BodyBudget;
 use learn::Background;
 use listing::ListingFetcher;
 use relay::{InflightGuard, Tap, UsageCallback};
@@ -224,18 +224,27 @@ impl Proxy {
         }
         let mut headers = headers::to_upstream(&parts.headers, true);
         credentials.apply(&mut headers);
-        let fault = StreamFault::default();
-        let body = if axum::body::HttpBody::size_hint(&body).exact() == Some(0) {
-            Outgoing::Empty
+        let (body, upload) = if axum::body::HttpBody::size_hint(&body).exact() == Some(0) {
+            (Outgoing::Empty, None)
         } else {
-            body::streamed_request(body, self.max_body_bytes, self.body_timeout, fault.clone())
+            let (body, upload) =
+                body::streamed_request(body, self.max_body_bytes, self.body_timeout);
+            (body, Some(upload))
         };
         let guard = InflightGuard::new(self.metrics.clone());
         let sent = Instant::now();
+        let body_sent = async {
+            if let Some(upload) = &upload {
+                upload.sent().await;
+            }
+        };
         let resp = upstream
-            .send(parts.method, url, headers, body)
+            .send_after(parts.method, url, headers, body, body_sent)
             .await
-            .map_err(|e| fault.or(self.max_body_bytes, self.body_timeout, e))?;
+            .map_err(|e| match &upload {
+                Some(upload) => upload.or(self.max_body_bytes, self.body_timeout, e),
+                None => e,
+            })?;
         Ok(self.respond(
             ROUTE_PASSTHROUGH,
             upstream,

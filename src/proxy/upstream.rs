@@ -345,6 +345,23 @@ impl Upstream {
         headers: HeaderMap,
         body: Outgoing,
     ) -> Result<UpstreamResponse, ProxyError> {
+        self.send_after(method, uri, headers, body, std::future::ready(()))
+            .await
+    }
+
+    /// [`Upstream::send`] for a body still on its way from the client: the
+    /// first-byte timeout runs from when `sent` resolves. Until then the
+    /// upstream waits for the client, whose body has its own deadline; a
+    /// client that stalls mid-body is answered for that (408), not with
+    /// the upstream's 504.
+    pub async fn send_after(
+        &self,
+        method: Method,
+        uri: Uri,
+        headers: HeaderMap,
+        body: Outgoing,
+        sent: impl Future<Output = ()>,
+    ) -> Result<UpstreamResponse, ProxyError> {
         if let Some(sim) = &self.simulator {
             let bytes = match body {
                 Outgoing::Whole(b) => b,
@@ -360,15 +377,23 @@ impl Upstream {
         }
         let sending = self.transport.send(method, uri, headers, body);
         let t = self.timeouts;
-        match tokio::time::timeout(t.first_byte, sending).await {
-            Err(_) => Err(ProxyError::UpstreamTimeout(t.first_byte.as_secs_f64())),
-            Ok(Ok(resp)) => Ok(resp),
-            Ok(Err(e)) if timed_out(e.as_ref()) => {
+        let waited_out = async {
+            sent.await;
+            tokio::time::sleep(t.first_byte).await;
+        };
+        let answer = tokio::select! {
+            biased;
+            answer = sending => answer,
+            () = waited_out => return Err(ProxyError::UpstreamTimeout(t.first_byte.as_secs_f64())),
+        };
+        match answer {
+            Ok(resp) => Ok(resp),
+            Err(e) if timed_out(e.as_ref()) => {
                 Err(ProxyError::UpstreamTimeout(t.connect.as_secs_f64()))
             }
             // reqwest's errors were stripped of the URL: it may carry
             // credentials, and the message reaches the client.
-            Ok(Err(e)) => Err(ProxyError::UpstreamUnreachable(describe(e.as_ref()))),
+            Err(e) => Err(ProxyError::UpstreamUnreachable(describe(e.as_ref()))),
         }
     }
 }

@@ -1,7 +1,8 @@
 //! Originals in the state store: kept under `recall:{scope}:{key}` for
 //! `state.ttl_seconds`, so that a replica sharing the Redis answers a key
-//! another one wrote. The scope is a hash of the client's credentials: a
-//! key found (or guessed) by one client never returns another's text.
+//! another one wrote. The scope is a hash of the client's API keys (not of
+//! the headers they came in): a key found (or guessed) by one client never
+//! returns another's text.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,20 +14,31 @@ use super::Recallable;
 use crate::cache::{Bounded, PreHashed};
 use crate::chat::Message;
 use crate::compaction::text::cut_middle;
+use crate::proxy::auth::{self, CREDENTIAL_HEADERS};
 use crate::state::StateStore;
 
-/// Headers a client's credentials come in.
-const CREDENTIAL_HEADERS: &[&str] = &["authorization", "x-api-key", "api-key"];
-
-/// The scope of a client's keys: a hash of the credentials it presented
-/// (all clients without credentials share one).
+/// The scope of a client's keys: a hash of the keys it presented, each
+/// once, however it sent them (`Authorization: Bearer K`, `x-api-key: K`
+/// and `api-key: K` are one key `K`, so a key stored under one is found
+/// under the other). All clients without credentials share one.
 pub fn scope(client_headers: &HeaderMap) -> String {
+    let mut keys: Vec<&[u8]> = CREDENTIAL_HEADERS
+        .iter()
+        .flat_map(|name| {
+            client_headers
+                .get_all(name)
+                .iter()
+                .map(move |v| auth::key_in(name, v))
+        })
+        .filter(|k| !k.is_empty())
+        .collect();
+    keys.sort_unstable();
+    keys.dedup();
     let mut h = xxhash_rust::xxh3::Xxh3::new();
-    for name in CREDENTIAL_HEADERS {
-        for v in client_headers.get_all(*name) {
-            h.update(name.as_bytes());
-            h.update(v.as_bytes());
-        }
+    for k in keys {
+        // Length first: two keys never read as one.
+        h.update(&(k.len() as u64).to_le_bytes());
+        h.update(k);
     }
     format!("{:016x}", h.digest())
 }
@@ -226,6 +238,82 @@ mod tests {
             own: Recallable::default(),
         };
         assert_eq!(other.get(&store, &k).await, None);
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (name, value) in pairs {
+            h.append(
+                http::HeaderName::try_from(*name).unwrap(),
+                value.parse().unwrap(),
+            );
+        }
+        h
+    }
+
+    #[test]
+    fn the_scope_is_the_key_however_it_is_sent() {
+        let one = scope(&headers(&[("authorization", "Bearer sk-one")]));
+        for same in [
+            &[("authorization", "bearer sk-one")][..],
+            &[("authorization", "BEARER   sk-one ")],
+            &[("x-api-key", "sk-one")],
+            &[("api-key", " sk-one")],
+            &[("authorization", "Bearer sk-one"), ("x-api-key", "sk-one")],
+        ] {
+            assert_eq!(scope(&headers(same)), one, "{same:?}");
+        }
+        for other in [
+            &[("authorization", "Bearer sk-two")][..],
+            &[("x-api-key", "sk-two")],
+            &[("authorization", "Basic sk-one")],
+            &[("authorization", "Bearer sk-one"), ("x-api-key", "sk-two")],
+            &[],
+        ] {
+            assert_ne!(scope(&headers(other)), one, "{other:?}");
+        }
+        // Two keys are never read as one.
+        assert_ne!(
+            scope(&headers(&[("x-api-key", "ab"), ("api-key", "c")])),
+            scope(&headers(&[("x-api-key", "a"), ("api-key", "bc")]))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_key_stored_for_a_bearer_token_is_found_for_the_same_key_in_x_api_key() {
+        let store = Arc::new(StateStore::memory(1 << 20, Duration::from_secs(60)));
+        let raw = br#"{"role":"tool","tool_call_id":"c","content":"kept"}"#;
+        let k = super::super::key(raw);
+        let masked = super::super::tag(
+            br#"{"role":"tool","tool_call_id":"c","content":"[condense: elided]"}"#,
+            &k,
+        );
+        let fates = Fates {
+            rewritten: vec![masked],
+            dropped: vec![false],
+            replacement: None,
+            replaced: vec![false],
+        };
+        let own = Recallable::of(vec![Message::from_bytes(Bytes::from_static(raw))], &fates);
+        let written = Originals {
+            scope: scope(&headers(&[("authorization", "Bearer sk-one")])),
+            own,
+        };
+        Written::new(100, Duration::from_secs(60))
+            .remember(&store, &written)
+            .await;
+        let later = |pairs: &[(&str, &str)]| Originals {
+            scope: scope(&headers(pairs)),
+            own: Recallable::default(),
+        };
+        for same in [("x-api-key", "sk-one"), ("api-key", "sk-one")] {
+            let found = later(&[same]).get(&store, &k).await;
+            assert_eq!(found.as_deref(), Some("kept"), "{same:?}");
+        }
+        assert_eq!(
+            later(&[("x-api-key", "sk-two")]).get(&store, &k).await,
+            None
+        );
     }
 
     #[tokio::test]
