@@ -387,3 +387,59 @@ async fn an_error_echoing_one_tenants_input_does_not_shrink_anothers_window() {
     assert_eq!(last_sent(&h), a.to_string());
     assert_eq!(h.metric(WINDOW_GAUGE).await, Some(128_000.0));
 }
+
+#[tokio::test]
+async fn an_overflow_does_not_lower_the_window_below_a_prompt_the_upstream_accepted() {
+    let h = Harness::start().await;
+    // A prompt of some 16k tokens is accepted (the mock reports condense's
+    // own count of it).
+    let accepted = session(14);
+    let resp = send(&h, &accepted, &[]).await;
+    assert_eq!(resp.status(), 200);
+    let _ = resp.bytes().await;
+    let req =
+        condense::chat::ChatRequest::parse(&bytes::Bytes::from(accepted.to_string())).unwrap();
+    let floor = condense::tokens::count_request(&req, condense::tokens::Encoding::O200k);
+    assert!(floor > 8192, "{floor}");
+
+    // Then the upstream says the window is 8192: the request it rejected
+    // is retried at 8192 ...
+    let resp = send(&h, &session(15), &[("x-mock-window", "8192")]).await;
+    assert_eq!(resp.status(), 200);
+    let _ = resp.bytes().await;
+    assert_eq!(h.mock.state.overflows.load(Ordering::SeqCst), 1);
+    assert_eq!(h.mock.chat_requests().len(), 3, "one retry");
+    // ... but the window learned for the model stays at the prompt it
+    // accepted.
+    let resp = send(&h, &session(15), &[]).await;
+    assert_eq!(resp.status(), 200);
+    let _ = resp.bytes().await;
+    assert_eq!(h.metric(WINDOW_GAUGE).await, Some(floor as f64));
+}
+
+#[tokio::test]
+async fn a_learned_window_expires() {
+    // (The exact lifetimes are unit-tested on a clock condense is handed;
+    // this one shows the setting reaches the proxy.)
+    let h = Harness::with(|c| c.tokens.learned_window_ttl_seconds = 2).await;
+    let tokens = h.server.as_ref().unwrap().state().proxy.tokens.clone();
+    let upstream = h.mock.base_url();
+    let resp = send(&h, &session(14), &[("x-mock-window", "8192")]).await;
+    assert_eq!(resp.status(), 200);
+    let _ = resp.bytes().await;
+    let info = tokens.model_info(&upstream, "gpt-4o");
+    assert_eq!(
+        (info.window, info.source),
+        (8192, condense::tokens::WindowSource::Overflow)
+    );
+    // Once it is over, the model's window from its profile again: the
+    // next turn goes as sent.
+    tokio::time::sleep(std::time::Duration::from_millis(2100)).await;
+    assert_eq!(tokens.model_info(&upstream, "gpt-4o").window, 128_000);
+    let next = session(15);
+    let resp = send(&h, &next, &[]).await;
+    assert_eq!(resp.status(), 200);
+    let _ = resp.bytes().await;
+    assert_eq!(last_sent(&h), next.to_string());
+    assert_eq!(h.metric(WINDOW_GAUGE).await, Some(128_000.0));
+}
