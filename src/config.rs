@@ -27,6 +27,10 @@ pub use error::ConfigError;
 /// The file read when no `--config` is given and it exists.
 pub const DEFAULT_CONFIG_PATH: &str = "config/condense.toml";
 
+/// The longest `tokens.learned_window_ttl_seconds` (30 days): a learned
+/// window is a cache of what the upstream said, not a setting.
+const MAX_LEARNED_WINDOW_TTL: u64 = 30 * 24 * 3600;
+
 /// A credential. Its `Debug` and `Serialize` never show the value, so it
 /// cannot leak through logs or `condense check-config`.
 #[derive(Clone, PartialEq, Eq, Deserialize)]
@@ -99,6 +103,14 @@ pub struct TokensConfig {
     /// Share of the window kept free for the provider's framing and for
     /// estimation error.
     pub reserve_ratio: f64,
+    /// The smallest window an overflow error may teach condense (an error
+    /// naming less lowers it to this much only; the retry of the rejected
+    /// request still aims at what the error names).
+    pub min_learned_window: u64,
+    /// How long a window learned from an overflow error lasts, in process
+    /// and in the state store; so does the floor of the largest prompt the
+    /// upstream accepted.
+    pub learned_window_ttl_seconds: u64,
 }
 
 impl Default for TokensConfig {
@@ -107,6 +119,8 @@ impl Default for TokensConfig {
             cache_entries: 200_000,
             default_completion_tokens: 4096,
             reserve_ratio: 0.05,
+            min_learned_window: 1024,
+            learned_window_ttl_seconds: 3600,
         }
     }
 }
@@ -677,6 +691,18 @@ impl Config {
         if !(0.0..0.5).contains(&self.tokens.reserve_ratio) {
             return Err(invalid("tokens.reserve_ratio", "must be in [0, 0.5)"));
         }
+        if self.tokens.min_learned_window == 0 {
+            return Err(invalid(
+                "tokens.min_learned_window",
+                "must be greater than 0",
+            ));
+        }
+        if !(1..=MAX_LEARNED_WINDOW_TTL).contains(&self.tokens.learned_window_ttl_seconds) {
+            return Err(invalid(
+                "tokens.learned_window_ttl_seconds",
+                "must be in [1, 2592000] (30 days)",
+            ));
+        }
         if self.tokens.cache_entries == 0 {
             return Err(invalid("tokens.cache_entries", "must be greater than 0"));
         }
@@ -867,6 +893,15 @@ mod tests {
         }
         // Out of reach on purpose: turns a mechanism off.
         assert!(Config::from_toml("[compaction]\nahead_share = 10\n").is_ok());
+        for bad in [
+            "min_learned_window = 0",
+            "learned_window_ttl_seconds = 0",
+            "learned_window_ttl_seconds = 2592001",
+        ] {
+            let err = Config::from_toml(&format!("[tokens]\n{bad}\n")).unwrap_err();
+            let key = bad.split(' ').next().unwrap();
+            assert!(err.to_string().contains(key), "{bad}: {err}");
+        }
         assert!(Config::from_toml("[[models]]\nmatch = \"x\"\ncontext_window = 10\n").is_err());
         assert!(
             Config::from_toml(

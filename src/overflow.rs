@@ -2,18 +2,31 @@
 //! and the budget a retry aims at.
 //!
 //! Detection is table-driven: each row names a provider format, the status
-//! it answers with, text that must be present, and how to read the numbers
-//! (the ceiling, the prompt size the provider counted, the completion part).
-//! Rows are tried in order; the first that matches wins. Fixtures with the
-//! exact bodies are in `tests/fixtures/overflow/`.
+//! it answers with, what marks the error as that provider's overflow, and
+//! how to read the numbers (the ceiling, the prompt size the provider
+//! counted, the completion part). Rows are tried in order; the first that
+//! matches wins. Fixtures with the exact bodies are in
+//! `tests/fixtures/overflow/`.
+//!
+//! A row looks at the error's own fields, never at the body as a whole:
+//! the message (`error.message`, a top-level `message`, or xAI's
+//! `error` string) must *start* with the provider's sentence, after at most
+//! a few wrapper prefixes such as `litellm.BadRequestError: ` or
+//! `OpenAIException - `; or the error's `code` / `type` must be the
+//! provider's overflow value exactly (`context_length_exceeded`,
+//! llama.cpp's `exceed_context_size_error`). Upstreams echo client input in
+//! their 400s (OpenAI's "Invalid value: '…'", vLLM's validation errors), and
+//! the window an overflow names is shared by every tenant of the upstream:
+//! a sentence quoted inside another error must not be read as one.
 //!
 //! What must never match: rate limits and quota errors, authentication
-//! errors, and a `max_tokens` that is too large on its own: compacting the
-//! prompt cannot fix those, and a throttled client must get its 429 (and
-//! `Retry-After`) untouched.
+//! errors, a `max_tokens` that is too large on its own, and an overflow's
+//! wording quoted inside another error: compacting the prompt cannot fix
+//! those, and a throttled client must get its 429 (and `Retry-After`)
+//! untouched.
 
 use serde::Serialize;
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::tokens::Correction;
 use crate::tokens::calibration::{MAX_RATIO, MIN_RATIO};
@@ -24,165 +37,308 @@ pub struct Overflow {
     /// The `provider_format` label: which wording matched.
     pub format: &'static str,
     /// The ceiling: the context window (or request limit) in the provider's
-    /// tokens.
+    /// tokens. Never 0.
     pub limit: Option<u64>,
     /// The prompt size the provider counted (messages only when it says so).
     pub prompt: Option<u64>,
     /// The completion tokens the provider counted against the ceiling.
     pub completion: Option<u64>,
+    /// True when `limit` is the model's context window; false when it is a
+    /// limit of the caller's account (OpenAI's tokens per minute), which
+    /// holds for the rejected request only and is not learned for the
+    /// model.
+    #[serde(skip)]
+    pub names_window: bool,
 }
 
-type Reader = fn(&str, &Value) -> Option<(Option<u64>, Option<u64>, Option<u64>)>;
+/// The fields of an error body a row may look at.
+struct ErrorFields<'a> {
+    /// The message, lower-cased, with wrapper prefixes removed.
+    message: Option<String>,
+    /// `code` when it is a string.
+    code: Option<&'a str>,
+    /// `type` when it is a string.
+    kind: Option<&'a str>,
+    /// The object holding them (llama.cpp puts its counts there).
+    object: &'a Map<String, Value>,
+}
+
+impl<'a> ErrorFields<'a> {
+    /// The error object of a body: `{"error": {...}}` (OpenAI, Anthropic,
+    /// llama.cpp, and vLLM's newer shape), a top-level `message` (vLLM's
+    /// older shape, Mistral), `{"error": "..."}` (xAI), or the first element
+    /// of a list of any of these (Gemini's OpenAI-compatible endpoint).
+    fn of(body: &'a Value) -> Option<ErrorFields<'a>> {
+        let body = match body {
+            Value::Array(items) => items.first()?,
+            other => other,
+        };
+        let top = body.as_object()?;
+        let (object, message) = match top.get("error") {
+            Some(Value::Object(e)) => (e, e.get("message")),
+            Some(Value::String(_)) => (top, top.get("error")),
+            _ => (top, top.get("message")),
+        };
+        let text = |v: Option<&'a Value>| v.and_then(Value::as_str);
+        Some(ErrorFields {
+            message: text(message).map(|m| unwrapped(&m.trim().to_lowercase()).to_string()),
+            code: text(object.get("code")),
+            kind: text(object.get("type")),
+            object,
+        })
+    }
+
+    fn number(&self, key: &str) -> Option<u64> {
+        self.object.get(key).and_then(Value::as_u64)
+    }
+}
+
+/// Wrapper prefixes removed before a message is matched, at most this many.
+const MAX_PREFIXES: usize = 4;
+
+/// `message` without the prefixes that gateways and SDKs put before a
+/// provider's message: an exception's name and `": "` or `" - "`
+/// (`litellm.BadRequestError: `, `OpenAIException - `). Such a name is an
+/// identifier ending in "error" or "exception", so it cannot carry the
+/// text of a request.
+fn unwrapped(mut message: &str) -> &str {
+    for _ in 0..MAX_PREFIXES {
+        let Some(end) = message.find([':', ' ']) else {
+            break;
+        };
+        let (name, rest) = message.split_at(end);
+        let identifier = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.')
+            && (name.ends_with("error") || name.ends_with("exception"));
+        let Some(rest) = rest
+            .strip_prefix(": ")
+            .or_else(|| rest.strip_prefix(" - "))
+            .filter(|_| identifier)
+        else {
+            break;
+        };
+        message = rest.trim_start();
+    }
+    message
+}
+
+/// What marks an error as a provider's overflow.
+enum Mark {
+    /// The message starts with this (lower case) and then holds every one
+    /// of the phrases.
+    Starts(&'static str, &'static [&'static str]),
+    /// `code` is exactly this, and the message, if `Some`, starts with it.
+    Code(&'static str, Option<&'static str>),
+    /// `type` is exactly this.
+    Kind(&'static str),
+}
+
+/// (limit, prompt, completion) read from a matched error; None rejects the
+/// match. `rest` is the message after the matched start.
+type Reader = fn(rest: &str, message: &str, fields: &ErrorFields) -> Option<Numbers>;
+type Numbers = (Option<u64>, Option<u64>, Option<u64>);
 
 struct Row {
     format: &'static str,
     statuses: &'static [u16],
-    /// Lower-case phrases that must all be in the error text.
-    needles: &'static [&'static str],
-    /// Reads (limit, prompt, completion); None rejects the match.
+    mark: Mark,
     read: Reader,
+    /// The limit is the model's window (not an account's limit).
+    window: bool,
 }
+
+/// "This model's maximum context length is N tokens": OpenAI, Azure,
+/// DeepSeek, vLLM.
+const OPENAI_START: &str = "this model's maximum context length is ";
 
 const TABLE: &[Row] = &[
     Row {
         format: "llamacpp",
         statuses: &[400],
-        needles: &["exceed_context_size_error"],
-        read: |_, v| {
-            let e = v.get("error").unwrap_or(v);
-            let n = |k: &str| e.get(k).and_then(Value::as_u64);
-            Some((n("n_ctx"), n("n_prompt_tokens"), None))
-        },
+        mark: Mark::Kind("exceed_context_size_error"),
+        read: |_, _, f| Some((f.number("n_ctx"), f.number("n_prompt_tokens"), None)),
+        window: true,
     },
     Row {
         format: "openai_tpm",
         statuses: &[429],
-        needles: &["request too large", "limit", "requested"],
-        read: |t, _| {
-            let limit = number_after(t, "limit ")?;
-            let requested = number_after(t, "requested ")?;
+        // "Request too large for gpt-4o in organization org-1 on tokens per
+        // min (TPM): Limit 30000, Requested 45120. ..."
+        mark: Mark::Starts("request too large for ", &["tokens per min (tpm): "]),
+        read: |rest, _, _| {
+            // The model's name (the client's) comes before the counts: they
+            // are read after the last "(tpm): ".
+            let tpm = "(tpm): ";
+            let counts = &rest[rest.rfind(tpm)? + tpm.len()..];
+            let limit = number_at(counts.strip_prefix("limit ")?)?;
+            let requested = number_after(counts, ", requested ")?;
             // Only a request larger than the limit is an overflow; anything
             // else is throttling.
             (requested > limit).then_some((Some(limit), Some(requested), None))
         },
+        window: false,
     },
     Row {
         format: "openrouter",
         statuses: &[400, 413],
-        needles: &["endpoint's maximum context length is"],
-        read: |t, _| {
+        mark: Mark::Starts("this endpoint's maximum context length is ", &[]),
+        read: |rest, m, _| {
             Some((
-                number_after(t, "maximum context length is"),
-                number_after(t, "requested about"),
-                number_after_in(t, "of text input,", "in the output"),
+                number_at(rest),
+                prompt_part(m, "of text input").or(number_after(m, "requested about")),
+                number_after_in(m, "of text input,", "in the output"),
             ))
-            .map(|(l, total, out)| (l, prompt_part(t, "of text input").or(total), out))
         },
+        window: true,
     },
     Row {
         format: "vllm",
         statuses: &[400, 413],
-        needles: &["maximum context length is", "your prompt contains at least"],
-        read: |t, _| {
+        mark: Mark::Starts(OPENAI_START, &["your prompt contains at least"]),
+        read: |rest, m, _| {
             Some((
-                number_after(t, "maximum context length is"),
-                number_after(t, "prompt contains at least"),
-                number_after(t, "you requested").filter(|_| t.contains("output tokens")),
+                number_at(rest),
+                number_after(m, "prompt contains at least"),
+                number_after(m, "you requested").filter(|_| m.contains("output tokens")),
             ))
         },
+        window: true,
     },
     Row {
         format: "openai",
         statuses: &[400, 413],
-        needles: &["maximum context length is"],
-        read: |t, _| {
-            let limit = number_after(t, "maximum context length is");
-            let total = number_after(t, "resulted in").or(number_after(t, "you requested"));
-            let messages = prompt_part(t, "in the messages");
-            let completion = number_after_in(t, "in the messages,", "in the completion");
-            Some((limit, messages.or(total), completion))
+        mark: Mark::Starts(OPENAI_START, &[]),
+        read: |rest, m, _| {
+            let total = number_after(m, "resulted in").or(number_after(m, "you requested"));
+            let messages = prompt_part(m, "in the messages");
+            let completion = number_after_in(m, "in the messages,", "in the completion");
+            Some((number_at(rest), messages.or(total), completion))
         },
+        window: true,
     },
     Row {
         format: "openai",
         statuses: &[400, 413],
-        needles: &["context_length_exceeded", "limit of"],
-        read: |t, _| {
-            Some((
-                number_after(t, "limit of"),
-                number_after(t, "resulted in"),
-                None,
-            ))
-        },
+        // "Input tokens exceed the configured limit of 272000 tokens. Your
+        // messages resulted in 280512 tokens."
+        mark: Mark::Code(
+            "context_length_exceeded",
+            Some("input tokens exceed the configured limit of "),
+        ),
+        read: |rest, m, _| Some((number_at(rest), number_after(m, "resulted in"), None)),
+        window: true,
     },
     Row {
         format: "openai",
         statuses: &[400, 413],
-        needles: &["context_length_exceeded"],
-        read: |_, _| Some((None, None, None)),
+        mark: Mark::Code("context_length_exceeded", None),
+        read: |_, _, _| Some((None, None, None)),
+        window: true,
     },
     Row {
         format: "anthropic",
         statuses: &[400, 413],
-        needles: &["exceed context limit"],
         // "input length and `max_tokens` exceed context limit: M + K > N"
-        read: |t, _| {
+        mark: Mark::Starts("input length and `max_tokens` exceed context limit: ", &[]),
+        read: |rest, _, _| {
             Some((
-                number_after(t, " > "),
-                number_after(t, "context limit:"),
-                number_after(t, " + "),
+                number_after(rest, " > "),
+                number_at(rest),
+                number_after(rest, " + "),
             ))
         },
+        window: true,
     },
     Row {
         format: "anthropic",
         statuses: &[400, 413],
-        needles: &["prompt is too long"],
-        read: |t, _| {
-            Some((
-                number_after(t, "tokens >"),
-                number_after(t, "prompt is too long:"),
-                None,
-            ))
-        },
+        // "prompt is too long: M tokens > N maximum"
+        mark: Mark::Starts("prompt is too long: ", &[]),
+        read: |rest, _, _| Some((number_after(rest, "tokens >"), number_at(rest), None)),
+        window: true,
     },
     Row {
         format: "mistral",
         statuses: &[400, 413],
-        needles: &["too large for model with", "maximum context length"],
-        read: |t, _| {
+        // "Prompt contains M tokens and 0 draft tokens, too large for model
+        // with N maximum context length"
+        mark: Mark::Starts(
+            "prompt contains ",
+            &["too large for model with", "maximum context length"],
+        ),
+        read: |rest, m, _| {
             Some((
-                number_after(t, "too large for model with"),
-                number_after(t, "prompt contains"),
+                number_after(m, "too large for model with"),
+                number_at(rest),
                 None,
             ))
         },
+        window: true,
     },
     Row {
         format: "xai",
         statuses: &[400, 413],
-        needles: &["maximum prompt length is"],
-        read: |t, _| {
-            Some((
-                number_after(t, "maximum prompt length is"),
-                number_after(t, "request contains"),
-                None,
-            ))
-        },
+        // "This model's maximum prompt length is N but the request contains
+        // M tokens."
+        mark: Mark::Starts("this model's maximum prompt length is ", &[]),
+        read: |rest, m, _| Some((number_at(rest), number_after(m, "request contains"), None)),
+        window: true,
     },
     Row {
         format: "gemini",
         statuses: &[400, 413],
-        needles: &["input token count", "exceeds the maximum number of tokens"],
-        read: |t, _| {
-            Some((
-                number_after(t, "tokens allowed"),
-                number_after(t, "input token count"),
-                None,
-            ))
+        // "The input token count (M) exceeds the maximum number of tokens
+        // allowed (N)."
+        mark: Mark::Starts(
+            "the input token count",
+            &["exceeds the maximum number of tokens allowed"],
+        ),
+        read: |rest, m, _| {
+            // The count, when given, comes first, in brackets.
+            let count = rest.strip_prefix(" (").and_then(number_at);
+            Some((number_after(m, "tokens allowed"), count, None))
         },
+        window: true,
     },
 ];
+
+impl Row {
+    /// The numbers of `fields` when this row's mark is on them.
+    fn read(&self, fields: &ErrorFields) -> Option<Numbers> {
+        let message = fields.message.as_deref();
+        let (rest, message) = match self.mark {
+            Mark::Starts(start, phrases) => {
+                let message = message?;
+                let rest = message.strip_prefix(start)?;
+                phrases
+                    .iter()
+                    .all(|p| rest.contains(p))
+                    .then_some((rest, message))?
+            }
+            Mark::Code(code, start) => {
+                if fields.code != Some(code) {
+                    return None;
+                }
+                let message = message.unwrap_or_default();
+                match start {
+                    Some(start) => (message.strip_prefix(start)?, message),
+                    None => (message, message),
+                }
+            }
+            Mark::Kind(kind) => {
+                if fields.kind != Some(kind) {
+                    return None;
+                }
+                let message = message.unwrap_or_default();
+                (message, message)
+            }
+        };
+        (self.read)(rest, message, fields)
+    }
+}
 
 /// Every `provider_format` label, each once.
 pub fn formats() -> Vec<&'static str> {
@@ -203,20 +359,31 @@ pub fn detect(status: u16, body: &[u8]) -> Option<Overflow> {
     if !(400..500).contains(&status) || body.len() > 1 << 20 {
         return None;
     }
-    let json: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    let text = String::from_utf8_lossy(body).to_lowercase();
+    let json: Value = serde_json::from_slice(body).ok()?;
+    let fields = ErrorFields::of(&json)?;
     TABLE.iter().find_map(|row| {
-        if !row.statuses.contains(&status) || !row.needles.iter().all(|n| text.contains(n)) {
+        if !row.statuses.contains(&status) {
             return None;
         }
-        let (limit, prompt, completion) = (row.read)(&text, &json)?;
+        let (limit, prompt, completion) = row.read(&fields)?;
         Some(Overflow {
             format: row.format,
-            limit,
+            // A window of 0 is no window.
+            limit: limit.filter(|&l| l > 0),
             prompt,
             completion,
+            names_window: row.window,
         })
     })
+}
+
+/// The integer `text` starts with (digits may be grouped by commas or
+/// underscores).
+fn number_at(text: &str) -> Option<u64> {
+    if !text.starts_with(|c: char| c.is_ascii_digit()) {
+        return None;
+    }
+    first_number(text, 0)
 }
 
 /// The first integer after `phrase` in `text` (digits may be grouped by
@@ -321,6 +488,7 @@ mod tests {
             limit,
             prompt,
             completion,
+            names_window: true,
         };
         let sent = Rejected {
             raw: 10_000,
@@ -350,6 +518,165 @@ mod tests {
         assert_eq!(c.prompt_budget, Some(14_000));
     }
 
+    /// An OpenAI-shaped error body with `message` and `code`.
+    fn openai(message: &str, code: &str) -> Vec<u8> {
+        serde_json::json!({"error": {"message": message, "type": "invalid_request_error", "param": null, "code": code}})
+            .to_string()
+            .into_bytes()
+    }
+
+    fn read(status: u16, body: &[u8]) -> Option<(&'static str, Option<u64>, Option<u64>)> {
+        detect(status, body).map(|o| (o.format, o.limit, o.prompt))
+    }
+
+    #[test]
+    fn a_providers_sentence_counts_only_where_it_starts_the_message() {
+        let sentence = "This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens.";
+        let found = Some(("openai", Some(8192), Some(9000)));
+        assert_eq!(read(400, &openai(sentence, "x")), found);
+        // Leading space and case do not matter.
+        assert_eq!(
+            read(400, &openai(&format!("  {}", sentence.to_uppercase()), "x")),
+            found
+        );
+        // After the names of exceptions that gateways put first.
+        for wrapped in [
+            format!("litellm.BadRequestError: {sentence}"),
+            format!("litellm.BadRequestError: OpenAIException - {sentence}"),
+            format!("BadRequestError: ContextWindowExceededError: {sentence}"),
+        ] {
+            assert_eq!(read(400, &openai(&wrapped, "x")), found, "{wrapped}");
+        }
+        // Quoted, or after anything else, it is not the provider's.
+        for echoed in [
+            format!("Invalid value: '{sentence}'. Supported values are: 'low' and 'high'."),
+            format!("Upstream said: {sentence}"),
+            format!("user error: {sentence}"),
+            format!("'{sentence}' is not one of ['low', 'high']"),
+            format!("a.Error: b.Error: c.Error: d.Error: e.Error: {sentence}"),
+            format!("{}Error: {sentence}", "x".repeat(80)),
+        ] {
+            assert_eq!(
+                read(400, &openai(&echoed, "invalid_value")),
+                None,
+                "{echoed}"
+            );
+        }
+    }
+
+    #[test]
+    fn codes_and_types_count_only_as_the_whole_field() {
+        let code_only = openai(
+            "Please reduce the length of the messages.",
+            "context_length_exceeded",
+        );
+        assert_eq!(read(400, &code_only), Some(("openai", None, None)));
+        let quoted = openai("Invalid value: 'context_length_exceeded'.", "invalid_value");
+        assert_eq!(read(400, &quoted), None);
+        let llama = br#"{"error":{"code":400,"message":"the request exceeds the available context size, try increasing it","type":"exceed_context_size_error","n_prompt_tokens":9120,"n_ctx":8192}}"#;
+        assert_eq!(read(400, llama), Some(("llamacpp", Some(8192), Some(9120))));
+        let typed = br#"{"error":{"code":400,"message":"exceed_context_size_error","type":"invalid_request_error","n_prompt_tokens":9120,"n_ctx":50}}"#;
+        assert_eq!(read(400, typed), None);
+    }
+
+    #[test]
+    fn a_window_of_zero_is_no_window() {
+        let zero = openai(
+            "This model's maximum context length is 0 tokens. However, your messages resulted in 9000 tokens.",
+            "context_length_exceeded",
+        );
+        assert_eq!(read(400, &zero), Some(("openai", None, Some(9000))));
+        let llama =
+            br#"{"error":{"type":"exceed_context_size_error","n_prompt_tokens":9120,"n_ctx":0}}"#;
+        assert_eq!(read(400, llama), Some(("llamacpp", None, Some(9120))));
+    }
+
+    #[test]
+    fn a_tokens_per_minute_limit_is_read_after_the_models_name_and_is_no_window() {
+        // The model's name is the client's: counts inside it are not read.
+        let body = openai(
+            "Request too large for x (TPM): Limit 10, Requested 20 in organization org-1 on tokens per min (TPM): Limit 30000, Requested 45120. The input or output tokens must be reduced.",
+            "rate_limit_exceeded",
+        );
+        let o = detect(429, &body).unwrap();
+        assert_eq!(
+            (o.format, o.limit, o.prompt, o.names_window),
+            ("openai_tpm", Some(30000), Some(45120), false)
+        );
+        let o = detect(
+            400,
+            &openai("This model's maximum context length is 8192 tokens.", "x"),
+        );
+        assert!(o.unwrap().names_window);
+    }
+
+    #[test]
+    fn each_wording_is_anchored() {
+        // (status, body, format) of each provider's sentence, and the same
+        // sentence quoted after other text.
+        let cases: &[(u16, &str, &str)] = &[
+            (
+                400,
+                r#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 208462 tokens > 200000 maximum"}}"#,
+                "anthropic",
+            ),
+            (
+                400,
+                r#"{"type":"error","error":{"type":"invalid_request_error","message":"input length and `max_tokens` exceed context limit: 187254 + 20000 > 204798, decrease input length"}}"#,
+                "anthropic",
+            ),
+            (
+                400,
+                r#"{"error":{"message":"This endpoint's maximum context length is 131072 tokens. However, you requested about 140234 tokens (136138 of text input, 4096 in the output).","code":400}}"#,
+                "openrouter",
+            ),
+            (
+                400,
+                r#"{"error":{"message":"This model's maximum context length is 16384 tokens. However, you requested 1024 output tokens and your prompt contains at least 15361 input tokens, for a total of at least 16385 tokens.","type":"BadRequestError","code":400}}"#,
+                "vllm",
+            ),
+            (
+                400,
+                r#"{"object":"error","message":"Prompt contains 40123 tokens and 0 draft tokens, too large for model with 32768 maximum context length","type":"invalid_request_message_error","code":"3051"}"#,
+                "mistral",
+            ),
+            (
+                400,
+                r#"{"code":"Client specified an invalid argument","error":"This model's maximum prompt length is 131072 but the request contains 150321 tokens."}"#,
+                "xai",
+            ),
+            (
+                400,
+                r#"[{"error":{"code":400,"message":"The input token count (1200456) exceeds the maximum number of tokens allowed (1048576).","status":"INVALID_ARGUMENT"}}]"#,
+                "gemini",
+            ),
+            (
+                400,
+                r#"{"error":{"message":"Input tokens exceed the configured limit of 272000 tokens. Your messages resulted in 280512 tokens.","type":"invalid_request_error","code":"context_length_exceeded"}}"#,
+                "openai",
+            ),
+            (
+                429,
+                r#"{"error":{"message":"Request too large for gpt-4o in organization org-1 on tokens per min (TPM): Limit 30000, Requested 45120.","type":"tokens","code":"rate_limit_exceeded"}}"#,
+                "openai_tpm",
+            ),
+        ];
+        for &(status, body, format) in cases {
+            let o = detect(status, body.as_bytes()).unwrap_or_else(|| panic!("{body}"));
+            assert_eq!(o.format, format, "{body}");
+            assert!(o.limit.is_some(), "{body}");
+            // The same error with its message quoted inside another: no
+            // overflow. (The code of the newer OpenAI wording would still
+            // mark it, as any error carrying it: that code is OpenAI's.)
+            let echoed = body
+                .replace(r#""message":""#, r#""message":"Invalid value: '"#)
+                .replace(r#""error":"This"#, r#""error":"Invalid value: 'This"#)
+                .replace("context_length_exceeded", "invalid_value");
+            assert_ne!(echoed, body);
+            assert_eq!(detect(status, echoed.as_bytes()), None, "{echoed}");
+        }
+    }
+
     #[test]
     fn numbers_are_read_with_grouping_and_nearby_only() {
         assert_eq!(
@@ -368,5 +695,7 @@ mod tests {
             prompt_part("(900 in the messages", "in the messages"),
             Some(900)
         );
+        assert_eq!(number_at("12,345 tokens"), Some(12_345));
+        assert_eq!(number_at(" 12"), None);
     }
 }

@@ -2,6 +2,9 @@
 //! (checkpoints by the hash of the prefix they cover, learned context
 //! windows). In process by default, bounded in bytes and age; in Redis when
 //! `state.redis_url` is set, so every replica sees what one replica learned.
+//! Entries live for `state.ttl_seconds`, or for the time they are stored
+//! with ([`StateStore::put_for`]: a learned window lasts far less than a
+//! checkpoint).
 //!
 //! The store is a cache, never a dependency: a Redis that errs, is slow or
 //! is gone answers as a miss (and is counted), and condense carries on.
@@ -89,7 +92,7 @@ impl StateStore {
     /// The value stored under `key`, if any (a store error is a miss).
     pub async fn get(&self, key: &str) -> Option<String> {
         match &self.backend {
-            Backend::Memory(m) => m.get(key, self.ttl),
+            Backend::Memory(m) => m.get(key).map(|(v, _)| v),
             Backend::Redis { conn, timeout } => {
                 let mut conn = conn.clone();
                 let full = format!("{PREFIX}{key}");
@@ -100,15 +103,48 @@ impl StateStore {
         }
     }
 
-    /// Stores `value` under `key` for the configured time to live.
-    pub async fn put(&self, key: &str, value: &str) {
+    /// The value stored under `key` and the time it has left, if any.
+    pub async fn get_expiring(&self, key: &str) -> Option<(String, Duration)> {
         match &self.backend {
-            Backend::Memory(m) => m.put(key, value),
+            Backend::Memory(m) => m.get(key),
             Backend::Redis { conn, timeout } => {
                 let mut conn = conn.clone();
                 let full = format!("{PREFIX}{key}");
-                let ttl = self.ttl.as_secs().max(1);
-                let put = conn.set_ex::<_, _, ()>(full, value, ttl);
+                let mut pipe = redis::pipe();
+                pipe.get(&full).pttl(&full);
+                let (value, ms) = self
+                    .redis(
+                        "get",
+                        *timeout,
+                        pipe.query_async::<(Option<String>, i64)>(&mut conn),
+                    )
+                    .await?;
+                // PTTL: -1 for a key without expiry (none of condense's),
+                // -2 for one that is gone.
+                let left = match u64::try_from(ms) {
+                    Ok(ms) => Duration::from_millis(ms),
+                    Err(_) if ms == -1 => self.ttl,
+                    Err(_) => return None,
+                };
+                Some((value?, left))
+            }
+        }
+    }
+
+    /// Stores `value` under `key` for the configured time to live.
+    pub async fn put(&self, key: &str, value: &str) {
+        self.put_for(key, value, self.ttl).await;
+    }
+
+    /// Stores `value` under `key` for `ttl` (at least a millisecond).
+    pub async fn put_for(&self, key: &str, value: &str, ttl: Duration) {
+        match &self.backend {
+            Backend::Memory(m) => m.put(key, value, ttl),
+            Backend::Redis { conn, timeout } => {
+                let mut conn = conn.clone();
+                let full = format!("{PREFIX}{key}");
+                let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+                let put = conn.pset_ex::<_, _, ()>(full, value, ms);
                 self.redis("put", *timeout, put).await;
             }
         }
@@ -169,7 +205,7 @@ impl StateStore {
 }
 
 /// The in-process backend: a [`Bounded`] cache limited in bytes, each entry
-/// stamped with the time it was stored.
+/// stamped with the time it expires.
 struct Memory {
     entries: Bounded<String, (Arc<str>, Instant)>,
 }
@@ -189,19 +225,27 @@ impl Memory {
         }
     }
 
-    fn get(&self, key: &str, ttl: Duration) -> Option<String> {
-        let (value, at) = self.entries.get(key)?;
-        if at.elapsed() < ttl {
-            Some(value.to_string())
+    /// The value and the time it has left.
+    fn get(&self, key: &str) -> Option<(String, Duration)> {
+        let (value, until) = self.entries.get(key)?;
+        let left = until.saturating_duration_since(Instant::now());
+        if left > Duration::ZERO {
+            Some((value.to_string(), left))
         } else {
             self.entries.remove(key);
             None
         }
     }
 
-    fn put(&self, key: &str, value: &str) {
+    fn put(&self, key: &str, value: &str, ttl: Duration) {
+        let now = Instant::now();
+        // A time to live past what the clock holds is as good as forever.
+        let until = now
+            .checked_add(ttl)
+            .or_else(|| now.checked_add(Duration::from_secs(u64::from(u32::MAX))))
+            .unwrap_or(now);
         self.entries
-            .insert(key.to_string(), (Arc::from(value), Instant::now()));
+            .insert(key.to_string(), (Arc::from(value), until));
     }
 }
 
@@ -229,5 +273,22 @@ mod tests {
         let expired = StateStore::memory(100, Duration::ZERO);
         expired.put("a", "1").await;
         assert_eq!(expired.get("a").await, None);
+    }
+
+    #[tokio::test]
+    async fn an_entry_lives_for_the_time_it_was_stored_for() {
+        let s = StateStore::memory(1000, Duration::from_secs(3600));
+        s.put_for("short", "1", Duration::ZERO).await;
+        assert_eq!(s.get("short").await, None);
+        s.put_for("window", "8192", Duration::from_secs(60)).await;
+        let (value, left) = s.get_expiring("window").await.unwrap();
+        assert_eq!(value, "8192");
+        assert!(left <= Duration::from_secs(60) && left > Duration::from_secs(50));
+        s.put("checkpoint", "c").await;
+        let (_, left) = s.get_expiring("checkpoint").await.unwrap();
+        assert!(left > Duration::from_secs(3500), "{left:?}");
+        // A time to live past the clock's reach does not panic.
+        s.put_for("long", "x", Duration::MAX).await;
+        assert_eq!(s.get("long").await.as_deref(), Some("x"));
     }
 }

@@ -1463,10 +1463,12 @@ async fn clients_that_never_read_their_responses_do_not_hold_the_connection_cap(
     for _ in 0..2 {
         stalled.push(stalled_client(h.addr).await);
     }
+    // `/readyz`: a connection refused at the cap answers `/healthz` 200
+    // too, but `/readyz` only once it is really served.
     let served = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
             let mut c = TcpStream::connect(h.addr).await.unwrap();
-            c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            c.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
                 .await
                 .unwrap();
             if read_response(&mut c).await.status == 200 {

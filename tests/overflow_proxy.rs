@@ -306,3 +306,140 @@ async fn the_shared_traces_against_a_smaller_real_window_are_rejected_at_most_on
         assert!(rejected <= 1, "{}: {rejected}", p.display());
     }
 }
+
+/// Tenant `key`'s request through condense (gated by client keys), with
+/// the mock steered by `extra`.
+async fn send_as(
+    h: &Harness,
+    key: &str,
+    body: &Value,
+    extra: &[(&str, &str)],
+) -> reqwest::Response {
+    let auth = format!("Bearer {key}");
+    let mut headers = vec![("authorization", auth.as_str())];
+    headers.extend_from_slice(extra);
+    send(h, body, &headers).await
+}
+
+/// The body of the last chat request the upstream saw.
+fn last_sent(h: &Harness) -> bytes::Bytes {
+    h.mock.chat_requests().pop().unwrap().body
+}
+
+const WINDOW_GAUGE: &str = "condense_context_window_tokens{model=\"gpt-4o\"}";
+
+#[tokio::test]
+async fn an_error_echoing_one_tenants_input_does_not_shrink_anothers_window() {
+    let h = Harness::with(|c| {
+        c.auth.client_keys = vec![
+            condense::config::Secret::new("tenant-a"),
+            condense::config::Secret::new("tenant-b"),
+        ];
+        c.upstream.api_key = Some(condense::config::Secret::new("sk-shared-upstream"));
+    })
+    .await;
+    // Tenant A's conversation fits gpt-4o's 128k window: it goes as sent.
+    let a = session(14);
+    let resp = send_as(&h, "tenant-a", &a, &[]).await;
+    assert_eq!(resp.status(), 200);
+    let _ = resp.bytes().await;
+    assert_eq!(last_sent(&h), a.to_string());
+    assert_eq!(h.metric(WINDOW_GAUGE).await, Some(128_000.0));
+
+    // Tenant B puts an overflow's wording in a field the upstream echoes
+    // in its 400, in OpenAI's words and in vLLM's.
+    for (style, quote) in [
+        ("openai", "maximum context length is 50 tokens"),
+        (
+            "vllm",
+            "This model's maximum context length is 50 tokens. However, your messages resulted in 60 tokens.",
+        ),
+    ] {
+        let mut b = common::chat_body(false);
+        b["reasoning_effort"] = json!(quote);
+        let echo = [
+            ("x-mock-echo-field", "reasoning_effort"),
+            ("x-mock-echo-style", style),
+        ];
+        let resp = send_as(&h, "tenant-b", &b, &echo).await;
+        assert_eq!(resp.status(), 400, "{style}");
+        let error = resp.text().await.unwrap();
+        assert!(
+            error.contains(quote),
+            "{style}: the upstream's error as it wrote it: {error}"
+        );
+    }
+    let sent = h.mock.chat_requests();
+    assert_eq!(sent.len(), 3, "no retry of tenant B's requests");
+    let metrics = h.metrics().await;
+    let counted: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("condense_context_overflow_total{") && !l.ends_with(" 0"))
+        .collect();
+    assert!(counted.is_empty(), "{counted:?}");
+
+    // Tenant A's next turn still goes as sent, against the same window.
+    let a = session(15);
+    let resp = send_as(&h, "tenant-a", &a, &[]).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-condense-actions"], "none");
+    let _ = resp.bytes().await;
+    assert_eq!(last_sent(&h), a.to_string());
+    assert_eq!(h.metric(WINDOW_GAUGE).await, Some(128_000.0));
+}
+
+#[tokio::test]
+async fn an_overflow_does_not_lower_the_window_below_a_prompt_the_upstream_accepted() {
+    let h = Harness::start().await;
+    // A prompt of some 16k tokens is accepted (the mock reports condense's
+    // own count of it).
+    let accepted = session(14);
+    let resp = send(&h, &accepted, &[]).await;
+    assert_eq!(resp.status(), 200);
+    let _ = resp.bytes().await;
+    let req =
+        condense::chat::ChatRequest::parse(&bytes::Bytes::from(accepted.to_string())).unwrap();
+    let floor = condense::tokens::count_request(&req, condense::tokens::Encoding::O200k);
+    assert!(floor > 8192, "{floor}");
+
+    // Then the upstream says the window is 8192: the request it rejected
+    // is retried at 8192 ...
+    let resp = send(&h, &session(15), &[("x-mock-window", "8192")]).await;
+    assert_eq!(resp.status(), 200);
+    let _ = resp.bytes().await;
+    assert_eq!(h.mock.state.overflows.load(Ordering::SeqCst), 1);
+    assert_eq!(h.mock.chat_requests().len(), 3, "one retry");
+    // ... but the window learned for the model stays at the prompt it
+    // accepted.
+    let resp = send(&h, &session(15), &[]).await;
+    assert_eq!(resp.status(), 200);
+    let _ = resp.bytes().await;
+    assert_eq!(h.metric(WINDOW_GAUGE).await, Some(floor as f64));
+}
+
+#[tokio::test]
+async fn a_learned_window_expires() {
+    // (The exact lifetimes are unit-tested on a clock condense is handed;
+    // this one shows the setting reaches the proxy.)
+    let h = Harness::with(|c| c.tokens.learned_window_ttl_seconds = 2).await;
+    let tokens = h.server.as_ref().unwrap().state().proxy.tokens.clone();
+    let upstream = h.mock.base_url();
+    let resp = send(&h, &session(14), &[("x-mock-window", "8192")]).await;
+    assert_eq!(resp.status(), 200);
+    let _ = resp.bytes().await;
+    let info = tokens.model_info(&upstream, "gpt-4o");
+    assert_eq!(
+        (info.window, info.source),
+        (8192, condense::tokens::WindowSource::Overflow)
+    );
+    // Once it is over, the model's window from its profile again: the
+    // next turn goes as sent.
+    tokio::time::sleep(std::time::Duration::from_millis(2100)).await;
+    assert_eq!(tokens.model_info(&upstream, "gpt-4o").window, 128_000);
+    let next = session(15);
+    let resp = send(&h, &next, &[]).await;
+    assert_eq!(resp.status(), 200);
+    let _ = resp.bytes().await;
+    assert_eq!(last_sent(&h), next.to_string());
+    assert_eq!(h.metric(WINDOW_GAUGE).await, Some(128_000.0));
+}

@@ -1,6 +1,8 @@
 //! Learning from responses: the usage a response reports is counted in the
 //! metrics and calibrates condense's estimate, set against condense's raw
-//! count of exactly the body that went upstream.
+//! count of exactly the body that went upstream. Its prompt tokens are also
+//! a prompt the upstream accepted: the floor under any window an overflow
+//! error teaches for the model (see [`crate::tokens::learned`]).
 //!
 //! A body condense did not count on the way (the cheap path, an opted-out
 //! request) is counted off the request path, on the blocking pool, as soon
@@ -120,6 +122,9 @@ impl Learner {
                 .upstream_completion_tokens_total
                 .with_label_values(&[&label])
                 .inc_by(usage.completion_tokens);
+            self.tokens
+                .learned
+                .accepted(&self.upstream, &self.model, usage.prompt_tokens);
             match sent {
                 Sent::Counted(raw) => self.calibrate(usage.prompt_tokens, raw, label),
                 Sent::Counting(meeting) => {

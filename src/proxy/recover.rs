@@ -1,7 +1,10 @@
 //! Recover: a measured request the upstream rejected for its length is
 //! compacted again against the window the error names (or, without one,
 //! against what was just rejected) and sent once more. The window learned
-//! is shared with the other replicas through the state store.
+//! is shared with the other replicas through the state store, for
+//! `tokens.learned_window_ttl_seconds`, and never below its floor (see
+//! [`crate::tokens::learned`]): one tenant's error sizes every tenant's
+//! requests.
 
 use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
@@ -16,7 +19,7 @@ use super::upstream::{self, Outgoing, ResponseBody, UpstreamResponse};
 use super::{BLOCKING_PREPARE_BYTES, Proxy, body};
 use crate::error::ProxyError;
 use crate::overflow;
-use crate::tokens::{ModelInfo, pair_key};
+use crate::tokens::{ModelInfo, WindowSource, pair_key};
 use crate::wire::{Format, Parsed};
 
 /// Statuses an overflow error can come with.
@@ -49,13 +52,10 @@ impl Proxy {
             return;
         }
         self.window_checks.insert(key, now);
-        if let Some(window) = self
-            .state
-            .get(&window_key(upstream, model))
-            .await
-            .and_then(|v| v.parse::<u64>().ok())
+        if let Some((value, left)) = self.state.get_expiring(&window_key(upstream, model)).await
+            && let Ok(window) = value.parse::<u64>()
         {
-            self.tokens.overflows.set(upstream, model, window);
+            self.tokens.learned.adopt(upstream, model, window, left);
         }
     }
 
@@ -138,28 +138,42 @@ impl Proxy {
             count("not_recoverable");
             return Ok((unchanged(), prepared));
         };
-        // The window as the error names it, learned and shared. An error
-        // without it still bounds the window by what was just rejected (the
-        // prompt as the provider counted it, or as condense estimates it,
-        // plus the completion asked for); without that, a provider whose
-        // errors carry no numbers would reject every later request of the
-        // conversation once. condense's estimate may be low, so that bound
-        // stays in process and expires.
-        if let Some(limit) = o.limit {
-            self.tokens.overflows.set(upstream, &model, limit);
-            self.state
-                .put(&window_key(upstream, &model), &limit.to_string())
-                .await;
-        } else {
-            let bound = o
-                .prompt
-                .unwrap_or(calibrated)
-                .saturating_add(requested.unwrap_or(0));
-            if bound > 0 {
-                self.tokens.bounds.set(upstream, &model, bound);
+        // The window as the error names it, learned (floored) and shared.
+        // An account's limit (tokens per minute) is no model's window: it
+        // sizes this retry only. An error without a limit still bounds the
+        // window by what was just rejected (the prompt as the provider
+        // counted it, or as condense estimates it, plus the completion
+        // asked for); without that, a provider whose errors carry no
+        // numbers would reject every later request of the conversation
+        // once. condense's estimate may be low, so that bound stays in
+        // process and expires sooner.
+        match o.limit {
+            Some(limit) if o.names_window => {
+                let learned = &self.tokens.learned;
+                if let Some(window) = learned.learn(upstream, &model, limit) {
+                    let key = window_key(upstream, &model);
+                    self.state
+                        .put_for(&key, &window.to_string(), learned.ttl())
+                        .await;
+                }
+            }
+            Some(_) => {}
+            None => {
+                let bound = o
+                    .prompt
+                    .unwrap_or(calibrated)
+                    .saturating_add(requested.unwrap_or(0));
+                self.tokens.learned.bound(upstream, &model, bound);
             }
         }
         let mut info = self.tokens.model_info(upstream, &model);
+        // The retry aims at the limit the error names even where the learned
+        // window stays above it (its floor): it is this request's own
+        // answer, and a retry sized to more would be rejected again.
+        if let Some(limit) = o.limit.filter(|&l| l < info.window) {
+            info.window = limit;
+            info.source = WindowSource::Overflow;
+        }
         if let Some(p) = o.prompt {
             self.tokens
                 .calibration

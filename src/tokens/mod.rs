@@ -5,7 +5,10 @@
 //! - `image`: OpenAI's tile rule for image parts.
 //! - `cache`: per-message counts under a hash of the message's bytes.
 //! - `calibration`: the upstream's count relative to ours, per model.
-//! - `models`: profiles, learned windows, and which window applies.
+//! - `models`: profiles, the windows upstreams list, and which window
+//!   applies.
+//! - `learned`: windows learned from overflow errors, their floors and
+//!   expiry.
 //! - `budget`: the prompt budget and the pressure on it.
 
 pub mod bpe;
@@ -15,6 +18,7 @@ pub mod calibration;
 pub mod count;
 pub mod encoding;
 pub mod image;
+pub mod learned;
 pub mod models;
 
 use std::sync::{Arc, OnceLock};
@@ -32,7 +36,8 @@ use crate::config::{Config, ModelProfile};
 use crate::metrics::Metrics;
 use cache::CountCache;
 use calibration::{Calibration, Ratios};
-use models::{Bounds, Listings};
+use learned::Learned;
+use models::Listings;
 
 /// Bytes of masked message forms remembered across requests.
 const MEMO_BYTES: usize = 16 * 1024 * 1024;
@@ -138,9 +143,7 @@ pub struct TokenService {
     pub calibration: Calibration,
     pub listings: Listings,
     /// Windows learned from context-overflow errors.
-    pub overflows: Listings,
-    /// Upper bounds on windows from overflow errors without numbers.
-    pub bounds: Bounds,
+    pub learned: Learned,
     profiles: Vec<ModelProfile>,
     /// Which profile each model name seen lately matched (an index into
     /// `profiles`): matching walks every profile's pattern, and a request
@@ -174,8 +177,10 @@ impl TokenService {
             memo: Memo::new(MEMO_BYTES),
             calibration: Calibration::default(),
             listings: Listings::default(),
-            overflows: Listings::default(),
-            bounds: Bounds::default(),
+            learned: Learned::new(
+                config.tokens.min_learned_window,
+                std::time::Duration::from_secs(config.tokens.learned_window_ttl_seconds),
+            ),
             profiles: config.models.clone(),
             matched: crate::cache::Bounded::new(4096, MATCHED_BYTES, |k, _| k.len() as u64 + 32),
             config,
@@ -207,11 +212,7 @@ impl TokenService {
             (None, Some(p)) => (p.context_window, WindowSource::Profile),
             (None, None) => (self.config.default_context_window, WindowSource::Default),
         };
-        let learned = [self.overflows.get_keyed(key), self.bounds.get_keyed(key)]
-            .into_iter()
-            .flatten()
-            .min();
-        let (window, source) = match learned {
+        let (window, source) = match self.learned.window_keyed(key) {
             Some(learned) if learned < window => (learned, WindowSource::Overflow),
             _ => (window, source),
         };

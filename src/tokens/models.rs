@@ -11,7 +11,8 @@
 //! When both a listing and a profile name a window, the smaller one counts:
 //! a listing smaller than the profile is the deployment's truth (a vLLM
 //! started with a short `--max-model-len`), a profile smaller than the
-//! listing is the user's wish to stay under it.
+//! listing is the user's wish to stay under it. A window learned from an
+//! overflow error (see `learned`) applies below all of them.
 //!
 //! Profiles match by glob (`*` any run, `?` one character), case-insensitive,
 //! against the model name and, failing that, against the part after its last
@@ -19,8 +20,6 @@
 //! specific pattern (most literal characters) wins; on a tie, the later
 //! entry, so an entry appended to the table overrides a shipped one. A name
 //! (or last part) longer than 256 bytes matches no profile.
-
-use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -122,9 +121,9 @@ pub fn best_profile_index(profiles: &[ModelProfile], model: &str) -> Option<usiz
     pick(model).or_else(|| if short != model { pick(short) } else { None })
 }
 
-/// Windows learned per (upstream, model): from upstreams' `/models`
-/// listings, or from overflow errors. Bounded in entries; keys are hashes,
-/// so a long model name costs no more than a short one.
+/// Windows learned per (upstream, model) from upstreams' `/models`
+/// listings. Bounded in entries; keys are hashes, so a long model name
+/// costs no more than a short one.
 pub struct Listings {
     windows: Bounded<u64, u64, PreHashed>,
 }
@@ -140,13 +139,6 @@ impl Default for Listings {
 impl Listings {
     /// Windows kept (a router's listing names a few hundred models).
     const MAX_ENTRIES: usize = 8192;
-
-    /// Records a window for one model (a smaller one replaces a larger).
-    pub fn set(&self, upstream: &str, model: &str, window: u64) {
-        let key = pair_key(upstream, model);
-        let window = self.windows.get(&key).map_or(window, |w| w.min(window));
-        self.windows.insert(key, window);
-    }
 
     pub fn get(&self, upstream: &str, model: &str) -> Option<u64> {
         self.get_keyed(pair_key(upstream, model))
@@ -204,45 +196,6 @@ const WINDOW_FIELDS: &[&str] = &[
     "/max_input_tokens",
     "/top_provider/context_length",
 ];
-
-/// Upper bounds on windows from overflow errors that name no window: the
-/// prompt that was rejected. condense's estimate of it may be low (that is
-/// how it came to be sent), so such a bound is kept in process only and for
-/// [`Bounds::TTL`], not shared and not for good; a smaller one replaces a
-/// larger.
-pub struct Bounds {
-    windows: Bounded<u64, (u64, Instant), PreHashed>,
-}
-
-impl Default for Bounds {
-    fn default() -> Self {
-        Bounds {
-            windows: Bounded::hashed(4096, 4096, one),
-        }
-    }
-}
-
-impl Bounds {
-    pub const TTL: Duration = Duration::from_secs(600);
-
-    pub fn set(&self, upstream: &str, model: &str, window: u64) {
-        let window = self.get(upstream, model).map_or(window, |w| w.min(window));
-        self.windows
-            .insert(pair_key(upstream, model), (window, Instant::now()));
-    }
-
-    pub fn get(&self, upstream: &str, model: &str) -> Option<u64> {
-        self.get_keyed(pair_key(upstream, model))
-    }
-
-    /// [`Bounds::get`] by the pair's [`pair_key`].
-    pub fn get_keyed(&self, key: u64) -> Option<u64> {
-        self.windows
-            .get(&key)
-            .filter(|(_, at)| at.elapsed() < Self::TTL)
-            .map(|(w, _)| w)
-    }
-}
 
 /// The key under which a single-model listing's window is kept: not the
 /// key of any model name (those hash a 0 byte after the upstream).

@@ -24,6 +24,11 @@
 //!   `max_tokens` exceed N with OpenAI's `context_length_exceeded` error
 //!   (counted in `MockState::overflows`); `x-mock-always-overflow: 1`
 //!   rejects every chat request that way, naming a limit of 8192.
+//! - `x-mock-echo-field: NAME` rejects a chat request with a 400 that
+//!   quotes the request's field NAME, as upstreams do for a value they do
+//!   not accept: OpenAI's "Invalid value: '…'. Supported values are: …"
+//!   (`code: invalid_value`), or with `x-mock-echo-style: vllm` vLLM's
+//!   validation error (`BadRequestError`, the input in a pydantic message).
 //!   `/v1/models` lists `gpt-4o` (no window, like OpenAI) and `vllm-small`
 //!   with `max_model_len` 16384 (like vLLM). Any other path echoes the
 //!   request back as JSON.
@@ -285,6 +290,9 @@ fn chat(state: Arc<MockState>, h: &HeaderMap, body: &Bytes) -> Response {
         }
         _ => body.len() as u64 / 4,
     };
+    if let Some(field) = h.get("x-mock-echo-field") {
+        return echo_invalid(&req, field.to_str().unwrap(), h.get("x-mock-echo-style"));
+    }
     let max_tokens = req["max_tokens"].as_u64().unwrap_or(0);
     let window = header_u64(h, "x-mock-window")
         .filter(|w| prompt_tokens + max_tokens > *w)
@@ -362,6 +370,25 @@ fn chat(state: Arc<MockState>, h: &HeaderMap, body: &Bytes) -> Response {
     let mut r = Response::new(Body::from_stream(stream));
     r.headers_mut()
         .insert("content-type", "text/event-stream".parse().unwrap());
+    r
+}
+
+/// A 400 quoting the request's `field`, in OpenAI's words or (`style`
+/// "vllm") vLLM's.
+fn echo_invalid(req: &Value, field: &str, style: Option<&axum::http::HeaderValue>) -> Response {
+    let value = req[field].as_str().unwrap_or_default();
+    let body = if style.is_some_and(|s| s == "vllm") {
+        json!({"object": "error",
+            "message": format!("[{{'type': 'literal_error', 'loc': ('body', '{field}'), 'msg': \"Input should be 'low', 'medium' or 'high'\", 'input': '{value}', 'ctx': {{'expected': \"'low', 'medium' or 'high'\"}}}}]"),
+            "type": "BadRequestError", "param": null, "code": 400})
+    } else {
+        json!({"error": {
+            "message": format!("Invalid value: '{value}'. Supported values are: 'low', 'medium', and 'high'."),
+            "type": "invalid_request_error", "param": field, "code": "invalid_value"}})
+    };
+    let mut r = (StatusCode::BAD_REQUEST, body.to_string()).into_response();
+    r.headers_mut()
+        .insert("content-type", "application/json".parse().unwrap());
     r
 }
 
