@@ -20,6 +20,20 @@ Scenarios (from the issue):
      stream; c2: it did, the stream passes unfiltered). Goal: < 64-128 MiB.
   d  a 300 MB chunked 400 error body from the upstream on a chat request.
      Goal: < 64-128 MiB.
+  e  5 HTTP/2 (h2c) connections with 200 slow streams each (h2load, from
+     Debian's nghttp2-client), condense under a 1,024 open-file
+     limit, an upstream that holds every request. Goal: /healthz answers,
+     condense stays under its limit, the streams past the cap get 503.
+  f  one chat request whose tool result is 400k distinct path lines
+     (16.5 MB). Goal: under 1 s of condense's CPU.
+  g  three clients send 16.5 MB requests like f and hang up while their
+     jobs wait; then an ordinary 272 KB Messages request. Goal: it is
+     answered at once, the abandoned jobs are never run.
+  h  an upstream that echoes a field of the client's request in its 400
+     (OpenAI's "Invalid value: '...'"); tenant B sends "maximum context
+     length is 50 tokens" as reasoning_effort, then tenant A sends a
+     47k-token conversation. Goal: A's request goes out unchanged, the
+     learned window does not move.
 
 condense (a: under `setrlimit(RLIMIT_NOFILE, 1024)`, like `prlimit
 --nofile=1024:1024`) is configured by environment variables only:
@@ -40,6 +54,7 @@ import json
 import os
 import resource
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -229,6 +244,31 @@ def read_request(conn: socket.socket) -> bytes | None:
     return head
 
 
+def read_body(conn: socket.socket) -> bytes | None:
+    """Reads one request with a Content-Length body; returns the body."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    parts = [body]
+    left = length - len(body)
+    while left > 0:
+        chunk = conn.recv(min(1 << 20, left))
+        if not chunk:
+            return None
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
 def send_chunked(conn: socket.socket, parts) -> None:
     for part in parts:
         conn.sendall(b"%x\r\n" % len(part) + part + b"\r\n")
@@ -255,7 +295,9 @@ ERROR_TOTAL = len(ERROR_HEAD) + ERROR_PAD + len(ERROR_TAIL)
 
 
 class FakeUpstream:
-    """Answers chat requests as `mode` says ("ok", "long_sse", "huge_400")."""
+    """Answers chat requests as `mode` says ("ok", "long_sse", "huge_400",
+    "hold": read the request and never answer, "echo_400": a 400 quoting
+    the request's reasoning_effort when it has one, else "ok")."""
 
     def __init__(self, mode: str):
         self.mode = mode
@@ -265,6 +307,8 @@ class FakeUpstream:
         self.sock.listen(128)
         self.port = self.sock.getsockname()[1]
         self.requests = 0
+        self.last_body_bytes = 0
+        self.held: list[socket.socket] = []
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -281,6 +325,14 @@ class FakeUpstream:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        if self.mode == "hold":
+            if read_request(conn) is not None:
+                self.requests += 1
+                self.held.append(conn)
+            return
+        if self.mode == "echo_400":
+            self._echo(conn)
+            return
         with conn:
             try:
                 while read_request(conn) is not None:
@@ -307,9 +359,34 @@ class FakeUpstream:
             except OSError:
                 pass
 
+    def _echo(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                while True:
+                    body = read_body(conn)
+                    if body is None:
+                        return
+                    self.requests += 1
+                    self.last_body_bytes = len(body)
+                    try:
+                        effort = json.loads(body).get("reasoning_effort")
+                    except ValueError:
+                        effort = None
+                    if effort is not None:
+                        answer = json.dumps({"error": {
+                            "message": f"Invalid value: '{effort}'. Supported values are: 'low', 'medium', and 'high'.",
+                            "type": "invalid_request_error", "param": "reasoning_effort", "code": "invalid_value"}}).encode()
+                        conn.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(answer) + answer)
+                    else:
+                        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(OK_ANSWER) + OK_ANSWER)
+            except OSError:
+                pass
+
     def close(self) -> None:
         self._stop.set()
         self.sock.close()
+        for held in self.held:
+            held.close()
 
 
 # --------------------------------------------------------------------------
@@ -555,10 +632,233 @@ def run_upstream_body(binary: str, time_limit: float, name: str, mode: str, body
     return r
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def open_files(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return -1
+
+
+def get_status(addr: tuple[str, int], path: str, timeout: float = 5.0) -> str:
+    """The status and body of a GET on a new connection, or what failed."""
+    try:
+        with socket.create_connection(addr, timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode())
+            data = b""
+            while True:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        return f"{head.split()[1].decode()} {body[:20].decode(errors='replace')}"
+    except (OSError, IndexError) as e:
+        return f"NO ANSWER ({e.__class__.__name__})"
+
+
+def distinct_paths(lines: int, tag: str) -> dict:
+    """A chat body whose answered tool result is `lines` distinct paths."""
+    out = "".join(f"src/{tag}/module_{i}/sub_{i * 7}/file_{i}.py: ok\n" for i in range(lines))
+    return {
+        "model": "gpt-4o",
+        "messages": [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Look at the tree."},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "sh", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": out},
+            {"role": "assistant", "content": "Seen it."},
+            {"role": "user", "content": "Now what?"},
+        ],
+    }
+
+
+def run_h2c_streams(binary: str, time_limit: float) -> Result:
+    r = Result("e: 5 x 200 h2c slow streams, nofile 1024", goal="/healthz answers, fds < 1024")
+    if not shutil.which("h2load"):
+        r.notes.append("skipped: no h2load (Debian: nghttp2-client)")
+        return r
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 4096:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
+    up = FakeUpstream("hold")
+    c = Condense(binary, up.base_url, nofile=1024, env={"CONDENSE_UPSTREAM__FIRST_BYTE_TIMEOUT_SECONDS": str(int(time_limit))})
+    body_file = f"/tmp/condense-bounds-{os.getpid()}.json"
+    with open(body_file, "w") as f:
+        json.dump(CHAT, f)
+    url = f"http://{HOST}:{c.port}/v1/chat/completions"
+    clients = []
+    try:
+        idle = c.idle_kib()
+        with Sampler(c.pid) as sampler:
+            # h2load speaks h2c with prior knowledge to an http:// URL: 5
+            # connections, 200 streams each at once.
+            cmd = ["h2load", "-c", "5", "-m", "200", "-n", "1000", "-T", str(int(time_limit)),
+                   "-d", body_file, "-H", "content-type: application/json", url]
+            clients.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            # Until the upstream's count stops growing.
+            last, still = -1, 0
+            deadline = time.monotonic() + min(time_limit, 30)
+            while still < 10 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                still = still + 1 if up.requests == last else 0
+                last = up.requests
+            files = open_files(c.pid)
+            ok, took = healthz(c.addr)
+            ready = get_status(c.addr, "/readyz")
+            refused = c.metric('condense_proxy_errors_total{kind="overloaded"}')
+        r.idle_mib = idle / 1024
+        r.peak_above_idle_mib = (c.peak_kib(sampler.max_kib) - idle) / 1024
+        r.healthz = f"{'200' if ok else 'NO ANSWER'} in {took * 1000:.0f} ms"
+        r.notes.append(f"{up.requests} held upstream, {refused:.0f} refused 503, {files} fds open, /readyz {ready}")
+    finally:
+        for p in clients:
+            p.kill()
+            p.wait()
+        c.kill()
+        up.close()
+        os.unlink(body_file)
+    return r
+
+
+def run_distinct_paths(binary: str, time_limit: float) -> Result:
+    r = Result("f: 16.5 MB of distinct path lines", goal="< 1 s of CPU")
+    up = FakeUpstream("ok")
+    c = Condense(binary, up.base_url)
+    try:
+        idle = c.idle_kib()
+        raw = chat_request(distinct_paths(400_000, "f"))
+        deadline = time.monotonic() + time_limit
+        with Sampler(c.pid) as sampler:
+            before = cpu_seconds(c.pid)
+            started = time.monotonic()
+            with socket.create_connection(c.addr, timeout=time_limit) as s:
+                s.sendall(raw)
+                status, _ = read_counted(s, deadline)
+            took = time.monotonic() - started
+            cpu = cpu_seconds(c.pid) - before
+            ok, hz = healthz(c.addr)
+        r.idle_mib = idle / 1024
+        r.peak_above_idle_mib = (c.peak_kib(sampler.max_kib) - idle) / 1024
+        r.healthz = f"{'200' if ok else 'NO ANSWER'} in {hz * 1000:.0f} ms"
+        r.notes.append(f"{len(raw) / 1e6:.1f} MB: status {status}, {cpu:.2f} s CPU, {took:.2f} s to the answer")
+    finally:
+        c.kill()
+        up.close()
+    return r
+
+
+def messages_request(body: dict) -> bytes:
+    raw = json.dumps(body).encode()
+    return (
+        b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nanthropic-version: 2023-06-01\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(raw)
+    ) + raw
+
+
+def ordinary_messages(bytes_wanted: int) -> dict:
+    """An Anthropic Messages conversation of about `bytes_wanted` bytes."""
+    msgs, turn = [], 0
+    text = "def handler(request):\n    return respond(request.args)\n" * 40
+    while sum(len(json.dumps(m)) for m in msgs) < bytes_wanted:
+        msgs.append({"role": "user", "content": f"Turn {turn}: read the next file."})
+        msgs.append({"role": "assistant", "content": [{"type": "text", "text": "Reading."}, {"type": "tool_use", "id": f"t{turn}", "name": "read", "input": {"path": f"src/m{turn}.py"}}]})
+        msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{turn}", "content": f"# m{turn}\n" + text}]})
+        turn += 1
+    msgs.append({"role": "assistant", "content": "Read them all."})
+    msgs.append({"role": "user", "content": "Summarise."})
+    return {"model": "claude-sonnet-4-5", "max_tokens": 1024, "messages": msgs}
+
+
+def run_abandoned_jobs(binary: str, time_limit: float) -> Result:
+    r = Result("g: 3 hung-up 16.5 MB jobs, then a 272 KB Messages request", goal="answered at once; jobs dropped")
+    up = FakeUpstream("ok")
+    c = Condense(binary, up.base_url, env={"CONDENSE_UPSTREAM__ANTHROPIC_BASE_URL": up.base_url})
+    try:
+        idle = c.idle_kib()
+        heavy = [chat_request(distinct_paths(400_000, f"g{i}")) for i in range(4)]
+        ordinary = messages_request(ordinary_messages(272_000))
+        deadline = time.monotonic() + time_limit
+        with Sampler(c.pid) as sampler:
+            # One that stays, taking a large slot; three that hang up.
+            keeper = socket.create_connection(c.addr, timeout=time_limit)
+            keeper.sendall(heavy[0])
+            time.sleep(0.3)
+            for raw in heavy[1:]:
+                with socket.create_connection(c.addr, timeout=30) as s:
+                    s.sendall(raw)
+                    time.sleep(0.3)
+            started = time.monotonic()
+            with socket.create_connection(c.addr, timeout=time_limit) as s:
+                s.sendall(ordinary)
+                status, _ = read_counted(s, deadline)
+            took = time.monotonic() - started
+            kept_status, _ = read_counted(keeper, deadline)
+            keeper.close()
+            time.sleep(0.5)
+        r.idle_mib = idle / 1024
+        r.peak_above_idle_mib = (c.peak_kib(sampler.max_kib) - idle) / 1024
+        jobs = {o: c.metric(f'condense_prepare_jobs_total{{outcome="{o}"}}') for o in ("run", "abandoned", "busy")}
+        r.notes.append(f"{len(ordinary) / 1e3:.0f} KB Messages: {status} in {took:.2f} s; the kept 16.5 MB one: {kept_status}")
+        r.notes.append(", ".join(f"{k}={v:.0f}" for k, v in jobs.items()) + f"; upstream requests={up.requests}")
+    finally:
+        c.kill()
+        up.close()
+    return r
+
+
+def run_poisoned_window(binary: str, time_limit: float) -> Result:
+    r = Result("h: an echoed 'maximum context length is 50 tokens'", goal="no window learned")
+    up = FakeUpstream("echo_400")
+    c = Condense(binary, up.base_url, env={"CONDENSE_AUTH__CLIENT_KEYS": '["tenant-a","tenant-b"]', "CONDENSE_UPSTREAM__API_KEY": "sk-shared"})
+    gauge = 'condense_context_window_tokens{model="gpt-4o"}'
+
+    def send(key: str, body: dict) -> int:
+        raw = json.dumps(body).encode()
+        req = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer %s\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % (key.encode(), len(raw))
+        ) + raw
+        with socket.create_connection(c.addr, timeout=30) as s:
+            s.sendall(req)
+            status, _ = read_counted(s, time.monotonic() + time_limit)
+        return status
+
+    try:
+        idle = c.idle_kib()
+        with Sampler(c.pid) as sampler:
+            a = {"model": "gpt-4o", "messages": [{"role": "system", "content": "You are a coding agent."}]}
+            for i in range(60):
+                a["messages"].append({"role": "user", "content": f"Step {i}: " + "please read the file and report. " * 80})
+                a["messages"].append({"role": "assistant", "content": f"Step {i} done: " + "the file holds what was expected. " * 10})
+            a["messages"].append({"role": "user", "content": "Go on."})
+            send("tenant-a", a)
+            before = c.metric(gauge)
+            b_status = send("tenant-b", dict(CHAT, reasoning_effort="maximum context length is 50 tokens"))
+            after = c.metric(gauge)
+            a_status = send("tenant-a", a)
+        r.idle_mib = idle / 1024
+        r.peak_above_idle_mib = (c.peak_kib(sampler.max_kib) - idle) / 1024
+        sent = len(json.dumps(a).encode())
+        r.notes.append(f"B got {b_status}; window gauge {before:.0f} -> {after:.0f}")
+        r.notes.append(f"A got {a_status}: {sent} bytes sent, {up.last_body_bytes} forwarded")
+    finally:
+        c.kill()
+        up.close()
+    return r
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bin", default="target/release/condense", help="the condense binary (default: %(default)s)")
-    p.add_argument("--only", default="a,b,b2,c1,c2,d", help="scenarios to run (default: %(default)s)")
+    p.add_argument("--only", default="a,b,b2,c1,c2,d,e,f,g,h", help="scenarios to run (default: %(default)s)")
     p.add_argument("--time-limit", type=float, default=120.0, help="seconds per scenario")
     args = p.parse_args()
     if not os.access(args.bin, os.X_OK):
@@ -579,6 +879,10 @@ def main() -> int:
         "d": lambda: run_upstream_body(
             args.bin, args.time_limit, "d: 300 MB chunked 400 body", "huge_400", CHAT, 400, ERROR_TOTAL, "< 64-128 MiB"
         ),
+        "e": lambda: run_h2c_streams(args.bin, args.time_limit),
+        "f": lambda: run_distinct_paths(args.bin, args.time_limit),
+        "g": lambda: run_abandoned_jobs(args.bin, args.time_limit),
+        "h": lambda: run_poisoned_window(args.bin, args.time_limit),
     }
     results = []
     for key in args.only.split(","):
