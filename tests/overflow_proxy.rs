@@ -250,6 +250,38 @@ async fn a_window_learned_by_one_replica_reaches_the_others_through_redis() {
     b.shutdown().await.unwrap();
 }
 
+#[tokio::test]
+#[ignore = "needs redis-server; run with `cargo test -- --ignored redis`"]
+async fn a_window_learned_through_redis_expires_there_too() {
+    let redis = Redis::start();
+    let url = redis.url();
+    let setup = |c: &mut condense::config::Config| {
+        c.state.redis_url = Some(condense::config::Secret::new(&url));
+        c.tokens.learned_window_ttl_seconds = 1;
+    };
+    let a = Harness::with(setup).await;
+    let window = [("x-mock-window", "8192")];
+    assert_eq!(send(&a, &session(14), &window).await.status(), 200);
+    assert_eq!(a.mock.state.overflows.load(Ordering::SeqCst), 1);
+    // Past the time to live, a replica started now finds nothing in Redis:
+    // it sends the conversation whole and is rejected once more.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let b = a.replica(setup).await;
+    let resp = a
+        .client
+        .post(format!("http://{}/v1/chat/completions", b.local_addr()))
+        .header("x-mock-token-factor", "1.0")
+        .header("x-mock-window", "8192")
+        .body(session(15).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let _ = resp.text().await.unwrap();
+    assert_eq!(a.mock.state.overflows.load(Ordering::SeqCst), 2);
+    b.shutdown().await.unwrap();
+}
+
 /// Sends a recorded conversation turn by turn (each prefix that ends before
 /// an assistant message) through condense, configured with a 128k window,
 /// to a mock upstream that enforces a smaller `window`. Returns (requests the upstream
