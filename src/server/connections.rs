@@ -18,8 +18,14 @@
 //!   quarter deadlines.
 //! - At most `max_connections` are open. A connection beyond that first
 //!   makes room by closing the longest-idle connection that has no request
-//!   in flight; when every connection is busy it is answered `503` (OpenAI
-//!   error shape, `Retry-After: 1`) and closed.
+//!   in flight; when every connection is busy it is answered and closed:
+//!   `GET /healthz` with its 200 (a busy process is alive), `GET /readyz`
+//!   with a 503, anything else with a `503` in its API's error shape
+//!   (`Retry-After: 1`).
+//! - At most `max_inflight` requests are in flight over all connections
+//!   together (an HTTP/2 connection carries up to [`H2_STREAMS`] at once,
+//!   each holding an upstream socket): past it, the front answers a
+//!   request with its API's overload error, and `/readyz` with a 503.
 //! - On shutdown, idle connections close at once and busy ones after their
 //!   response, so shutdown takes as long as the longest request, not the
 //!   whole grace period.
