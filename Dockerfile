@@ -23,7 +23,9 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 
 # --- run ---------------------------------------------------------------------
 # glibc and libgcc, no shell, no package manager, a non-root user. TLS to
-# the upstream uses rustls with built-in roots, so no CA bundle is needed.
+# the upstream uses rustls with the built-in Mozilla roots, so no CA bundle
+# is needed; for a private CA (a TLS-inspecting proxy), mount its PEM file
+# and name it in CONDENSE_UPSTREAM__CA_FILE or SSL_CERT_FILE.
 FROM gcr.io/distroless/cc-debian12:nonroot
 WORKDIR /app
 COPY --from=build /condense /usr/local/bin/condense

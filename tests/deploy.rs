@@ -381,6 +381,7 @@ fn schema_keys() -> BTreeSet<String> {
     let mut c = Config::default();
     c.upstream.api_key = Some(Secret::new("x"));
     c.upstream.anthropic_api_key = Some(Secret::new("x"));
+    c.upstream.ca_file = Some("x".into());
     c.summary.api_key = Some(Secret::new("x"));
     c.summary.base_url = Some("http://x".into());
     c.summary.model = Some("x".into());
