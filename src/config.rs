@@ -10,7 +10,7 @@
 
 use std::fmt;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use figment::Figment;
 use figment::providers::{Format, Serialized, Toml};
@@ -442,6 +442,13 @@ pub struct UpstreamConfig {
     /// Read context windows from the upstream's `/models` listing (vLLM's
     /// `max_model_len`, OpenRouter's `context_length`, ...).
     pub learn_windows: bool,
+    /// A PEM file of CA certificates trusted besides the Mozilla roots on
+    /// every TLS connection condense opens (the upstreams, the summarizer,
+    /// through an outbound proxy): a private CA, such as a TLS-inspecting
+    /// proxy's. When unset, the file `SSL_CERT_FILE` names, if any. Read
+    /// at start-up (see `proxy::trust`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for UpstreamConfig {
@@ -456,6 +463,7 @@ impl Default for UpstreamConfig {
             idle_timeout_seconds: 300.0,
             stream_usage: true,
             learn_windows: true,
+            ca_file: None,
         }
     }
 }
@@ -550,6 +558,14 @@ impl Config {
             if s.as_ref().is_some_and(String::is_empty) {
                 *s = None;
             }
+        }
+        if self
+            .upstream
+            .ca_file
+            .as_ref()
+            .is_some_and(|p| p.as_os_str().is_empty())
+        {
+            self.upstream.ca_file = None;
         }
     }
 
@@ -940,9 +956,16 @@ mod tests {
             jail.set_env("CONDENSE_UPSTREAM__API_KEY", "");
             jail.set_env("CONDENSE_STATE__REDIS_URL", "");
             jail.set_env("CONDENSE_SUMMARY__MODEL", "");
+            jail.set_env("CONDENSE_UPSTREAM__CA_FILE", "");
             let c = Config::load(None).unwrap();
             assert!(c.upstream.api_key.is_none() && c.state.redis_url.is_none());
-            assert!(c.summary.model.is_none());
+            assert!(c.summary.model.is_none() && c.upstream.ca_file.is_none());
+            jail.set_env("CONDENSE_UPSTREAM__CA_FILE", "/etc/condense/ca.pem");
+            let c = Config::load(None).unwrap();
+            assert_eq!(
+                c.upstream.ca_file.as_deref(),
+                Some(Path::new("/etc/condense/ca.pem"))
+            );
             Ok(())
         });
     }

@@ -118,6 +118,12 @@ fn main() -> ExitCode {
             for name in &ignored {
                 eprintln!("condense: warning: {name} {NOT_CONFIGURATION}");
             }
+            // The CA file (upstream.ca_file, or SSL_CERT_FILE's) is read as
+            // `serve` would read it.
+            if let Err(e) = condense::proxy::trust::Trust::from_config(&config.upstream) {
+                eprintln!("condense: {e}");
+                return ExitCode::FAILURE;
+            }
             let mut out = std::io::stdout().lock();
             if out.write_all(config.to_redacted_toml().as_bytes()).is_err() {
                 return ExitCode::FAILURE;

@@ -32,9 +32,8 @@ fn the_dockerfile_builds_locked_in_release_and_runs_unprivileged_with_a_healthch
     assert!(froms.len() >= 2, "multi-stage");
     assert!(d.contains("cargo build --release --locked"));
     assert!(d.contains("COPY --from=build"));
-    let user = lines.iter().rev().find(|l| l.starts_with("USER ")).unwrap();
-    let name = user.trim_start_matches("USER ").split(':').next().unwrap();
-    assert!(name != "root" && name != "0", "{user}");
+    let (uid, gid) = image_user();
+    assert!(uid != 0 && gid != 0, "the image runs as root");
     assert!(lines.contains(&"EXPOSE 8080"));
     assert!(d.contains("CONDENSE_SERVER__LISTEN=0.0.0.0:8080"));
     assert!(lines.iter().any(|l| l.starts_with("HEALTHCHECK")));
@@ -64,7 +63,156 @@ fn the_dockerfile_builds_locked_in_release_and_runs_unprivileged_with_a_healthch
             );
         }
     }
-    assert!(ignored.lines().any(|l| l.trim() == "target"));
+}
+
+/// The Dockerfile's last `USER`, as numbers: Kubernetes' `runAsNonRoot`
+/// can only check a numeric user (with a name, the kubelet refuses to start
+/// the container: "image has non-numeric user").
+fn image_user() -> (u64, u64) {
+    let d = read("Dockerfile");
+    let user = d
+        .lines()
+        .map(str::trim)
+        .rfind(|l| l.starts_with("USER "))
+        .expect("the Dockerfile sets a USER");
+    let spec = user.trim_start_matches("USER ").trim();
+    let (uid, gid) = spec
+        .split_once(':')
+        .unwrap_or_else(|| panic!("{user}: name the group as well"));
+    let number = |s: &str| {
+        s.parse::<u64>()
+            .unwrap_or_else(|_| panic!("{user}: runAsNonRoot needs a numeric user and group"))
+    };
+    (number(uid), number(gid))
+}
+
+#[test]
+fn the_image_user_is_numeric_and_the_kubernetes_manifests_run_condense_as_it() {
+    let (uid, gid) = image_user();
+    let dir = root().join("docker/kubernetes");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if !matches!(
+            path.extension().and_then(|e| e.to_str()),
+            Some("yaml" | "yml")
+        ) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let doc: serde_yaml::Value = serde::Deserialize::deserialize(doc).unwrap();
+            let spec = &doc["spec"]["template"]["spec"];
+            for c in ["containers", "initContainers"]
+                .iter()
+                .filter_map(|k| spec[k].as_sequence())
+                .flatten()
+                .filter(|c| c["image"].as_str().is_some_and(|i| i.contains("condense")))
+            {
+                let name = format!("{}: {}", path.display(), c["name"].as_str().unwrap());
+                let sc = &c["securityContext"];
+                assert_eq!(sc["runAsNonRoot"].as_bool(), Some(true), "{name}");
+                assert_eq!(sc["runAsUser"].as_u64(), Some(uid), "{name}");
+                assert_eq!(sc["runAsGroup"].as_u64(), Some(gid), "{name}");
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 0, "no condense container in docker/kubernetes");
+}
+
+#[test]
+fn the_build_context_leaves_out_build_outputs_history_and_the_fuzzing_corpus() {
+    let text = read(".dockerignore");
+    let ignored: BTreeSet<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    for must in ["target", ".git", "fuzz/target", "fuzz/corpus"] {
+        assert!(ignored.contains(must), "{must} is not in .dockerignore");
+    }
+    // What git ignores is output, never source: the build context leaves it
+    // out too. A .dockerignore pattern is anchored at the root, so a
+    // .gitignore name that holds at any depth needs `**/`.
+    for line in read(".gitignore").lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let path = line.trim_matches('/');
+        let anchored = line.starts_with('/') || path.contains('/');
+        let base = path.rsplit('/').next().unwrap();
+        let any_depth = format!("**/{base}");
+        let mut ancestors = path.match_indices('/').map(|(i, _)| &path[..i]);
+        let covered = ignored.contains(any_depth.as_str())
+            || (anchored && (ignored.contains(path) || ancestors.any(|a| ignored.contains(a))));
+        assert!(covered, ".gitignore has {line}; .dockerignore does not");
+    }
+}
+
+/// The host address of a Compose port entry (`[HOST:]PORT:PORT`, or the
+/// long form's `host_ip`), with `${VAR:-default}` taken at its default;
+/// None when the entry names none (Docker then publishes on every
+/// interface).
+fn published_host(entry: &serde_yaml::Value) -> Option<String> {
+    if entry.is_mapping() {
+        return entry["host_ip"].as_str().map(str::to_string);
+    }
+    let short = entry.as_str()?;
+    // Variables at their defaults: `${NAME:-default}` or `${NAME-default}`.
+    let mut resolved = String::new();
+    let mut rest = short;
+    while let Some(i) = rest.find("${") {
+        resolved.push_str(&rest[..i]);
+        let end = rest[i..].find('}').unwrap() + i;
+        let inner = &rest[i + 2..end];
+        let default = inner
+            .split_once(":-")
+            .or_else(|| inner.split_once('-'))
+            .map(|(_, d)| d)
+            .unwrap_or_else(|| panic!("{short}: a variable without a default"));
+        resolved.push_str(default);
+        rest = &rest[end + 1..];
+    }
+    resolved.push_str(rest);
+    if let Some(v6) = resolved.strip_prefix('[') {
+        return Some(v6.split(']').next().unwrap().to_string());
+    }
+    let parts: Vec<&str> = resolved.split(':').collect();
+    (parts.len() == 3).then(|| parts[0].to_string())
+}
+
+#[test]
+fn compose_publishes_every_port_on_the_loopback_interface_only() {
+    let c = yaml("docker/compose.yaml");
+    let mut published = 0;
+    for (name, service) in c["services"].as_mapping().unwrap() {
+        let name = name.as_str().unwrap();
+        for entry in service["ports"].as_sequence().into_iter().flatten() {
+            let host = published_host(entry)
+                .unwrap_or_else(|| panic!("{name}: {entry:?} is published on every interface"));
+            let ip: std::net::IpAddr = host
+                .parse()
+                .unwrap_or_else(|_| panic!("{name}: {entry:?} binds {host:?}"));
+            assert!(ip.is_loopback(), "{name}: {entry:?} is published on {ip}");
+            published += 1;
+        }
+    }
+    assert_eq!(published, 3, "condense, Prometheus and Grafana");
+    // The helper reads what it must: these forms reach every interface.
+    for open in [
+        "8080:8080",
+        "8080",
+        "0.0.0.0:8080:8080",
+        "${ADDR:-0.0.0.0}:1:1",
+    ] {
+        let entry = serde_yaml::Value::String(open.to_string());
+        let host = published_host(&entry);
+        assert!(
+            host.is_none_or(|h| !h.parse::<std::net::IpAddr>().unwrap().is_loopback()),
+            "{open}"
+        );
+    }
 }
 
 #[test]
@@ -233,6 +381,7 @@ fn schema_keys() -> BTreeSet<String> {
     let mut c = Config::default();
     c.upstream.api_key = Some(Secret::new("x"));
     c.upstream.anthropic_api_key = Some(Secret::new("x"));
+    c.upstream.ca_file = Some("x".into());
     c.summary.api_key = Some(Secret::new("x"));
     c.summary.base_url = Some("http://x".into());
     c.summary.model = Some("x".into());

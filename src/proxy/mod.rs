@@ -20,6 +20,7 @@ mod prepare;
 mod recall;
 mod recover;
 pub mod relay;
+pub mod trust;
 pub mod upstream;
 pub mod usage;
 
@@ -126,6 +127,7 @@ struct Timing {
 impl Proxy {
     pub fn new(config: Arc<Config>, metrics: Arc<Metrics>) -> Result<Proxy, SetupError> {
         let upstream = Upstream::new(&config.upstream)?;
+        upstream.trust().log();
         Proxy::with_upstream(config, metrics, upstream)
     }
 
@@ -142,6 +144,7 @@ impl Proxy {
             Some(Summarizer::new(
                 &config.summary,
                 upstream.base_url(),
+                upstream.trust(),
                 state.clone(),
                 Some(metrics.clone()),
             )?)

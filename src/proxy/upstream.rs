@@ -9,10 +9,11 @@
 //!
 //! Requests go out on condense's connection pools ([`super::pool`]:
 //! HTTP/1.1, or HTTP/2 where TLS negotiates it; rustls with the Mozilla
-//! roots). When the environment names a proxy for the upstream
-//! (`HTTPS_PROXY`, `HTTP_PROXY`, `ALL_PROXY`, minus `NO_PROXY`), they go
-//! through reqwest instead, which speaks the proxy protocol (absolute-form
-//! requests, `CONNECT` tunnels, proxy credentials from the proxy URL).
+//! roots and any private CA, see [`super::trust`]). When the environment
+//! names a proxy for the upstream (`HTTPS_PROXY`, `HTTP_PROXY`,
+//! `ALL_PROXY`, minus `NO_PROXY`), they go through reqwest instead, which
+//! speaks the proxy protocol (absolute-form requests, `CONNECT` tunnels,
+//! proxy credentials from the proxy URL), trusting the same roots.
 //! reqwest costs about 22 µs more CPU a request (it parses the URL three
 //! times over), so it is kept off the direct path.
 
@@ -26,6 +27,7 @@ use http_body_util::{BodyExt, Either, Full};
 use url::Url;
 
 use super::pool::{self, Connector, Pool, PooledBody, RequestBody};
+use super::trust::{Trust, TrustError};
 use crate::cache::Bounded;
 use crate::config::UpstreamConfig;
 use crate::error::ProxyError;
@@ -37,6 +39,8 @@ pub enum UpstreamError {
     Client(#[from] reqwest::Error),
     #[error("cannot set up TLS for the upstream: {0}")]
     Tls(#[from] rustls::Error),
+    #[error(transparent)]
+    Trust(#[from] TrustError),
     #[error("invalid upstream.base_url: {0}")]
     BaseUrl(#[from] url::ParseError),
     #[error("invalid upstream.base_url: {0}")]
@@ -80,34 +84,28 @@ struct Timeouts {
 }
 
 impl Transport {
-    /// The transport for `base`: proxied when the environment says so.
+    /// The transport for `base`, trusting `trust`'s roots: proxied when
+    /// the environment says so.
     fn for_base(
         base: &Uri,
         connect_timeout: Duration,
         direct: Option<&Arc<[Arc<Pool>]>>,
+        trust: &Trust,
     ) -> Result<Transport, UpstreamError> {
         let matcher = hyper_util::client::proxy::matcher::Matcher::from_env();
         if matcher.intercept(base).is_some() {
-            let client = reqwest::Client::builder()
+            let builder = reqwest::Client::builder()
                 .connect_timeout(connect_timeout)
                 // A proxy relays redirects; it does not follow them.
                 .redirect(reqwest::redirect::Policy::none())
                 .tcp_nodelay(true)
-                .pool_idle_timeout(pool::IDLE)
-                .build()?;
+                .pool_idle_timeout(pool::IDLE);
+            let client = trust.reqwest(builder)?.build()?;
             return Ok(Transport::Proxied(client));
         }
         let pools = match direct {
             Some(pools) => pools.clone(),
-            None => {
-                use hyper_rustls::ConfigBuilderExt;
-                let provider = Arc::new(rustls::crypto::ring::default_provider());
-                let tls = rustls::ClientConfig::builder_with_provider(provider)
-                    .with_safe_default_protocol_versions()?
-                    .with_webpki_roots()
-                    .with_no_client_auth();
-                direct_pools(tls, connect_timeout)
-            }
+            None => direct_pools(trust.client_config()?, connect_timeout),
         };
         Ok(Transport::Direct(pools))
     }
@@ -196,6 +194,9 @@ pub struct Upstream {
     basic: Option<http::HeaderValue>,
     port: Option<u16>,
     timeouts: Timeouts,
+    /// The roots TLS connections are verified against (kept for
+    /// [`Upstream::rebased`] and for the summarizer).
+    trust: Trust,
     /// URIs of paths (without a query) mapped lately: every request to a
     /// route would otherwise check and parse the same URL again.
     mapped: Bounded<String, Uri>,
@@ -212,13 +213,17 @@ fn mapped_cache() -> Bounded<String, Uri> {
 }
 
 impl Upstream {
+    /// The upstream `config` names, its TLS trusting the Mozilla roots and
+    /// the private CA of `upstream.ca_file` or `SSL_CERT_FILE` (read now:
+    /// a file that cannot serve is an error here, at start-up).
     pub fn new(config: &UpstreamConfig) -> Result<Upstream, UpstreamError> {
         let timeouts = Timeouts {
             connect: Duration::from_secs_f64(config.connect_timeout_seconds),
             first_byte: Duration::from_secs_f64(config.first_byte_timeout_seconds),
             idle: Duration::from_secs_f64(config.idle_timeout_seconds),
         };
-        Upstream::with(&config.base_url, timeouts, None)
+        let trust = Trust::from_config(config)?;
+        Upstream::with(&config.base_url, timeouts, None, trust)
     }
 
     /// An upstream at `base_url`, sharing `direct`'s pool when it is reached
@@ -227,11 +232,12 @@ impl Upstream {
         base_url: &str,
         t: Timeouts,
         direct: Option<&Arc<[Arc<Pool>]>>,
+        trust: Trust,
     ) -> Result<Upstream, UpstreamError> {
         let parsed = Url::parse(base_url)?;
         let base_uri: Uri = parsed.as_str().parse()?;
         Ok(Upstream {
-            transport: Transport::for_base(&base_uri, t.connect, direct)?,
+            transport: Transport::for_base(&base_uri, t.connect, direct, &trust)?,
             simulator: None,
             base: base_url.trim_end_matches('/').to_string(),
             base_path: parsed.path().trim_end_matches('/').to_string(),
@@ -239,6 +245,7 @@ impl Upstream {
             basic: basic_auth(&parsed),
             port: parsed.port_or_known_default(),
             timeouts: t,
+            trust,
             mapped: mapped_cache(),
         })
     }
@@ -260,9 +267,14 @@ impl Upstream {
             Transport::Direct(c) => Some(c),
             Transport::Proxied(_) => None,
         };
-        let mut u = Upstream::with(base_url, self.timeouts, direct)?;
+        let mut u = Upstream::with(base_url, self.timeouts, direct, self.trust.clone())?;
         u.simulator = self.simulator.clone();
         Ok(u)
+    }
+
+    /// The roots this upstream's TLS connections are verified against.
+    pub fn trust(&self) -> &Trust {
+        &self.trust
     }
 
     /// Longest silence allowed between two chunks of a response body.

@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 
 use crate::config::Secret;
 use crate::proxy::auth::bearer;
+use crate::proxy::trust::Trust;
 
 /// Headers that say whose account a call is for; with the client's keys
 /// (`proxy::auth::CREDENTIAL_HEADERS`) they go to the summarizer only when
@@ -52,11 +53,18 @@ pub struct Client {
 }
 
 impl Client {
-    pub fn new(base_url: &str, api_key: Option<&Secret>) -> Result<Client, CallError> {
-        let http = reqwest::Client::builder()
+    /// A client for the API at `base_url`, trusting `trust`'s roots.
+    pub fn new(
+        base_url: &str,
+        api_key: Option<&Secret>,
+        trust: &Trust,
+    ) -> Result<Client, CallError> {
+        let builder = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
+            .redirect(reqwest::redirect::Policy::none());
+        let http = trust
+            .reqwest(builder)
+            .and_then(reqwest::ClientBuilder::build)
             .map_err(|e| CallError::Transport(e.to_string()))?;
         let api_key = api_key.and_then(bearer);
         Ok(Client {
@@ -126,7 +134,11 @@ impl Client {
             .body(body.to_string())
             .send()
             .await
-            .map_err(|e| CallError::Transport(e.without_url().to_string()))?;
+            .map_err(|e| {
+                // With its causes (a TLS failure says `UnknownIssuer`
+                // there), without the URL.
+                CallError::Transport(crate::proxy::upstream::describe(&e.without_url()))
+            })?;
         let status = resp.status();
         // A checkpoint is a few kilobytes; an answer far larger is not one,
         // and reading it whole would let the summarizer fill memory.
@@ -198,7 +210,7 @@ mod tests {
 
     #[test]
     fn client_credentials_go_only_to_the_upstreams_own_host() {
-        let c = Client::new("https://api.openai.com/v1", None).unwrap();
+        let c = Client::new("https://api.openai.com/v1", None, &Trust::builtin()).unwrap();
         assert!(c.same_origin("https://API.openai.com:443/v1/"));
         assert!(!c.same_origin("http://api.openai.com/v1"));
         assert!(!c.same_origin("https://api.openai.com.evil.example/v1"));
@@ -217,7 +229,12 @@ mod tests {
                 .is_none()
         );
 
-        let keyed = Client::new("http://127.0.0.1:1/v1", Some(&Secret::new("sk-sum"))).unwrap();
+        let keyed = Client::new(
+            "http://127.0.0.1:1/v1",
+            Some(&Secret::new("sk-sum")),
+            &Trust::builtin(),
+        )
+        .unwrap();
         assert_eq!(
             keyed.headers(Some(&client), true)["authorization"],
             "Bearer sk-sum"

@@ -39,6 +39,7 @@ use crate::chat::Message;
 use crate::compaction::{Replacement, Span};
 use crate::config::SummaryConfig;
 use crate::metrics::Metrics;
+use crate::proxy::trust::Trust;
 use crate::state::StateStore;
 use backoff::Backoff;
 use client::{CallError, Client};
@@ -131,10 +132,12 @@ pub struct Summarizer {
 }
 
 impl Summarizer {
-    /// A summarizer for requests that go to `upstream_base`.
+    /// A summarizer for requests that go to `upstream_base`, whose TLS
+    /// connections trust `trust`'s roots.
     pub fn new(
         config: &SummaryConfig,
         upstream_base: &str,
+        trust: &Trust,
         store: Arc<StateStore>,
         metrics: Option<Arc<Metrics>>,
     ) -> Result<Summarizer, CallError> {
@@ -142,7 +145,7 @@ impl Summarizer {
         Ok(Summarizer {
             inner: Arc::new(Inner {
                 config: config.clone(),
-                client: Client::new(base, config.api_key.as_ref())?,
+                client: Client::new(base, config.api_key.as_ref(), trust)?,
                 store,
                 metrics,
             }),
