@@ -379,6 +379,8 @@ fn serve(config: Config, ignored: &[String]) -> ExitCode {
         }
     };
     runtime.block_on(async {
+        // Before anything can be told where condense listens.
+        let signal = condense::server::shutdown_signal();
         let server = match Server::start(&config).await {
             Ok(s) => s,
             Err(e) => {
@@ -391,7 +393,7 @@ fn serve(config: Config, ignored: &[String]) -> ExitCode {
             upstream = %condense::config::redact_url(&config.upstream.base_url),
             "condense listening"
         );
-        let result = server.run_until_signal().await;
+        let result = server.run_until(signal).await;
         // The access lines of the last requests, before the process ends.
         condense::logging::flush();
         match result {

@@ -177,33 +177,44 @@ impl Server {
         }
     }
 
-    /// Serves until SIGTERM or SIGINT, then shuts down gracefully.
-    pub async fn run_until_signal(self) -> Result<(), ServerError> {
-        shutdown_signal().await;
+    /// Serves until `signal` resolves (see [`shutdown_signal`]), then shuts
+    /// down gracefully.
+    pub async fn run_until(self, signal: impl Future<Output = ()>) -> Result<(), ServerError> {
+        signal.await;
         tracing::info!("shutdown signal received; draining");
         self.shutdown().await
     }
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = async {
+/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is
+/// called, not when the future is first polled: a signal that comes in
+/// between (right after "listening" is logged) is not lost, and does not
+/// kill the process with the default action.
+pub fn shutdown_signal() -> impl Future<Output = ()> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{Signal, SignalKind, signal};
+        let term = signal(SignalKind::terminate()).ok();
+        let int = signal(SignalKind::interrupt()).ok();
+        let wait = |s: Option<Signal>| async move {
+            match s {
+                Some(mut s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        async move {
+            tokio::select! {
+                () = wait(term) => {},
+                () = wait(int) => {},
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    async {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;
         }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
     }
 }
