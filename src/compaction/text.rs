@@ -32,7 +32,7 @@ pub fn content_text(content: Option<&Value>) -> Option<String> {
 /// tool calls, one per line.
 pub fn message_text(m: &crate::chat::Message) -> String {
     let mut text = content_text(m.content()).unwrap_or_default();
-    for call in m.tool_calls().into_iter().flatten() {
+    for call in m.tool_calls() {
         if let Some(args) = call.pointer("/function/arguments").and_then(Value::as_str) {
             text.push('\n');
             text.push_str(args);
@@ -46,15 +46,12 @@ pub fn message_text(m: &crate::chat::Message) -> String {
 pub fn with_string_field(raw: &[u8], key: &str, text: &str) -> Option<Bytes> {
     let mut value = Vec::with_capacity(text.len() + 2);
     write_json_string(&mut value, text);
-    with_field(raw, key, Bytes::from(value))
+    with_raw_field(raw, key, Bytes::from(value))
 }
 
-/// The message `raw` with `key` set to the JSON value `value`.
-pub fn with_json_field(raw: &[u8], key: &str, value: &Value) -> Option<Bytes> {
-    with_field(raw, key, Bytes::from(value.to_string()))
-}
-
-fn with_field(raw: &[u8], key: &str, value: Bytes) -> Option<Bytes> {
+/// The message `raw` with `key` set to `value`, which must be valid JSON;
+/// other fields keep their bytes and order.
+pub fn with_raw_field(raw: &[u8], key: &str, value: Bytes) -> Option<Bytes> {
     let mut obj = RawObject::parse(&Bytes::copy_from_slice(raw)).ok()?;
     obj.set(key, value);
     Some(Bytes::from(obj.to_vec()))

@@ -119,7 +119,7 @@ pub fn holds(raw: &[u8], key: &str) -> bool {
 /// made with its arguments.
 pub fn original(m: &Message) -> String {
     let mut text = content_text(m.content()).unwrap_or_default();
-    for call in m.tool_calls().into_iter().flatten() {
+    for call in m.tool_calls() {
         let name = call
             .pointer("/function/name")
             .and_then(Value::as_str)

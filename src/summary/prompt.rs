@@ -104,7 +104,7 @@ pub fn render(index: usize, m: &Message, max_chars: usize) -> String {
         out.push(' ');
         out.push_str(&head_tail(&text, max_chars));
     }
-    for call in m.tool_calls().into_iter().flatten() {
+    for call in m.tool_calls() {
         let name = call
             .pointer("/function/name")
             .and_then(Value::as_str)

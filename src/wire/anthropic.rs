@@ -873,7 +873,7 @@ mod tests {
         );
         let a = &view.messages()[2];
         assert_eq!(
-            a.tool_calls().unwrap()[0]["function"]["arguments"],
+            a.tool_calls().next().unwrap()["function"]["arguments"],
             r#"{"path":"src/f0.py"}"#
         );
         assert_eq!(view.messages()[3].tool_call_id(), Some("toolu_0"));

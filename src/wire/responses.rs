@@ -605,7 +605,7 @@ mod tests {
             ["system", "user", "assistant", "tool", "assistant", "tool"]
         );
         let a = &view.messages()[2];
-        assert_eq!(a.tool_calls().unwrap()[0]["id"], "call_0");
+        assert_eq!(a.tool_calls().next().unwrap()["id"], "call_0");
         assert_eq!(a.content().unwrap(), "Reading file 0.");
     }
 
