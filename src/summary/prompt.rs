@@ -98,7 +98,9 @@ pub fn render(index: usize, m: &Message, max_chars: usize) -> String {
     };
     let text = match m.content() {
         Some(Value::Null) | None => String::new(),
-        Some(c) => content_text(Some(c)).unwrap_or_else(|| "[non-text content]".to_string()),
+        Some(c) => content_text(Some(c))
+            .map(std::borrow::Cow::into_owned)
+            .unwrap_or_else(|| "[non-text content]".to_string()),
     };
     if !text.is_empty() {
         out.push(' ');
