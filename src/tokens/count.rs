@@ -20,6 +20,7 @@
 //!   descriptions are dropped. Nested schemas (`properties`/`items` inside a
 //!   property), which the cookbook ignores, add the tokens of their JSON.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use serde_json::{Map, Value};
@@ -69,8 +70,7 @@ fn streamed_tokens(enc: Encoding, raw: &[u8]) -> Option<u64> {
         }
         n += match (key.as_str(), value.first()) {
             (_, Some(b'"')) => {
-                let text = serde_json::from_slice::<String>(value).ok()?;
-                enc.count(&text) + if key == "name" { PER_NAME } else { 0 }
+                enc.count(&json_string(value)?) + if key == "name" { PER_NAME } else { 0 }
             }
             ("content", Some(b'[')) => each_tokens(value, |p| part_tokens(enc, p))?,
             ("tool_calls", Some(b'[')) => each_tokens(value, |c| tool_call_tokens(enc, c))?,
@@ -81,6 +81,17 @@ fn streamed_tokens(enc: Encoding, raw: &[u8]) -> Option<u64> {
         };
     }
     Some(n)
+}
+
+/// The JSON string `raw` decoded: its own bytes when it has no escape (a
+/// message's text may be megabytes), else a copy.
+fn json_string(raw: &[u8]) -> Option<Cow<'_, str>> {
+    match raw {
+        [b'"', inner @ .., b'"'] if memchr::memchr(b'\\', inner).is_none() => {
+            std::str::from_utf8(inner).ok().map(Cow::Borrowed)
+        }
+        _ => serde_json::from_slice::<String>(raw).ok().map(Cow::Owned),
+    }
 }
 
 /// The sum of `tokens` over the elements of the array `raw`, each parsed
