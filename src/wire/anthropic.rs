@@ -82,8 +82,15 @@ struct Turn {
 
 #[derive(Debug, Clone)]
 enum Content {
-    Text(String),
+    /// A string: its JSON bytes, decoded when it is read (a message of
+    /// megabytes is not held twice).
+    Text(Bytes),
     Blocks(Vec<Block>),
+}
+
+/// The text of `Content::Text`'s bytes.
+fn decoded(raw: &[u8]) -> String {
+    serde_json::from_slice(raw).unwrap_or_default()
 }
 
 /// A content block: its bytes and its type. Its other fields are read from
@@ -262,10 +269,7 @@ impl MessagesRequest {
         for (t, turn) in self.turns.iter().enumerate() {
             match (&turn.side, &turn.content) {
                 (Side::User, Content::Text(s)) => {
-                    push(
-                        bytes(json!({"role": "user", "content": s})),
-                        Origin::User(t),
-                    );
+                    push(super::chat_text("user", &decoded(s)), Origin::User(t));
                 }
                 // One view message per block, in order: a tool result, or
                 // what the client wrote (a text as chat's user message).
@@ -289,7 +293,7 @@ impl MessagesRequest {
                 }
                 (Side::System, content) => {
                     let text = match content {
-                        Content::Text(s) => s.clone(),
+                        Content::Text(s) => decoded(s),
                         Content::Blocks(b) => joined_text(b),
                     };
                     push(
@@ -573,6 +577,16 @@ impl MessagesRequest {
     }
 }
 
+/// `part` as a slice of `whole` when it lies inside it, else a copy.
+fn part_of(whole: &Bytes, part: &[u8]) -> Bytes {
+    let start = (part.as_ptr() as usize).wrapping_sub(whole.as_ptr() as usize);
+    if start <= whole.len() && part.len() <= whole.len() - start {
+        whole.slice(start..start + part.len())
+    } else {
+        Bytes::copy_from_slice(part)
+    }
+}
+
 impl Turn {
     fn parse(raw: Bytes) -> Option<Turn> {
         let (fields, blocks) = match RawObject::parse_splitting(&raw, Some("content")) {
@@ -593,7 +607,12 @@ impl Turn {
                     .map(Block::parse)
                     .collect::<Option<Vec<_>>>()?,
             ),
-            None => Content::Text(serde_json::from_slice(fields.get("content")?).ok()?),
+            // A string (the body was valid JSON: a value that starts with
+            // a quote is one).
+            None => {
+                let text = fields.get("content").filter(|c| c.first() == Some(&b'"'))?;
+                Content::Text(part_of(&raw, text))
+            }
         };
         Some(Turn {
             raw,
@@ -651,7 +670,9 @@ impl Out {
         match self {
             Out::Kept(t) => match &r.turns[*t].content {
                 Content::Blocks(b) => b.clone(),
-                Content::Text(s) => vec![Block::new(json!({"type": "text", "text": s}))],
+                Content::Text(s) => {
+                    vec![Block::new(json!({"type": "text", "text": decoded(s)}))]
+                }
             },
             Out::Built { blocks, .. } => blocks.clone(),
         }
@@ -767,9 +788,7 @@ fn user_view(block: &Block) -> Value {
 /// order, no spaces.
 fn assistant_view(content: &Content) -> Bytes {
     let blocks = match content {
-        Content::Text(s) => {
-            return Bytes::from(json!({"role": "assistant", "content": s}).to_string());
-        }
+        Content::Text(s) => return super::chat_text("assistant", &decoded(s)),
         Content::Blocks(b) => b,
     };
     let text = joined_text(blocks);
@@ -893,7 +912,9 @@ mod tests {
     fn assistant_view_as_a_value(content: &Content) -> Bytes {
         let blocks = match content {
             Content::Text(s) => {
-                return Bytes::from(json!({"role": "assistant", "content": s}).to_string());
+                return Bytes::from(
+                    json!({"role": "assistant", "content": decoded(s)}).to_string(),
+                );
             }
             Content::Blocks(b) => b,
         };

@@ -292,16 +292,18 @@ impl ResponsesRequest {
             if run_start < n {
                 let item = &self.items[run_start];
                 let v = if item.is_output() {
-                    json!({"role": "tool", "tool_call_id": item.str("call_id").unwrap_or_default(),
-                        "content": output_text(item)})
+                    bytes(
+                        json!({"role": "tool", "tool_call_id": item.str("call_id").unwrap_or_default(),
+                        "content": output_text(item)}),
+                    )
                 } else {
                     let role = match item.role() {
                         "system" | "developer" | "user" | "assistant" => item.role(),
                         _ => "user",
                     };
-                    json!({"role": role, "content": message_text(item)})
+                    super::chat_text(role, &message_text(item))
                 };
-                push(bytes(v), Origin::Item(run_start));
+                push(v, Origin::Item(run_start));
             }
             i = run_start + 1;
         }
