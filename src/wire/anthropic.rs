@@ -253,8 +253,18 @@ impl MessagesRequest {
     /// The conversation as chat messages, with `model`, `max_tokens` and
     /// `tools` (which count toward the prompt) beside them.
     pub fn view(&self) -> (ChatRequest, Origins) {
-        let mut messages = Vec::with_capacity(self.turns.len() + 1);
-        let mut origins = Vec::with_capacity(self.turns.len() + 1);
+        // One view message per turn, but one per block of a user turn
+        // with blocks, and the system prompt.
+        let size = 1 + self
+            .turns
+            .iter()
+            .map(|t| match (&t.side, &t.content) {
+                (Side::User, Content::Blocks(b)) => b.len(),
+                _ => 1,
+            })
+            .sum::<usize>();
+        let mut messages = Vec::with_capacity(size);
+        let mut origins = Vec::with_capacity(size);
         let mut push = |v: Bytes, o: Origin| {
             messages.push(Message::from_bytes(v));
             origins.push(o);
@@ -555,7 +565,18 @@ impl MessagesRequest {
     }
 
     fn serialize(&self, out: &[Out]) -> Bytes {
-        let mut list = Vec::with_capacity(self.source.len());
+        // Sized by what is written (after compaction, usually far less
+        // than the client's body).
+        let size: usize = out
+            .iter()
+            .map(|o| match o {
+                Out::Kept(t) => self.turns[*t].raw.len() + 1,
+                Out::Built { blocks, .. } => {
+                    blocks.iter().map(|b| b.raw.len() + 1).sum::<usize>() + 64
+                }
+            })
+            .sum();
+        let mut list = Vec::with_capacity(size + 2);
         list.push(b'[');
         for (i, o) in out.iter().enumerate() {
             if i > 0 {
@@ -602,11 +623,13 @@ impl Turn {
             _ => return None,
         };
         let content = match blocks {
-            Some(list) => Content::Blocks(
-                list.into_iter()
-                    .map(Block::parse)
-                    .collect::<Option<Vec<_>>>()?,
-            ),
+            Some(list) => {
+                let mut blocks = Vec::with_capacity(list.len());
+                for raw in list {
+                    blocks.push(Block::parse(raw)?);
+                }
+                Content::Blocks(blocks)
+            }
             // A string (the body was valid JSON: a value that starts with
             // a quote is one).
             None => {
