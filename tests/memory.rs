@@ -20,12 +20,12 @@
 
 mod common;
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use common::Harness;
 use peak_alloc::PeakAlloc;
 use serde_json::{Value, json};
+use tokio::sync::Mutex;
 
 #[global_allocator]
 static HEAP: PeakAlloc = PeakAlloc;
@@ -41,7 +41,7 @@ const WINDOW: u64 = 16_384;
 const DEADLINE: Duration = Duration::from_secs(600);
 
 /// One test at a time: the counters are the whole process's.
-static TURN: Mutex<()> = Mutex::new(());
+static TURN: Mutex<()> = Mutex::const_new(());
 
 const ROUTES: [&str; 3] = ["/v1/chat/completions", "/v1/messages", "/v1/responses"];
 
@@ -214,7 +214,7 @@ async fn warm_up(h: &Harness) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_12_mb_word_stays_under_128_mib_on_every_route() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = TURN.lock().await;
     let h = harness().await;
     warm_up(&h).await;
     let text = word(12_000_000);
@@ -229,7 +229,7 @@ async fn a_12_mb_word_stays_under_128_mib_on_every_route() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_of_80k_tool_calls_stays_under_128_mib_on_every_route() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = TURN.lock().await;
     let h = harness().await;
     warm_up(&h).await;
     let mut costs = Vec::new();
