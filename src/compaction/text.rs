@@ -67,7 +67,10 @@ pub fn with_raw_field(raw: &[u8], key: &str, value: Bytes) -> Option<Bytes> {
     }
     // As `RawObject::set`: the last occurrence of the key, else appended.
     let at = entries.iter().rposition(|(k, _)| k == key);
-    let mut out = Vec::with_capacity(raw.len() + value.len() + key.len() + 4);
+    // Room for the result, not for both values: the result is kept, with
+    // whatever room it was given, for as long as the request is.
+    let replaced = at.map_or(0, |i| entries[i].1.len());
+    let mut out = Vec::with_capacity(raw.len() - replaced + value.len() + key.len() + 8);
     out.push(b'{');
     let put = |out: &mut Vec<u8>, k: &str, v: &[u8]| {
         if out.len() > 1 {
@@ -84,6 +87,7 @@ pub fn with_raw_field(raw: &[u8], key: &str, value: Bytes) -> Option<Bytes> {
         put(&mut out, key, &value);
     }
     out.push(b'}');
+    out.shrink_to_fit();
     Some(Bytes::from(out))
 }
 

@@ -269,7 +269,7 @@ impl MessagesRequest {
             messages.push(Message::from_bytes(v));
             origins.push(o);
         };
-        let bytes = |v: Value| Bytes::from(v.to_string());
+        let bytes = |v: Value| super::view_bytes(&v);
         if let Some(text) = self.system_text() {
             push(
                 bytes(json!({"role": "system", "content": text})),
@@ -852,7 +852,7 @@ fn assistant_view(content: &Content) -> Bytes {
         out.push(b']');
     }
     out.push(b'}');
-    Bytes::from(out)
+    super::exact(out)
 }
 
 fn joined_text(blocks: &[Block]) -> String {

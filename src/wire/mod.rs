@@ -226,6 +226,19 @@ pub(crate) fn text_of(v: &serde_json::Value) -> String {
     }
 }
 
+/// `bytes` as `Bytes` in an allocation of their length: `Bytes::from` keeps
+/// a vector's spare capacity, up to as much again as it holds when it grew
+/// by doubling, for as long as the view lives (a view message each).
+pub(crate) fn exact(mut bytes: Vec<u8>) -> Bytes {
+    bytes.shrink_to_fit();
+    Bytes::from(bytes)
+}
+
+/// A view message from its value, in an allocation of its length.
+pub(crate) fn view_bytes(v: &serde_json::Value) -> Bytes {
+    exact(serde_json::to_vec(v).unwrap_or_default())
+}
+
 /// A chat message of `role` with `text` as its content, in the bytes
 /// `json!({"role": role, "content": text})` gives, without a copy of the
 /// text in a value first.
@@ -236,7 +249,7 @@ pub(crate) fn chat_text(role: &str, text: &str) -> Bytes {
     out.extend_from_slice(b",\"role\":");
     crate::chat::object::write_json_string(&mut out, role);
     out.push(b'}');
-    Bytes::from(out)
+    exact(out)
 }
 
 /// A JSON array of raw values.

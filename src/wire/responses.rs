@@ -252,7 +252,7 @@ impl ResponsesRequest {
             messages.push(Message::from_bytes(v));
             origins.push(o);
         };
-        let bytes = |v: Value| Bytes::from(v.to_string());
+        let bytes = |v: Value| super::view_bytes(&v);
         if let Some(text) = self
             .fields
             .get("instructions")
@@ -378,7 +378,7 @@ impl ResponsesRequest {
             out.push(b']');
         }
         out.push(b'}');
-        Bytes::from(out)
+        super::exact(out)
     }
 
     /// The request with the pipeline's decisions on the view applied.
