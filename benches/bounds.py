@@ -34,6 +34,17 @@ Scenarios (from the issue):
      length is 50 tokens" as reasoning_effort, then tenant A sends a
      47k-token conversation. Goal: A's request goes out unchanged, the
      learned window does not move.
+  i  a 12 MB user message that is one word (lowercase letters, no spaces),
+     answered, then a short user message, on each route: i1 chat
+     completions, i2 Anthropic Messages, i3 Responses (issue 34: 534-624
+     MiB, the tokenizer's merge of one long piece). Goal: < 128 MiB.
+  j  one assistant turn of 80,000 tool calls and their 80,000 results, the
+     answer and a next question (16-18 MB), on each route: j1 chat, j2
+     Messages, j3 Responses (issue 34: +553 MiB, 22 s of CPU). Goal: < 128
+     MiB.
+  Both are far over the window of the model they name, so condense counts
+  and compacts them; the notes give the CPU time condense spent on the
+  request (utime + stime from /proc/<pid>/stat).
 
 condense (a: under `setrlimit(RLIMIT_NOFILE, 1024)`, like `prlimit
 --nofile=1024:1024`) is configured by environment variables only:
@@ -52,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import resource
 import select
 import shutil
@@ -394,11 +406,11 @@ class FakeUpstream:
 # --------------------------------------------------------------------------
 
 
-def chat_request(body: dict) -> bytes:
+def chat_request(body: dict, path: str = "/v1/chat/completions") -> bytes:
     raw = json.dumps(body).encode()
     return (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(raw)
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n" % (path.encode(), len(raw))
     ) + raw
 
 
@@ -466,6 +478,120 @@ def read_counted(s: socket.socket, deadline: float) -> tuple[int, int]:
             break
         body += len(chunk)
     return status, body
+
+
+ROUTES = {
+    "chat": "/v1/chat/completions",
+    "messages": "/v1/messages",
+    "responses": "/v1/responses",
+}
+
+
+def long_word(size: int = 12 * 1000 * 1000) -> str:
+    """`size` lowercase letters without a space: one piece to the tokenizer."""
+    rng = random.Random(34)
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    # A block of random letters, repeated: random enough that merges go
+    # on, cheap to make.
+    block = "".join(rng.choice(letters) for _ in range(1 << 16))
+    return (block * (size // len(block) + 1))[:size]
+
+
+def one_word_body(route: str) -> dict:
+    """The word as the first user message, answered, then a short last user
+    message (which no stage shortens): the word is counted and compacted."""
+    turns = [
+        {"role": "user", "content": long_word()},
+        {"role": "assistant", "content": "I read it."},
+        {"role": "user", "content": "Now summarize it in one line."},
+    ]
+    if route == "chat":
+        return {"model": "gpt-4o", "messages": turns}
+    if route == "messages":
+        return {"model": "claude-sonnet-4-5", "max_tokens": 256, "messages": turns}
+    return {"model": "gpt-4o", "input": turns}
+
+
+def tool_calls_body(route: str, calls: int = 80_000) -> dict:
+    """One assistant turn of `calls` tool calls, all their results, the
+    answer to them and a next question."""
+    ask = "List every file, one call each."
+    after = [{"role": "assistant", "content": "All files are there."}, {"role": "user", "content": "Which is the largest?"}]
+    args = lambda i: json.dumps({"cmd": f"stat src/file_{i}.rs"})
+    out = lambda i: f"src/file_{i}.rs: 1{i % 1000} bytes"
+    if route == "chat":
+        turn = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": f"call_{i}", "type": "function", "function": {"name": "run", "arguments": args(i)}}
+                for i in range(calls)
+            ],
+        }
+        results = [{"role": "tool", "tool_call_id": f"call_{i}", "content": out(i)} for i in range(calls)]
+        return {"model": "gpt-4o", "messages": [{"role": "user", "content": ask}, turn, *results, *after]}
+    if route == "messages":
+        turn = {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": f"toolu_{i}", "name": "run", "input": {"cmd": f"stat src/file_{i}.rs"}}
+                for i in range(calls)
+            ],
+        }
+        results = {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": out(i)} for i in range(calls)],
+        }
+        return {
+            "model": "claude-sonnet-4-5",
+            "max_tokens": 256,
+            "messages": [{"role": "user", "content": ask}, turn, results, *after],
+        }
+    items = [{"role": "user", "content": ask}]
+    items += [
+        {"type": "function_call", "call_id": f"call_{i}", "name": "run", "arguments": args(i)} for i in range(calls)
+    ]
+    items += [{"type": "function_call_output", "call_id": f"call_{i}", "output": out(i)} for i in range(calls)]
+    return {"model": "gpt-4o", "input": items + after}
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_big_request(binary: str, time_limit: float, name: str, route: str, body: dict, goal: str) -> Result:
+    """One large request on `route`; the upstream answers it with a small 200."""
+    r = Result(name, goal=goal)
+    raw = chat_request(body, ROUTES[route])
+    del body
+    up = FakeUpstream("ok")
+    c = Condense(binary, up.base_url, env={"CONDENSE_UPSTREAM__ANTHROPIC_BASE_URL": up.base_url})
+    try:
+        idle = c.idle_kib()
+        cpu = cpu_seconds(c.pid)
+        deadline = time.monotonic() + time_limit
+        started = time.monotonic()
+        with Sampler(c.pid) as sampler:
+            with socket.create_connection(c.addr, timeout=time_limit) as s:
+                s.sendall(raw)
+                status, got = read_counted(s, deadline)
+            took = time.monotonic() - started
+            ok, health = healthz(c.addr)
+        r.idle_mib = idle / 1024
+        r.peak_above_idle_mib = (c.peak_kib(sampler.max_kib) - idle) / 1024
+        r.healthz = f"{'200' if ok else 'NO ANSWER'} in {health * 1000:.0f} ms"
+        r.notes.append(f"{len(raw) / 1e6:.1f} MB sent, client got {status} in {took:.1f} s")
+        r.notes.append(f"condense CPU {cpu_seconds(c.pid) - cpu:.1f} s")
+        r.notes.append(f"upstream requests={up.requests}")
+    except (OSError, RuntimeError, TimeoutError) as e:
+        r.notes.append(f"FAILED: {e!r}")
+    finally:
+        c.kill()
+        up.close()
+    return r
 
 
 # --------------------------------------------------------------------------
@@ -858,7 +984,7 @@ def run_poisoned_window(binary: str, time_limit: float) -> Result:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bin", default="target/release/condense", help="the condense binary (default: %(default)s)")
-    p.add_argument("--only", default="a,b,b2,c1,c2,d,e,f,g,h", help="scenarios to run (default: %(default)s)")
+    p.add_argument("--only", default="a,b,b2,c1,c2,d,e,f,g,h,i1,i2,i3,j1,j2,j3", help="scenarios to run (default: %(default)s)")
     p.add_argument("--time-limit", type=float, default=120.0, help="seconds per scenario")
     args = p.parse_args()
     if not os.access(args.bin, os.X_OK):
@@ -884,6 +1010,13 @@ def main() -> int:
         "g": lambda: run_abandoned_jobs(args.bin, args.time_limit),
         "h": lambda: run_poisoned_window(args.bin, args.time_limit),
     }
+    for i, route in enumerate(ROUTES, 1):
+        scenarios[f"i{i}"] = lambda route=route, i=i: run_big_request(
+            args.bin, args.time_limit, f"i{i}: 12 MB one-word message ({route})", route, one_word_body(route), "< 128 MiB"
+        )
+        scenarios[f"j{i}"] = lambda route=route, i=i: run_big_request(
+            args.bin, args.time_limit, f"j{i}: 80k tool calls in one turn ({route})", route, tool_calls_body(route), "< 128 MiB"
+        )
     results = []
     for key in args.only.split(","):
         key = key.strip()

@@ -143,6 +143,25 @@ pub fn members<'a>(raw: &'a [u8], mut each: impl FnMut(&str, &'a [u8])) -> Optio
     })
 }
 
+/// The value of `key` in the JSON object `raw`, parsed (the last one when
+/// the key is there twice, as a parse keeps it); None when it is absent or
+/// `raw` is not an object. Only that value is parsed: the others are
+/// skipped by their delimiters.
+pub fn member_value<T: serde::de::DeserializeOwned>(raw: &[u8], key: &str) -> Option<T> {
+    let mut found = None;
+    match members(raw, |k, v| {
+        if k == key {
+            found = Some(v);
+        }
+    }) {
+        Some(()) => serde_json::from_slice(found?).ok(),
+        None => match serde_json::from_slice::<serde_json::Value>(raw).ok()? {
+            serde_json::Value::Object(mut o) => serde_json::from_value(o.remove(key)?).ok(),
+            _ => None,
+        },
+    }
+}
+
 /// Calls `each` with every element of the JSON array `raw`, as its exact
 /// bytes, in order; read as `members` reads an object (so `raw` must be
 /// valid JSON), None on anything that is not an array as expected.

@@ -14,6 +14,7 @@
 //! message is an *observation* and is treated as tool output: masked once
 //! answered and old, never while it is the last user message.
 
+use std::collections::HashMap;
 use std::sync::LazyLock;
 
 use aho_corasick::{AhoCorasick, Input, MatchKind};
@@ -121,21 +122,30 @@ impl Analysis {
                     && action_start(&messages[i - 1]).is_some()
             })
             .collect();
+        // One pass: each call id to the latest assistant message so far
+        // that made a call with it (a search back from every result, over
+        // every id of every call, was quadratic: 80,000 calls in one turn
+        // took seconds).
         let mut owner = vec![None; n];
+        let mut latest: HashMap<&str, usize> = HashMap::new();
         for i in 0..n {
             if observation[i] {
                 owner[i] = Some(i - 1);
                 continue;
             }
-            if roles[i] != Role::Tool {
-                continue;
+            match roles[i] {
+                Role::Assistant => {
+                    for id in &call_ids[i] {
+                        latest.insert(id, i);
+                    }
+                }
+                Role::Tool => {
+                    owner[i] = messages[i]
+                        .tool_call_id()
+                        .and_then(|id| latest.get(id).copied());
+                }
+                _ => {}
             }
-            let Some(id) = messages[i].tool_call_id() else {
-                continue;
-            };
-            owner[i] = (0..i)
-                .rev()
-                .find(|&j| roles[j] == Role::Assistant && call_ids[j].iter().any(|c| c == id));
         }
 
         // Units: each message alone, except a call with its results.
@@ -146,7 +156,7 @@ impl Analysis {
             }
         }
         let mut units: Vec<Vec<usize>> = Vec::new();
-        let mut index_of_unit = std::collections::HashMap::new();
+        let mut index_of_unit = HashMap::new();
         for i in 0..n {
             let u = unit_of[i];
             let slot = *index_of_unit.entry(u).or_insert_with(|| {
@@ -166,7 +176,7 @@ impl Analysis {
                 continue;
             }
             // The first assistant message after a result answers it.
-            if let Some(&next) = assistants.iter().find(|&&a| a > i) {
+            if let Some(&next) = assistants.get(assistants.partition_point(|&a| a <= i)) {
                 consumed[i] = true;
                 marker[i] = own_marker[next];
             }
@@ -368,6 +378,31 @@ mod tests {
         assert!(a.protected(0) && a.protected(1) && a.protected(5) && !a.protected(3));
         assert_eq!(a.base, 1);
         assert!(a.pinned[1]);
+    }
+
+    #[test]
+    fn a_result_pairs_with_the_latest_call_of_its_id_before_it() {
+        let m = msgs(&[
+            r#"{"role":"user","content":"task"}"#,
+            r#"{"role":"assistant","content":null,"tool_calls":[{"id":"x","type":"function","function":{"name":"f","arguments":"{}"}},{"id":"y","type":"function","function":{"name":"f","arguments":"{}"}}]}"#,
+            r#"{"role":"assistant","content":null,"tool_calls":[{"id":"y","type":"function","function":{"name":"f","arguments":"{}"}}]}"#,
+            r#"{"role":"tool","tool_call_id":"x","content":"one"}"#,
+            r#"{"role":"tool","tool_call_id":"y","content":"two"}"#,
+            r#"{"role":"tool","tool_call_id":"z","content":"nobody's"}"#,
+            r#"{"role":"assistant","content":null,"tool_calls":[{"id":"z","type":"function","function":{"name":"f","arguments":"{}"}}]}"#,
+            r#"{"role":"assistant","content":"done"}"#,
+        ]);
+        let a = Analysis::of(&m);
+        assert_eq!(a.owner[3], Some(1));
+        assert_eq!(a.owner[4], Some(2));
+        // A call made after a result does not own it.
+        assert_eq!(a.owner[5], None);
+        // Answered by the first assistant message after them.
+        assert!(a.consumed[3] && a.consumed[4] && a.consumed[5]);
+        assert_eq!(
+            a.units,
+            vec![vec![0], vec![1, 3], vec![2, 4], vec![5], vec![6], vec![7]]
+        );
     }
 
     #[test]

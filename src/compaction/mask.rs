@@ -17,8 +17,7 @@ use super::conversation::{Analysis, Role, action_start};
 use super::extract::{key_lines, placeholder};
 use super::plan::Plan;
 use super::text::{
-    MARK, ceil_boundary, content_text, floor_boundary, head_tail, with_json_field,
-    with_string_field,
+    MARK, ceil_boundary, content_text, floor_boundary, head_tail, with_raw_field, with_string_field,
 };
 use super::{Counter, Work};
 use crate::chat::Message;
@@ -106,10 +105,7 @@ pub fn action_chars(m: &Message) -> usize {
 /// The length of the longest tool-call arguments string of a message.
 pub fn args_chars(m: &Message) -> usize {
     m.tool_calls()
-        .into_iter()
-        .flatten()
-        .filter_map(|c| c.pointer("/function/arguments").and_then(Value::as_str))
-        .map(str::len)
+        .filter_map(|c| Some(c.pointer("/function/arguments")?.as_str()?.len()))
         .max()
         .unwrap_or(0)
 }
@@ -120,35 +116,41 @@ pub fn args_chars(m: &Message) -> usize {
 /// translate tool calls for other providers require), or, for arguments that
 /// are not JSON, the whole string cut.
 pub fn shorten_args(m: &Message, max_chars: usize, value_max: usize, keep: usize) -> Option<Bytes> {
-    let calls = m.tool_calls()?;
+    // Most messages have no long arguments: nothing is written for them.
+    if args_chars(m) <= max_chars {
+        return None;
+    }
+    // The calls one at a time, each written back as the array of them all
+    // would write it (`[a,b]` is `[`, `a`, `,`, `b`, `]`).
     let mut changed = false;
-    let new_calls: Vec<Value> = calls
-        .iter()
-        .map(|call| {
-            let mut call = call.clone();
-            let args = call.pointer("/function/arguments").and_then(Value::as_str);
-            if let Some(args) = args.filter(|a| a.len() > max_chars) {
-                let short = match serde_json::from_str::<Value>(args) {
-                    Ok(mut v) => {
-                        shorten_strings(&mut v, value_max, keep);
-                        v.to_string()
-                    }
-                    Err(_) => head_tail(args, keep),
-                };
-                if short.len() < args.len() {
-                    changed = true;
-                    if let Some(slot) = call.pointer_mut("/function/arguments") {
-                        *slot = Value::String(short);
-                    }
+    let mut out = vec![b'['];
+    for (i, mut call) in m.tool_calls().enumerate() {
+        let args = call.pointer("/function/arguments").and_then(Value::as_str);
+        if let Some(args) = args.filter(|a| a.len() > max_chars) {
+            let short = match serde_json::from_str::<Value>(args) {
+                Ok(mut v) => {
+                    shorten_strings(&mut v, value_max, keep);
+                    v.to_string()
+                }
+                Err(_) => head_tail(args, keep),
+            };
+            if short.len() < args.len() {
+                changed = true;
+                if let Some(slot) = call.pointer_mut("/function/arguments") {
+                    *slot = Value::String(short);
                 }
             }
-            call
-        })
-        .collect();
+        }
+        if i > 0 {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut out, &call).ok()?;
+    }
+    out.push(b']');
     if !changed {
         return None;
     }
-    with_json_field(m.raw(), "tool_calls", &Value::Array(new_calls))
+    with_raw_field(m.raw(), "tool_calls", Bytes::from(out))
 }
 
 fn shorten_strings(v: &mut Value, max: usize, keep: usize) {

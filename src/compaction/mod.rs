@@ -551,7 +551,7 @@ fn shrinkable_result(w: &Work, a: &Analysis, i: usize) -> Option<String> {
     if w.dropped[i] || !a.output(i) || a.protected(i) {
         return None;
     }
-    let text = content_text(w.current(i).content())?;
+    let text = content_text(w.current(i).content())?.into_owned();
     (!text.starts_with(MARK)).then_some(text)
 }
 

@@ -118,8 +118,10 @@ pub fn holds(raw: &[u8], key: &str) -> bool {
 /// What a recall of one message returns: its text, and each tool call it
 /// made with its arguments.
 pub fn original(m: &Message) -> String {
-    let mut text = content_text(m.content()).unwrap_or_default();
-    for call in m.tool_calls().into_iter().flatten() {
+    let mut text = content_text(m.content())
+        .map(std::borrow::Cow::into_owned)
+        .unwrap_or_default();
+    for call in m.tool_calls() {
         let name = call
             .pointer("/function/name")
             .and_then(Value::as_str)

@@ -98,13 +98,15 @@ pub fn render(index: usize, m: &Message, max_chars: usize) -> String {
     };
     let text = match m.content() {
         Some(Value::Null) | None => String::new(),
-        Some(c) => content_text(Some(c)).unwrap_or_else(|| "[non-text content]".to_string()),
+        Some(c) => content_text(Some(c))
+            .map(std::borrow::Cow::into_owned)
+            .unwrap_or_else(|| "[non-text content]".to_string()),
     };
     if !text.is_empty() {
         out.push(' ');
         out.push_str(&head_tail(&text, max_chars));
     }
-    for call in m.tool_calls().into_iter().flatten() {
+    for call in m.tool_calls() {
         let name = call
             .pointer("/function/name")
             .and_then(Value::as_str)

@@ -20,6 +20,17 @@
 //! The split runs as a lazy DFA rather than tiktoken's backtracking
 //! matcher (about 40% of a cold count): see `Split` for how its one
 //! look-ahead is written without one.
+//!
+//! One exception to tiktoken's counts, for bounded memory: a piece longer
+//! than `LONG_PIECE` (a word of megabytes without a space, a run of
+//! whitespace or punctuation) is merged in chunks of that length, cut at
+//! character boundaries a fixed distance from its start, and their counts
+//! added up. Merging it whole needs tens of bytes of scratch a byte of the
+//! piece (a 12 MB word took half a gigabyte); a chunk needs at most a few
+//! megabytes. The sum is the same count for the same text every time, and
+//! within a few tokens a chunk of the exact one (tokens cannot span a cut,
+//! so it is almost always a little more). No real text has such pieces;
+//! the provider's own count decides overflow either way.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -39,6 +50,12 @@ const NONE: Rank = Rank::MAX;
 /// the same length): the plain scan is quadratic in the piece's length.
 const LARGE_PIECE: usize = 100;
 const _: () = assert!(LARGE_PIECE <= u8::MAX as usize);
+
+/// Pieces longer than this are merged in chunks of about this length (see
+/// the module doc): 16 KiB, whose merge needs under 2 MB of scratch. Ranks
+/// and positions in a chunk fit in 32 bits.
+const LONG_PIECE: usize = 16 * 1024;
+const _: () = assert!(LONG_PIECE > LARGE_PIECE && LONG_PIECE < u32::MAX as usize);
 
 /// An encoding's split pattern in a form a DFA runs. tiktoken's patterns
 /// are alternations with one look-ahead, `\s+(?!\S)`: a run of whitespace
@@ -303,6 +320,9 @@ impl Bpe {
     }
 
     fn piece_tokens(&self, piece: &[u8]) -> usize {
+        if piece.len() > LONG_PIECE {
+            return chunks(piece).map(|c| self.piece_tokens(c)).sum();
+        }
         if piece.len() <= 1 || self.rank(piece) != NONE {
             return usize::from(!piece.is_empty());
         }
@@ -350,47 +370,51 @@ impl Bpe {
         }
     }
 
-    /// The same merges for a long piece, with a heap of candidate pairs
-    /// (lowest rank, then leftmost, first) and the parts as a linked list;
-    /// a candidate whose parts changed since it was pushed is skipped.
+    /// The same merges for a long piece (at most `LONG_PIECE` bytes), with
+    /// a heap of candidate pairs (lowest rank, then leftmost, first) and the
+    /// parts as a linked list; a candidate whose parts changed since it was
+    /// pushed is skipped. Positions are 32-bit: half the scratch.
     fn merge_large(&self, piece: &[u8]) -> usize {
-        let len = piece.len();
-        // Part i spans start..next[i]; prev[i] is the part before it.
-        let mut next: Vec<usize> = (1..=len).collect();
-        let mut prev: Vec<usize> = (0..len).map(|i| i.wrapping_sub(1)).collect();
-        let mut alive = vec![true; len];
-        let mut heap = BinaryHeap::new();
+        let len = piece.len() as u32;
+        let at = |from: u32, to: u32| &piece[from as usize..to as usize];
+        // Part i spans i..next[i]; prev[i] is the part before it.
+        let mut next: Vec<u32> = (1..=len).collect();
+        let mut prev: Vec<u32> = (0..len).map(|i| i.wrapping_sub(1)).collect();
+        let mut alive = vec![true; len as usize];
+        let mut heap = BinaryHeap::with_capacity(len as usize);
         for i in 0..len - 1 {
-            let r = self.rank(&piece[i..i + 2]);
+            let r = self.rank(at(i, i + 2));
             if r != NONE {
                 heap.push(Reverse((r, i, i + 2)));
             }
         }
-        let mut parts = len;
+        let mut parts = len as usize;
         while let Some(Reverse((rank, i, end))) = heap.pop() {
+            let iu = i as usize;
             // Stale: part i is gone, or it or its neighbour changed.
-            if !alive[i] || next[i] >= len || next[next[i]] != end {
+            if !alive[iu] || next[iu] >= len || next[next[iu] as usize] != end {
                 continue;
             }
-            if self.rank(&piece[i..end]) != rank {
+            if self.rank(at(i, end)) != rank {
                 continue;
             }
-            let j = next[i];
-            alive[j] = false;
-            next[i] = end;
+            let j = next[iu];
+            alive[j as usize] = false;
+            next[iu] = end;
             if end < len {
-                prev[end] = i;
+                prev[end as usize] = i;
             }
             parts -= 1;
-            if let Some(&p) = prev.get(i).filter(|_| i > 0) {
-                let r = self.rank(&piece[p..end]);
+            if i > 0 {
+                let p = prev[iu];
+                let r = self.rank(at(p, end));
                 if r != NONE {
                     heap.push(Reverse((r, p, end)));
                 }
             }
             if end < len {
-                let after = next[end];
-                let r = self.rank(&piece[i..after]);
+                let after = next[end as usize];
+                let r = self.rank(at(i, after));
                 if r != NONE {
                     heap.push(Reverse((r, i, after)));
                 }
@@ -398,6 +422,31 @@ impl Bpe {
         }
         parts
     }
+}
+
+/// `piece` in chunks of at most `LONG_PIECE` bytes, each cut at the last
+/// character boundary at or before that length (a chunk that would hold
+/// no whole character, which valid UTF-8 never gives, is cut where it
+/// stands).
+fn chunks(piece: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = piece;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut cut = rest.len().min(LONG_PIECE);
+        if cut < rest.len() {
+            // A UTF-8 continuation byte is 0b10xx_xxxx: a character starts
+            // at most three bytes back.
+            let start = (cut.saturating_sub(3)..=cut)
+                .rev()
+                .find(|&i| rest.get(i).is_some_and(|&b| b & 0xc0 != 0x80));
+            cut = start.filter(|&i| i > 0).unwrap_or(cut);
+        }
+        let (chunk, tail) = rest.split_at(cut);
+        rest = tail;
+        Some(chunk)
+    })
 }
 
 #[cfg(test)]
@@ -474,6 +523,94 @@ mod tests {
         same(&"\n \t".repeat(900));
         same(&"+-*/".repeat(400));
         same(&"日本".repeat(500));
+    }
+
+    /// Text of `len` bytes that the split keeps as one piece: `unit`
+    /// repeated, or (for "") random lowercase letters.
+    fn one_piece(unit: &str, len: usize) -> String {
+        if unit.is_empty() {
+            let mut x = 0x9e37_79b9_7f4a_7c15u64;
+            return (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    char::from(b'a' + (x % 26) as u8)
+                })
+                .collect();
+        }
+        let mut s = unit.repeat(len / unit.len() + 1);
+        s.truncate(floor(&s, len));
+        s
+    }
+
+    fn floor(s: &str, i: usize) -> usize {
+        (0..=i.min(s.len()))
+            .rev()
+            .find(|&i| s.is_char_boundary(i))
+            .unwrap_or(0)
+    }
+
+    const KINDS: [&str; 7] = ["", "a", " ", "é", "日本", "+-*/", "🎉"];
+
+    #[test]
+    fn a_long_piece_counts_within_a_hair_of_its_exact_count() {
+        for (_, bpe) in [pair(), cl100k()] {
+            for unit in KINDS {
+                let text = one_piece(unit, 200 * 1024);
+                let exact = bpe.merge_large(text.as_bytes());
+                let counted = bpe.count(&text);
+                // Tokens cannot span a cut: a few more a chunk at most.
+                let chunks = text.len().div_ceil(LONG_PIECE);
+                assert!(
+                    counted + chunks >= exact && counted <= exact + 4 * chunks,
+                    "{unit:?}: {counted} counted, {exact} exact"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_piece_of_megabytes_counts_the_same_every_time_and_in_proportion() {
+        let (_, bpe) = pair();
+        let block = one_piece("", 200 * 1024);
+        let exact = bpe.merge_large(block.as_bytes());
+        // 12 MB, one piece: the same count twice (the count cache and the
+        // plan's prefix stability rest on it), near 60 blocks' worth.
+        let text = block.repeat(60);
+        let counted = bpe.count(&text);
+        assert_eq!(bpe.count(&text), counted);
+        let whole = 60 * exact;
+        assert!(
+            counted.abs_diff(whole) * 100 <= whole,
+            "{counted} counted, {whole} for 60 blocks"
+        );
+    }
+
+    #[test]
+    fn chunks_cover_the_piece_and_cut_between_characters() {
+        for unit in KINDS {
+            let text = one_piece(unit, 3 * LONG_PIECE + 5);
+            let parts: Vec<&[u8]> = chunks(text.as_bytes()).collect();
+            assert_eq!(parts.concat(), text.as_bytes(), "{unit:?}");
+            assert_eq!(parts.len(), 4, "{unit:?}");
+            for (i, p) in parts.iter().enumerate() {
+                assert!(p.len() <= LONG_PIECE, "{unit:?}");
+                // A cut moves back at most to the start of a character.
+                assert!(
+                    i + 1 == parts.len() || p.len() + 3 >= LONG_PIECE,
+                    "{unit:?}"
+                );
+                assert!(std::str::from_utf8(p).is_ok(), "{unit:?}");
+            }
+        }
+        // Bytes that are not UTF-8 are cut where they stand.
+        let odd = vec![0x80u8; LONG_PIECE + 1];
+        assert_eq!(
+            chunks(&odd).map(<[u8]>::len).collect::<Vec<_>>(),
+            [LONG_PIECE, 1]
+        );
+        assert_eq!(chunks(b"").count(), 0);
     }
 
     fn strings(v: &serde_json::Value, out: &mut Vec<String>) {

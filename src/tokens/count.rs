@@ -20,10 +20,14 @@
 //!   descriptions are dropped. Nested schemas (`properties`/`items` inside a
 //!   property), which the cookbook ignores, add the tokens of their JSON.
 
+use std::borrow::Cow;
+use std::collections::HashMap;
+
 use serde_json::{Map, Value};
 
 use super::encoding::Encoding;
 use super::image;
+use crate::chat::object::{elements, members};
 
 pub const PER_MESSAGE: u64 = 3;
 pub const PER_NAME: u64 = 1;
@@ -32,11 +36,72 @@ pub const PER_TOOL_CALL: u64 = 3;
 
 /// Tokens of one message given as JSON bytes. A message that is not a JSON
 /// object costs the tokens of its text plus the per-message overhead.
+///
+/// The message is read field by field, and its content parts and tool
+/// calls one at a time: parsed whole, a turn of 80,000 tool calls was a
+/// hundred megabytes of maps. The count is what a parse would give.
 pub fn message_tokens(enc: Encoding, raw: &[u8]) -> u64 {
+    streamed_tokens(enc, raw).unwrap_or_else(|| parsed_tokens(enc, raw))
+}
+
+/// [`message_tokens`] from a parse of the whole message.
+fn parsed_tokens(enc: Encoding, raw: &[u8]) -> u64 {
     match serde_json::from_slice::<Map<String, Value>>(raw) {
         Ok(obj) => object_tokens(enc, &obj),
         Err(_) => PER_MESSAGE + enc.count(&String::from_utf8_lossy(raw)),
     }
+}
+
+/// [`message_tokens`] field by field; None where the bytes are not an
+/// object as `members` reads one (a parse then decides).
+fn streamed_tokens(enc: Encoding, raw: &[u8]) -> Option<u64> {
+    let mut fields: Vec<(String, &[u8])> = Vec::new();
+    members(raw, |key, value| fields.push((key.to_string(), value)))?;
+    // With a key twice the last counts, as in a parsed map.
+    let last: HashMap<&str, usize> = fields
+        .iter()
+        .enumerate()
+        .map(|(i, (k, _))| (k.as_str(), i))
+        .collect();
+    let mut n = PER_MESSAGE;
+    for (i, (key, value)) in fields.iter().enumerate() {
+        if last.get(key.as_str()) != Some(&i) {
+            continue;
+        }
+        n += match (key.as_str(), value.first()) {
+            (_, Some(b'"')) => {
+                enc.count(&json_string(value)?) + if key == "name" { PER_NAME } else { 0 }
+            }
+            ("content", Some(b'[')) => each_tokens(value, |p| part_tokens(enc, p))?,
+            ("tool_calls", Some(b'[')) => each_tokens(value, |c| tool_call_tokens(enc, c))?,
+            ("function_call", Some(b'{')) => {
+                function_tokens(enc, &serde_json::from_slice(value).ok()?)
+            }
+            _ => 0,
+        };
+    }
+    Some(n)
+}
+
+/// The JSON string `raw` decoded: its own bytes when it has no escape (a
+/// message's text may be megabytes), else a copy.
+fn json_string(raw: &[u8]) -> Option<Cow<'_, str>> {
+    match raw {
+        [b'"', inner @ .., b'"'] if memchr::memchr(b'\\', inner).is_none() => {
+            std::str::from_utf8(inner).ok().map(Cow::Borrowed)
+        }
+        _ => serde_json::from_slice::<String>(raw).ok().map(Cow::Owned),
+    }
+}
+
+/// The sum of `tokens` over the elements of the array `raw`, each parsed
+/// alone.
+fn each_tokens(raw: &[u8], tokens: impl Fn(&Value) -> u64) -> Option<u64> {
+    let mut sum = Some(0);
+    elements(raw, |e| {
+        sum = sum.and_then(|s| Some(s + tokens(&serde_json::from_slice(e).ok()?)));
+    })?;
+    sum
 }
 
 fn object_tokens(enc: Encoding, msg: &Map<String, Value>) -> u64 {
@@ -184,6 +249,33 @@ mod tests {
         let call = br#"{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"ls","arguments":"{}"}}]}"#;
         let expected = 3 + 1 + PER_TOOL_CALL + E.count("ls") + E.count("{}");
         assert_eq!(message_tokens(E, call), expected);
+    }
+
+    #[test]
+    fn a_message_read_field_by_field_counts_as_parsed() {
+        for m in [
+            r#"{"role":"user","content":"hello world"}"#,
+            r#"{"role":"user","name":"bob","content":"hello world"}"#,
+            r#"{ "role" : "tool" , "tool_call_id" : "c\u0031", "content" : "a\n\"b\"\\" , "x" : [1, {"y": "}"}] }"#,
+            r#"{"content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"https://x/a.png","detail":"low"}},{"type":"input_audio","input_audio":{"data":"QUJD"}},"bare",7],"name":"ann","role":"user"}"#,
+            r#"{"r\u006fle":"user","content":"escaped key"}"#,
+            r#"{"role":"user","role":"assistant","content":"twice"}"#,
+            r#"{"role":"user","content":"a","content":["b"],"content":[{"type":"text","text":"c d"}]}"#,
+            r#"{"role":null,"name":5,"tool_calls":{},"content":7}"#,
+            r#"{"role":"assistant","content":null,"tool_calls":[{"id":"a","id":"b","function":{"name":"ls","arguments":"{\"p\":1}"}},7,{"id":5},{"type":"x"},{"function":"f"}]}"#,
+            r#"{"role":"assistant","function_call":{"name":"f","arguments":"{}"},"function_call":{"name":"g h","arguments":"[1]"}}"#,
+            r#"{"role":"assistant","function_call":"not an object"}"#,
+            r#"{}"#,
+            r#""a string""#,
+            r#"[{"role":"user"}]"#,
+            "not json at all",
+        ] {
+            assert_eq!(
+                message_tokens(E, m.as_bytes()),
+                parsed_tokens(E, m.as_bytes()),
+                "{m}"
+            );
+        }
     }
 
     #[test]

@@ -24,9 +24,12 @@
 //! the API's rules before it goes out; a result that breaks one is an
 //! error, and the caller forwards the client's request unchanged.
 
+use std::collections::HashSet;
+
 use bytes::Bytes;
 use serde_json::{Value, json};
 
+use crate::chat::object::{member_value, write_json_string};
 use crate::chat::{ChatRequest, Message, RawObject};
 use crate::compaction::Fates;
 
@@ -79,46 +82,67 @@ struct Turn {
 
 #[derive(Debug, Clone)]
 enum Content {
-    Text(String),
+    /// A string: its JSON bytes, decoded when it is read (a message of
+    /// megabytes is not held twice).
+    Text(Bytes),
     Blocks(Vec<Block>),
 }
 
+/// The text of `Content::Text`'s bytes.
+fn decoded(raw: &[u8]) -> String {
+    serde_json::from_slice(raw).unwrap_or_default()
+}
+
+/// A content block: its bytes and its type. Its other fields are read from
+/// the bytes when asked for: a turn of 80,000 blocks held parsed was a
+/// hundred megabytes of maps.
 #[derive(Debug, Clone)]
 struct Block {
     raw: Bytes,
-    value: Value,
+    kind: Box<str>,
 }
 
 impl Block {
     fn parse(raw: Bytes) -> Option<Block> {
-        let value: Value = serde_json::from_slice(&raw).ok()?;
-        value.get("type")?.as_str()?;
-        Some(Block { raw, value })
+        let kind = member_value::<String>(&raw, "type")?.into_boxed_str();
+        Some(Block { raw, kind })
     }
 
     /// A block condense writes itself.
     fn new(value: Value) -> Block {
+        let kind = value.get("type").and_then(Value::as_str).unwrap_or("");
         Block {
+            kind: kind.into(),
             raw: Bytes::from(value.to_string()),
-            value,
         }
     }
 
     fn kind(&self) -> &str {
-        self.value.get("type").and_then(Value::as_str).unwrap_or("")
+        &self.kind
     }
 
-    fn str(&self, key: &str) -> Option<&str> {
-        self.value.get(key).and_then(Value::as_str)
+    /// Field `key`, when it is a string.
+    fn str(&self, key: &str) -> Option<String> {
+        member_value(&self.raw, key)
     }
 
-    fn cache_control(&self) -> Option<&Value> {
-        self.value.get("cache_control")
+    /// Field `key`, parsed.
+    fn get(&self, key: &str) -> Option<Value> {
+        member_value(&self.raw, key)
+    }
+
+    /// The whole block, parsed.
+    fn value(&self) -> Value {
+        serde_json::from_slice(&self.raw).unwrap_or_default()
+    }
+
+    fn cache_control(&self) -> Option<Value> {
+        self.get("cache_control")
     }
 
     /// The block with `key` set to `value`; its other fields kept.
     fn with(&self, key: &str, value: Value) -> Block {
-        let mut v = self.value.clone();
+        let mut v = self.value();
         if let Some(obj) = v.as_object_mut() {
             obj.insert(key.to_string(), value);
         }
@@ -229,19 +253,33 @@ impl MessagesRequest {
     /// The conversation as chat messages, with `model`, `max_tokens` and
     /// `tools` (which count toward the prompt) beside them.
     pub fn view(&self) -> (ChatRequest, Origins) {
-        let mut messages = Vec::with_capacity(self.turns.len() + 1);
-        let mut origins = Vec::with_capacity(self.turns.len() + 1);
-        let mut push = |v: Value, o: Origin| {
-            messages.push(Message::from_bytes(Bytes::from(v.to_string())));
+        // One view message per turn, but one per block of a user turn
+        // with blocks, and the system prompt.
+        let size = 1 + self
+            .turns
+            .iter()
+            .map(|t| match (&t.side, &t.content) {
+                (Side::User, Content::Blocks(b)) => b.len(),
+                _ => 1,
+            })
+            .sum::<usize>();
+        let mut messages = Vec::with_capacity(size);
+        let mut origins = Vec::with_capacity(size);
+        let mut push = |v: Bytes, o: Origin| {
+            messages.push(Message::from_bytes(v));
             origins.push(o);
         };
+        let bytes = |v: Value| super::view_bytes(&v);
         if let Some(text) = self.system_text() {
-            push(json!({"role": "system", "content": text}), Origin::System);
+            push(
+                bytes(json!({"role": "system", "content": text})),
+                Origin::System,
+            );
         }
         for (t, turn) in self.turns.iter().enumerate() {
             match (&turn.side, &turn.content) {
                 (Side::User, Content::Text(s)) => {
-                    push(json!({"role": "user", "content": s}), Origin::User(t));
+                    push(super::chat_text("user", &decoded(s)), Origin::User(t));
                 }
                 // One view message per block, in order: a tool result, or
                 // what the client wrote (a text as chat's user message).
@@ -250,11 +288,13 @@ impl MessagesRequest {
                         if block.kind() == "tool_result" {
                             let id = block.str("tool_use_id").unwrap_or_default();
                             push(
-                                json!({"role": "tool", "tool_call_id": id, "content": result_text(block)}),
+                                bytes(
+                                    json!({"role": "tool", "tool_call_id": id, "content": result_text(block)}),
+                                ),
                                 Origin::ToolResult(t, b),
                             );
                         } else {
-                            push(user_view(block), Origin::UserBlock(t, b));
+                            push(bytes(user_view(block)), Origin::UserBlock(t, b));
                         }
                     }
                 }
@@ -263,10 +303,13 @@ impl MessagesRequest {
                 }
                 (Side::System, content) => {
                     let text = match content {
-                        Content::Text(s) => s.clone(),
+                        Content::Text(s) => decoded(s),
                         Content::Blocks(b) => joined_text(b),
                     };
-                    push(json!({"role": "system", "content": text}), Origin::Inner(t));
+                    push(
+                        bytes(json!({"role": "system", "content": text})),
+                        Origin::Inner(t),
+                    );
                 }
             }
         }
@@ -432,7 +475,7 @@ impl MessagesRequest {
                         // its cache breakpoint stays on the replacement.
                         let mut v = json!({"type": "text", "text": text});
                         if let Some(cc) = block.cache_control() {
-                            v["cache_control"] = cc.clone();
+                            v["cache_control"] = cc;
                         }
                         out.push(Block::new(v));
                     }
@@ -443,10 +486,10 @@ impl MessagesRequest {
             (Side::System, _) => Err(WriteError::Invalid("a system message changed")),
             (Side::Assistant, content) => {
                 let &j = js.first().ok_or(WriteError::Mismatch)?;
-                let Some(v) = new_view(j) else {
+                let Some(v) = fates.rewritten[j].clone() else {
                     return Err(WriteError::Mismatch);
                 };
-                Ok(assistant_rebuilt(content, &v))
+                Ok(assistant_rebuilt(content, &Message::from_bytes(v)))
             }
         }
     }
@@ -466,40 +509,74 @@ impl MessagesRequest {
         }
     }
 
-    /// Neighbouring messages of the same role joined into one.
+    /// Neighbouring messages of the same role joined into one. Each is
+    /// joined in place and its blocks ordered once at the end (ordering
+    /// after every join gave the same order, tool results first, in time
+    /// quadratic in a run of joins).
     fn merged(&self, out: Vec<Out>) -> Vec<Out> {
         let mut merged: Vec<Out> = Vec::with_capacity(out.len());
+        // The last message that is not a system message inside `messages`
+        // (those stand outside the alternation: a message merges across
+        // them), and the messages that took others in.
+        let mut last: Option<usize> = None;
+        let mut joined: Vec<usize> = Vec::new();
         for o in out {
-            // System messages inside `messages` stand outside the
-            // alternation: a message merges across them.
-            let last = merged
-                .iter_mut()
-                .rev()
-                .find(|m| m.side(self) != Side::System);
+            let side = o.side(self);
             match last {
-                Some(last) if o.side(self) != Side::System && last.side(self) == o.side(self) => {
-                    let side = last.side(self);
-                    let mut blocks = last.owned_blocks(self);
-                    blocks.extend(o.owned_blocks(self));
-                    let fields = last.fields(self);
-                    if side == Side::User {
-                        // Tool results come first in a user message.
-                        blocks.sort_by_key(|b| b.kind() != "tool_result");
+                Some(l) if side != Side::System && merged[l].side(self) == side => {
+                    let more = o.owned_blocks(self);
+                    let into = &mut merged[l];
+                    if let Out::Built { blocks, .. } = into {
+                        blocks.extend(more);
+                    } else {
+                        let fields = into.fields(self);
+                        let mut blocks = into.owned_blocks(self);
+                        blocks.extend(more);
+                        *into = Out::Built {
+                            side,
+                            fields,
+                            blocks,
+                        };
                     }
-                    *last = Out::Built {
-                        side,
-                        fields,
-                        blocks,
-                    };
+                    if joined.last() != Some(&l) {
+                        joined.push(l);
+                    }
                 }
-                _ => merged.push(o),
+                _ => {
+                    if side != Side::System {
+                        last = Some(merged.len());
+                    }
+                    merged.push(o);
+                }
+            }
+        }
+        for l in joined {
+            if let Out::Built {
+                side: Side::User,
+                blocks,
+                ..
+            } = &mut merged[l]
+            {
+                // Tool results come first in a user message.
+                blocks.sort_by_key(|b| b.kind() != "tool_result");
             }
         }
         merged
     }
 
     fn serialize(&self, out: &[Out]) -> Bytes {
-        let mut list = Vec::with_capacity(self.source.len());
+        // Sized by what is written (after compaction, usually far less
+        // than the client's body).
+        let size: usize = out
+            .iter()
+            .map(|o| match o {
+                Out::Kept(t) => self.turns[*t].raw.len() + 1,
+                Out::Built { blocks, .. } => {
+                    blocks.iter().map(|b| b.raw.len() + 1).sum::<usize>() + 64
+                }
+            })
+            .sum();
+        let mut list = Vec::with_capacity(size + 2);
         list.push(b'[');
         for (i, o) in out.iter().enumerate() {
             if i > 0 {
@@ -521,6 +598,16 @@ impl MessagesRequest {
     }
 }
 
+/// `part` as a slice of `whole` when it lies inside it, else a copy.
+fn part_of(whole: &Bytes, part: &[u8]) -> Bytes {
+    let start = (part.as_ptr() as usize).wrapping_sub(whole.as_ptr() as usize);
+    if start <= whole.len() && part.len() <= whole.len() - start {
+        whole.slice(start..start + part.len())
+    } else {
+        Bytes::copy_from_slice(part)
+    }
+}
+
 impl Turn {
     fn parse(raw: Bytes) -> Option<Turn> {
         let (fields, blocks) = match RawObject::parse_splitting(&raw, Some("content")) {
@@ -536,12 +623,19 @@ impl Turn {
             _ => return None,
         };
         let content = match blocks {
-            Some(list) => Content::Blocks(
-                list.into_iter()
-                    .map(Block::parse)
-                    .collect::<Option<Vec<_>>>()?,
-            ),
-            None => Content::Text(serde_json::from_slice(fields.get("content")?).ok()?),
+            Some(list) => {
+                let mut blocks = Vec::with_capacity(list.len());
+                for raw in list {
+                    blocks.push(Block::parse(raw)?);
+                }
+                Content::Blocks(blocks)
+            }
+            // A string (the body was valid JSON: a value that starts with
+            // a quote is one).
+            None => {
+                let text = fields.get("content").filter(|c| c.first() == Some(&b'"'))?;
+                Content::Text(part_of(&raw, text))
+            }
         };
         Some(Turn {
             raw,
@@ -599,7 +693,9 @@ impl Out {
         match self {
             Out::Kept(t) => match &r.turns[*t].content {
                 Content::Blocks(b) => b.clone(),
-                Content::Text(s) => vec![Block::new(json!({"type": "text", "text": s}))],
+                Content::Text(s) => {
+                    vec![Block::new(json!({"type": "text", "text": decoded(s)}))]
+                }
             },
             Out::Built { blocks, .. } => blocks.clone(),
         }
@@ -638,15 +734,19 @@ fn check(turns: &[(Side, Vec<&Block>)]) -> Result<(), WriteError> {
         blocks
             .iter()
             .filter(|b| b.kind() == kind)
-            .filter_map(|b| b.str(key).map(str::to_string))
+            .filter_map(|b| b.str(key))
             .collect()
+    };
+    // Sets of ids: a turn of many calls is checked in linear time.
+    let set = |blocks: &[&Block], kind: &str, key: &str| -> HashSet<String> {
+        ids(blocks, kind, key).into_iter().collect()
     };
     for (i, (side, blocks)) in turns.iter().map(|t| (&t.0, &t.1)).enumerate() {
         match side {
             Side::Assistant => {
-                let uses = ids(blocks, "tool_use", "id");
                 if let Some((_, next)) = turns.get(i + 1) {
-                    let answered = ids(next, "tool_result", "tool_use_id");
+                    let answered = set(next, "tool_result", "tool_use_id");
+                    let uses = ids(blocks, "tool_use", "id");
                     if uses.iter().any(|u| !answered.contains(u)) {
                         return Err(WriteError::Invalid("a tool_use is not answered"));
                     }
@@ -658,8 +758,8 @@ fn check(turns: &[(Side, Vec<&Block>)]) -> Result<(), WriteError> {
                     continue;
                 }
                 let asked = match i.checked_sub(1).map(|p| turns[p]) {
-                    Some((Side::Assistant, prev)) => ids(prev, "tool_use", "id"),
-                    _ => Vec::new(),
+                    Some((Side::Assistant, prev)) => set(prev, "tool_use", "id"),
+                    _ => HashSet::new(),
                 };
                 if results.iter().any(|r| !asked.contains(r)) {
                     return Err(WriteError::Invalid("a tool_result answers no tool_use"));
@@ -673,8 +773,8 @@ fn check(turns: &[(Side, Vec<&Block>)]) -> Result<(), WriteError> {
 
 /// The text of a tool result's `content` (a string, or blocks).
 fn result_text(block: &Block) -> String {
-    match block.value.get("content") {
-        Some(Value::String(s)) => s.clone(),
+    match block.get("content") {
+        Some(Value::String(s)) => s,
         Some(Value::Array(parts)) => parts
             .iter()
             .map(|p| match p.get("type").and_then(Value::as_str) {
@@ -700,27 +800,21 @@ fn user_view(block: &Block) -> Value {
         "image" => {
             json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]})
         }
-        _ => json!({"role": "user", "content": block.value.to_string()}),
+        _ => json!({"role": "user", "content": block.value().to_string()}),
     }
 }
 
-/// The chat view of an assistant message.
-fn assistant_view(content: &Content) -> Value {
+/// The chat view of an assistant message, as JSON bytes: its text, its
+/// `tool_use` blocks as `tool_calls`, its thinking. Written call by call
+/// (80,000 calls built as one value were a hundred megabytes), in the
+/// bytes `serde_json` gives the same message built as a value: keys in
+/// order, no spaces.
+fn assistant_view(content: &Content) -> Bytes {
     let blocks = match content {
-        Content::Text(s) => return json!({"role": "assistant", "content": s}),
+        Content::Text(s) => return super::chat_text("assistant", &decoded(s)),
         Content::Blocks(b) => b,
     };
     let text = joined_text(blocks);
-    let calls: Vec<Value> = blocks
-        .iter()
-        .filter(|b| b.kind() == "tool_use")
-        .map(|b| {
-            json!({"id": b.str("id").unwrap_or_default(), "type": "function", "function": {
-                "name": b.str("name").unwrap_or_default(),
-                "arguments": b.value.get("input").map(Value::to_string).unwrap_or_default(),
-            }})
-        })
-        .collect();
     // Thinking is counted (it may count toward the window) but no stage
     // sees it as text it may change.
     let thinking: String = blocks
@@ -728,14 +822,37 @@ fn assistant_view(content: &Content) -> Value {
         .filter_map(|b| b.str("thinking"))
         .collect::<Vec<_>>()
         .join("\n");
-    let mut v = json!({"role": "assistant", "content": if text.is_empty() { Value::Null } else { json!(text) }});
-    if !calls.is_empty() {
-        v["tool_calls"] = json!(calls);
+    let mut out = Vec::with_capacity(text.len() + thinking.len() + 64);
+    out.extend_from_slice(b"{\"content\":");
+    match text.is_empty() {
+        true => out.extend_from_slice(b"null"),
+        false => write_json_string(&mut out, &text),
     }
+    out.extend_from_slice(b",\"role\":\"assistant\"");
     if !thinking.is_empty() {
-        v["thinking"] = json!(thinking);
+        out.extend_from_slice(b",\"thinking\":");
+        write_json_string(&mut out, &thinking);
     }
-    v
+    let mut calls = 0;
+    for b in blocks.iter().filter(|b| b.kind() == "tool_use") {
+        let call = json!({"id": b.str("id").unwrap_or_default(), "type": "function", "function": {
+            "name": b.str("name").unwrap_or_default(),
+            "arguments": b.get("input").map(|i| i.to_string()).unwrap_or_default(),
+        }});
+        out.extend_from_slice(if calls == 0 {
+            b",\"tool_calls\":["
+        } else {
+            b","
+        });
+        // Writing a value into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut out, &call);
+        calls += 1;
+    }
+    if calls > 0 {
+        out.push(b']');
+    }
+    out.push(b'}');
+    super::exact(out)
 }
 
 fn joined_text(blocks: &[Block]) -> String {
@@ -751,8 +868,8 @@ fn joined_text(blocks: &[Block]) -> String {
 /// blocks replaced by the new text when it changed (a breakpoint moves with
 /// it), each `tool_use` whose arguments changed given them as its input;
 /// thinking and other blocks untouched.
-fn assistant_rebuilt(content: &Content, v: &Value) -> Vec<Block> {
-    let new_text = super::text_of(v);
+fn assistant_rebuilt(content: &Content, v: &Message) -> Vec<Block> {
+    let new_text = super::text_of(v.content().unwrap_or(&Value::Null));
     let blocks = match content {
         Content::Text(_) => {
             return vec![Block::new(json!({"type": "text", "text": new_text}))];
@@ -763,15 +880,16 @@ fn assistant_rebuilt(content: &Content, v: &Value) -> Vec<Block> {
     let carried = blocks
         .iter()
         .filter(|b| is_text(b))
-        .find_map(|b| b.cache_control().cloned());
-    let calls = v.get("tool_calls").and_then(Value::as_array);
+        .find_map(|b| b.cache_control());
+    // The view's calls, one for each tool_use in order, each parsed when
+    // its block is reached.
+    let mut calls = v.tool_calls();
     let mut out = Vec::with_capacity(blocks.len());
     let mut placed = false;
-    let mut call = 0;
     for b in blocks {
         if is_text(b) && text_changed {
             if !placed && !new_text.is_empty() {
-                let mut t = b.value.clone();
+                let mut t = b.value();
                 t["text"] = json!(new_text);
                 if let Some(cc) = &carried {
                     t["cache_control"] = cc.clone();
@@ -780,12 +898,12 @@ fn assistant_rebuilt(content: &Content, v: &Value) -> Vec<Block> {
             }
             placed = true;
         } else if b.kind() == "tool_use" {
-            let args = calls
-                .and_then(|c| c.get(call))
+            let call = calls.next();
+            let args = call
+                .as_ref()
                 .and_then(|c| c.pointer("/function/arguments"))
                 .and_then(Value::as_str);
-            call += 1;
-            let original = b.value.get("input").map(Value::to_string);
+            let original = b.get("input").map(|i| i.to_string());
             match args {
                 Some(a) if Some(a) != original.as_deref() => {
                     match serde_json::from_str::<Value>(a) {
@@ -812,6 +930,73 @@ fn view_text(raw: &Bytes) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The assistant view as it was built before: one value, serialized.
+    fn assistant_view_as_a_value(content: &Content) -> Bytes {
+        let blocks = match content {
+            Content::Text(s) => {
+                return Bytes::from(
+                    json!({"role": "assistant", "content": decoded(s)}).to_string(),
+                );
+            }
+            Content::Blocks(b) => b,
+        };
+        let text = joined_text(blocks);
+        let calls: Vec<Value> = blocks
+            .iter()
+            .filter(|b| b.kind() == "tool_use")
+            .map(|b| {
+                json!({"id": b.str("id").unwrap_or_default(), "type": "function", "function": {
+                    "name": b.str("name").unwrap_or_default(),
+                    "arguments": b.value().get("input").map(Value::to_string).unwrap_or_default(),
+                }})
+            })
+            .collect();
+        let thinking: String = blocks
+            .iter()
+            .filter_map(|b| b.str("thinking"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let mut v = json!({"role": "assistant", "content": if text.is_empty() { Value::Null } else { json!(text) }});
+        if !calls.is_empty() {
+            v["tool_calls"] = json!(calls);
+        }
+        if !thinking.is_empty() {
+            v["thinking"] = json!(thinking);
+        }
+        Bytes::from(v.to_string())
+    }
+
+    #[test]
+    fn the_assistant_view_is_written_as_the_value_was() {
+        let odd = json!({"model": "m", "max_tokens": 5, "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": "plain \"text\" é"},
+            {"role": "user", "content": "on"},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "a", "name": "n", "input": {"z": 1, "a": [true, null]}},
+                {"type": "tool_use", "id": "b", "input": "not an object"},
+                {"type": "tool_use", "name": "x"}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "a", "content": "1"},
+                {"type": "tool_result", "tool_use_id": "b", "content": "2"}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hmm", "signature": "s"},
+                {"type": "thinking", "thinking": "ok"},
+                {"type": "text", "text": "done"}]},
+            {"role": "assistant", "content": []}]});
+        for body in [session(3), odd] {
+            let req = MessagesRequest::parse(&Bytes::from(body.to_string())).unwrap();
+            for turn in req.turns.iter().filter(|t| t.side == Side::Assistant) {
+                assert_eq!(
+                    assistant_view(&turn.content),
+                    assistant_view_as_a_value(&turn.content),
+                    "{:?}",
+                    turn.raw
+                );
+            }
+        }
+    }
 
     /// An agent session in Messages form: a task, then `turns` rounds of a
     /// thinking block, text and a tool call answered by a long result (with
@@ -873,7 +1058,7 @@ mod tests {
         );
         let a = &view.messages()[2];
         assert_eq!(
-            a.tool_calls().unwrap()[0]["function"]["arguments"],
+            a.tool_calls().next().unwrap()["function"]["arguments"],
             r#"{"path":"src/f0.py"}"#
         );
         assert_eq!(view.messages()[3].tool_call_id(), Some("toolu_0"));

@@ -226,6 +226,32 @@ pub(crate) fn text_of(v: &serde_json::Value) -> String {
     }
 }
 
+/// `bytes` as `Bytes` in an allocation of their length: `Bytes::from` keeps
+/// a vector's spare capacity, up to as much again as it holds when it grew
+/// by doubling, for as long as the view lives (a view message each).
+pub(crate) fn exact(mut bytes: Vec<u8>) -> Bytes {
+    bytes.shrink_to_fit();
+    Bytes::from(bytes)
+}
+
+/// A view message from its value, in an allocation of its length.
+pub(crate) fn view_bytes(v: &serde_json::Value) -> Bytes {
+    exact(serde_json::to_vec(v).unwrap_or_default())
+}
+
+/// A chat message of `role` with `text` as its content, in the bytes
+/// `json!({"role": role, "content": text})` gives, without a copy of the
+/// text in a value first.
+pub(crate) fn chat_text(role: &str, text: &str) -> Bytes {
+    let mut out = Vec::with_capacity(text.len() + role.len() + 24);
+    out.extend_from_slice(b"{\"content\":");
+    crate::chat::object::write_json_string(&mut out, text);
+    out.extend_from_slice(b",\"role\":");
+    crate::chat::object::write_json_string(&mut out, role);
+    out.push(b'}');
+    exact(out)
+}
+
 /// A JSON array of raw values.
 pub(crate) fn raw_list<'a>(raws: impl Iterator<Item = &'a Bytes>) -> Bytes {
     let mut out = vec![b'['];
@@ -284,6 +310,22 @@ pub fn conversation_of(format: Format, body: &Bytes) -> Option<ChatRequest> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_text_message_is_written_as_its_value_would_be() {
+        for (role, text) in [
+            ("user", "hi"),
+            ("assistant", ""),
+            ("system", "quote \" backslash \\ line\n tab\t nul\u{0} é 🎉"),
+        ] {
+            let value = serde_json::json!({"role": role, "content": text});
+            assert_eq!(
+                chat_text(role, text),
+                value.to_string().as_bytes(),
+                "{text:?}"
+            );
+        }
+    }
 
     #[test]
     fn formats_are_told_apart_by_their_own_fields() {

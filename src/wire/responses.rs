@@ -26,9 +26,12 @@
 //! history on the server: there is nothing to compact, and the caller
 //! forwards it unchanged ([`ResponsesRequest::stateful`]).
 
+use std::collections::HashSet;
+
 use bytes::Bytes;
 use serde_json::{Value, json};
 
+use crate::chat::object::{member_value, members, write_json_string};
 use crate::chat::{ChatRequest, Message, RawObject};
 use crate::compaction::Fates;
 
@@ -50,28 +53,54 @@ pub enum WriteError {
     Mismatch,
 }
 
+/// An input item: its bytes, its kind and role. Its other fields are read
+/// from the bytes when asked: 160,000 items held parsed were over a
+/// hundred megabytes of maps.
 #[derive(Debug, Clone)]
 struct Item {
     raw: Bytes,
-    value: Value,
+    kind: Box<str>,
+    role: Box<str>,
 }
 
 impl Item {
-    fn kind(&self) -> &str {
-        match self.value.get("type").and_then(Value::as_str) {
+    /// The item in `raw`; None when it is not a JSON object.
+    fn parse(raw: Bytes) -> Option<Item> {
+        let object = members(&raw, |_, _| ()).is_some()
+            || serde_json::from_slice::<Value>(&raw).is_ok_and(|v| v.is_object());
+        if !object {
+            return None;
+        }
+        let kind = match member_value::<String>(&raw, "type") {
             Some(t) => t,
             // An "easy" input message: a role and content, no type.
-            None if self.value.get("role").is_some() => "message",
-            None => "",
-        }
+            None if member_value::<Value>(&raw, "role").is_some() => "message".to_string(),
+            None => String::new(),
+        };
+        let role = member_value::<String>(&raw, "role").unwrap_or_default();
+        Some(Item {
+            raw,
+            kind: kind.into(),
+            role: role.into(),
+        })
     }
 
-    fn str(&self, key: &str) -> Option<&str> {
-        self.value.get(key).and_then(Value::as_str)
+    fn kind(&self) -> &str {
+        &self.kind
+    }
+
+    /// Field `key`, when it is a string.
+    fn str(&self, key: &str) -> Option<String> {
+        member_value(&self.raw, key)
+    }
+
+    /// Field `key`, parsed.
+    fn get(&self, key: &str) -> Option<Value> {
+        member_value(&self.raw, key)
     }
 
     fn role(&self) -> &str {
-        self.str("role").unwrap_or("")
+        &self.role
     }
 
     fn is_call(&self) -> bool {
@@ -97,13 +126,14 @@ impl Item {
 
     /// The item with `key` set to `value`; its other fields kept.
     fn with(&self, key: &str, value: Value) -> Item {
-        let mut v = self.value.clone();
+        let mut v: Value = serde_json::from_slice(&self.raw).unwrap_or_default();
         if let Some(obj) = v.as_object_mut() {
             obj.insert(key.to_string(), value);
         }
         Item {
             raw: Bytes::from(v.to_string()),
-            value: v,
+            kind: self.kind.clone(),
+            role: self.role.clone(),
         }
     }
 }
@@ -141,13 +171,7 @@ impl ResponsesRequest {
         let items = list
             .into_iter()
             .enumerate()
-            .map(|(i, raw)| {
-                let value: Value = serde_json::from_slice(&raw).map_err(|_| ParseError::Item(i))?;
-                if !value.is_object() {
-                    return Err(ParseError::Item(i));
-                }
-                Ok(Item { raw, value })
-            })
+            .map(|(i, raw)| Item::parse(raw).ok_or(ParseError::Item(i)))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(ResponsesRequest {
             source: body.clone(),
@@ -224,17 +248,18 @@ impl ResponsesRequest {
     pub fn view(&self) -> (ChatRequest, Origins) {
         let mut messages = Vec::with_capacity(self.items.len() + 1);
         let mut origins = Vec::with_capacity(self.items.len() + 1);
-        let mut push = |v: Value, o: Origin| {
-            messages.push(Message::from_bytes(Bytes::from(v.to_string())));
+        let mut push = |v: Bytes, o: Origin| {
+            messages.push(Message::from_bytes(v));
             origins.push(o);
         };
+        let bytes = |v: Value| super::view_bytes(&v);
         if let Some(text) = self
             .fields
             .get("instructions")
             .and_then(|v| serde_json::from_slice::<String>(v).ok())
         {
             push(
-                json!({"role": "system", "content": text}),
+                bytes(json!({"role": "system", "content": text})),
                 Origin::Instructions,
             );
         }
@@ -262,19 +287,21 @@ impl ResponsesRequest {
             }
             // Not a run: the opaque items stand alone, then one item.
             for k in i..run_start {
-                push(opaque_view(&self.items[k]), Origin::Item(k));
+                push(bytes(opaque_view(&self.items[k])), Origin::Item(k));
             }
             if run_start < n {
                 let item = &self.items[run_start];
                 let v = if item.is_output() {
-                    json!({"role": "tool", "tool_call_id": item.str("call_id").unwrap_or_default(),
-                        "content": output_text(item)})
+                    bytes(
+                        json!({"role": "tool", "tool_call_id": item.str("call_id").unwrap_or_default(),
+                        "content": output_text(item)}),
+                    )
                 } else {
                     let role = match item.role() {
                         "system" | "developer" | "user" | "assistant" => item.role(),
                         _ => "user",
                     };
-                    json!({"role": role, "content": message_text(item)})
+                    super::chat_text(role, &message_text(item))
                 };
                 push(v, Origin::Item(run_start));
             }
@@ -303,7 +330,12 @@ impl ResponsesRequest {
         (ChatRequest::assembled(fields, messages), Origins(origins))
     }
 
-    fn run_view(&self, members: &[usize]) -> Value {
+    /// The chat view of an assistant run, as JSON bytes: its text, its
+    /// calls as `tool_calls`, its opaque items' text as `reasoning`.
+    /// Written call by call (80,000 calls built as one value were a hundred
+    /// megabytes), in the bytes `serde_json` gives the same message built
+    /// as a value: keys in order, no spaces.
+    fn run_view(&self, members: &[usize]) -> Bytes {
         let items: Vec<&Item> = members.iter().map(|&k| &self.items[k]).collect();
         let text = items
             .iter()
@@ -311,30 +343,42 @@ impl ResponsesRequest {
             .map(|i| message_text(i))
             .collect::<Vec<_>>()
             .join("\n");
-        let calls: Vec<Value> = items
-            .iter()
-            .filter(|i| i.is_call())
-            .map(|i| {
-                let args = i.str("arguments").or(i.str("input")).unwrap_or_default();
-                json!({"id": i.str("call_id").unwrap_or_default(), "type": "function",
-                    "function": {"name": i.str("name").unwrap_or_default(), "arguments": args}})
-            })
-            .collect();
         let reasoning: String = items
             .iter()
             .filter(|i| i.is_opaque())
             .map(|i| opaque_text(i))
             .collect::<Vec<_>>()
             .join("\n");
-        let mut v = json!({"role": "assistant",
-            "content": if text.is_empty() { Value::Null } else { json!(text) }});
-        if !calls.is_empty() {
-            v["tool_calls"] = json!(calls);
+        let mut out = Vec::with_capacity(text.len() + reasoning.len() + 64);
+        out.extend_from_slice(b"{\"content\":");
+        match text.is_empty() {
+            true => out.extend_from_slice(b"null"),
+            false => write_json_string(&mut out, &text),
         }
         if !reasoning.is_empty() {
-            v["reasoning"] = json!(reasoning);
+            out.extend_from_slice(b",\"reasoning\":");
+            write_json_string(&mut out, &reasoning);
         }
-        v
+        out.extend_from_slice(b",\"role\":\"assistant\"");
+        let mut calls = 0;
+        for i in items.iter().filter(|i| i.is_call()) {
+            let args = i.str("arguments").or(i.str("input")).unwrap_or_default();
+            let call = json!({"id": i.str("call_id").unwrap_or_default(), "type": "function",
+                "function": {"name": i.str("name").unwrap_or_default(), "arguments": args}});
+            out.extend_from_slice(if calls == 0 {
+                b",\"tool_calls\":["
+            } else {
+                b","
+            });
+            // Writing a value into a Vec cannot fail.
+            let _ = serde_json::to_writer(&mut out, &call);
+            calls += 1;
+        }
+        if calls > 0 {
+            out.push(b']');
+        }
+        out.push(b'}');
+        super::exact(out)
     }
 
     /// The request with the pipeline's decisions on the view applied.
@@ -371,8 +415,11 @@ impl ResponsesRequest {
             let Some(raw) = &fates.rewritten[j] else {
                 continue;
             };
-            let v: Value = serde_json::from_slice(raw).map_err(|_| WriteError::Mismatch)?;
-            let text = super::text_of(&v);
+            // Read through Message: its calls one at a time.
+            serde_json::from_slice::<serde::de::IgnoredAny>(raw)
+                .map_err(|_| WriteError::Mismatch)?;
+            let v = Message::from_bytes(raw.clone());
+            let text = super::text_of(v.content().unwrap_or(&Value::Null));
             match o {
                 Origin::Item(k) => {
                     let item = &self.items[*k];
@@ -385,24 +432,23 @@ impl ResponsesRequest {
                     });
                 }
                 Origin::Run(m) => {
-                    let calls = v.get("tool_calls").and_then(Value::as_array);
-                    let mut call = 0;
+                    let mut calls = v.tool_calls();
                     for &k in m {
                         let item = &self.items[k];
                         if item.is_assistant_message() && text != message_text(item) {
                             replaced[k] = Some(with_text(item, &text));
                         } else if item.is_call() {
-                            let args = calls
-                                .and_then(|c| c.get(call))
+                            let call = calls.next();
+                            let args = call
+                                .as_ref()
                                 .and_then(|c| c.pointer("/function/arguments"))
                                 .and_then(Value::as_str);
-                            call += 1;
                             let key = if item.kind() == "custom_tool_call" {
                                 "input"
                             } else {
                                 "arguments"
                             };
-                            if let Some(a) = args.filter(|a| Some(*a) != item.str(key)) {
+                            if let Some(a) = args.filter(|a| Some(*a) != item.str(key).as_deref()) {
                                 replaced[k] = Some(item.with(key, json!(a)));
                             }
                         }
@@ -419,7 +465,8 @@ impl ResponsesRequest {
                 "content": [{"type": "input_text", "text": text}]});
             Item {
                 raw: Bytes::from(v.to_string()),
-                value: v,
+                kind: "message".into(),
+                role: "user".into(),
             }
         });
         let mut out: Vec<&Item> = Vec::with_capacity(self.items.len() + 1);
@@ -444,17 +491,18 @@ impl ResponsesRequest {
 /// The Responses API's pairing rules on an item list: an output answers an
 /// earlier call by `call_id`; a call before the last output is answered.
 fn check(items: &[&Item]) -> Result<(), WriteError> {
-    let mut calls: Vec<&str> = Vec::new();
-    let mut answered: Vec<&str> = Vec::new();
+    // Sets of ids: a turn of many calls is checked in linear time.
+    let mut calls: HashSet<String> = HashSet::new();
+    let mut answered: HashSet<String> = HashSet::new();
     for item in items {
-        let id = item.str("call_id").unwrap_or_default();
         if item.is_call() {
-            calls.push(id);
+            calls.insert(item.str("call_id").unwrap_or_default());
         } else if item.is_output() {
+            let id = item.str("call_id").unwrap_or_default();
             if !calls.contains(&id) {
                 return Err(WriteError::Invalid("an output answers no call"));
             }
-            answered.push(id);
+            answered.insert(id);
         }
     }
     let last_output = items.iter().rposition(|i| i.is_output());
@@ -471,14 +519,14 @@ fn check(items: &[&Item]) -> Result<(), WriteError> {
 
 /// The text of a message item's content (a string, or parts).
 fn message_text(item: &Item) -> String {
-    super::text_of(item.value.get("content").unwrap_or(&Value::Null))
+    super::text_of(&item.get("content").unwrap_or(Value::Null))
 }
 
 /// The text of an output (a string, or content parts).
 fn output_text(item: &Item) -> String {
-    match item.value.get("output") {
-        Some(Value::String(s)) => s.clone(),
-        Some(v @ Value::Array(_)) => super::text_of(v),
+    match item.get("output") {
+        Some(Value::String(s)) => s,
+        Some(v @ Value::Array(_)) => super::text_of(&v),
         _ => String::new(),
     }
 }
@@ -486,9 +534,9 @@ fn output_text(item: &Item) -> String {
 /// What an opaque item shows the counter: a reasoning summary's text, or
 /// the item's type.
 fn opaque_text(item: &Item) -> String {
-    let summary: Vec<&str> = item
-        .value
-        .get("summary")
+    let summary = item.get("summary");
+    let summary: Vec<&str> = summary
+        .as_ref()
         .and_then(Value::as_array)
         .into_iter()
         .flatten()
@@ -509,7 +557,7 @@ fn opaque_view(item: &Item) -> Value {
 /// parts become one text part of the message's kind (other parts, images
 /// among them, go with the old text, as a masked chat message loses them).
 fn with_text(item: &Item, text: &str) -> Item {
-    match item.value.get("content") {
+    match item.get("content") {
         Some(Value::Array(_)) => {
             let kind = if item.role() == "assistant" {
                 "output_text"
@@ -529,6 +577,73 @@ fn with_text(item: &Item, text: &str) -> Item {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The run view as it was built before: one value, serialized.
+    fn run_view_as_a_value(r: &ResponsesRequest, members: &[usize]) -> Bytes {
+        let items: Vec<&Item> = members.iter().map(|&k| &r.items[k]).collect();
+        let text = items
+            .iter()
+            .filter(|i| i.is_assistant_message())
+            .map(|i| message_text(i))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let calls: Vec<Value> = items
+            .iter()
+            .filter(|i| i.is_call())
+            .map(|i| {
+                let args = i.str("arguments").or(i.str("input")).unwrap_or_default();
+                json!({"id": i.str("call_id").unwrap_or_default(), "type": "function",
+                    "function": {"name": i.str("name").unwrap_or_default(), "arguments": args}})
+            })
+            .collect();
+        let reasoning: String = items
+            .iter()
+            .filter(|i| i.is_opaque())
+            .map(|i| opaque_text(i))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let mut v = json!({"role": "assistant",
+            "content": if text.is_empty() { Value::Null } else { json!(text) }});
+        if !calls.is_empty() {
+            v["tool_calls"] = json!(calls);
+        }
+        if !reasoning.is_empty() {
+            v["reasoning"] = json!(reasoning);
+        }
+        Bytes::from(v.to_string())
+    }
+
+    #[test]
+    fn the_run_view_is_written_as_the_value_was() {
+        let odd = json!({"model": "m", "store": false, "input": [
+            {"role": "user", "content": "go"},
+            {"type": "reasoning", "id": "rs", "summary": [{"type": "summary_text", "text": "think \"hard\""}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "é"}]},
+            {"type": "function_call", "call_id": "a", "name": "n", "arguments": "{\"z\":1}"},
+            {"type": "custom_tool_call", "call_id": "b", "name": "c", "input": "raw"},
+            {"type": "function_call", "call_id": "c"},
+            {"type": "function_call_output", "call_id": "a", "output": "1"},
+            {"type": "custom_tool_call_output", "call_id": "b", "output": "2"},
+            {"type": "function_call_output", "call_id": "c", "output": "3"},
+            {"type": "item_reference", "id": "x"},
+            {"type": "message", "role": "assistant", "content": "plain"}]});
+        for body in [session(3), odd] {
+            let r = ResponsesRequest::parse(&Bytes::from(body.to_string())).unwrap();
+            let (_, origins) = r.view();
+            let runs: Vec<&Vec<usize>> = origins
+                .0
+                .iter()
+                .filter_map(|o| match o {
+                    Origin::Run(m) => Some(m),
+                    _ => None,
+                })
+                .collect();
+            assert!(runs.len() >= 2, "{body}");
+            for m in runs {
+                assert_eq!(r.run_view(m), run_view_as_a_value(&r, m), "{m:?}");
+            }
+        }
+    }
 
     /// A coding session as Responses input: a task, then `turns` rounds of
     /// reasoning, text, a call and a long output.
@@ -605,7 +720,7 @@ mod tests {
             ["system", "user", "assistant", "tool", "assistant", "tool"]
         );
         let a = &view.messages()[2];
-        assert_eq!(a.tool_calls().unwrap()[0]["id"], "call_0");
+        assert_eq!(a.tool_calls().next().unwrap()["id"], "call_0");
         assert_eq!(a.content().unwrap(), "Reading file 0.");
     }
 
