@@ -843,7 +843,8 @@ def run_h2c_streams(binary: str, time_limit: float) -> Result:
         r.idle_mib = idle / 1024
         r.peak_above_idle_mib = (c.peak_kib(sampler.max_kib) - idle) / 1024
         r.healthz = f"{'200' if ok else 'NO ANSWER'} in {took * 1000:.0f} ms"
-        r.notes.append(f"{up.requests} held upstream, {refused:.0f} refused 503, {files} fds open, /readyz {ready}")
+        refused_text = "/metrics unanswered" if refused is None else f"{refused:.0f} refused 503"
+        r.notes.append(f"{up.requests} held upstream, {refused_text}, {files} fds open, /readyz {ready}")
     finally:
         for p in clients:
             p.kill()
