@@ -268,6 +268,36 @@ async fn an_overflow_of_prompt_plus_max_tokens_is_recovered_keeping_max_tokens()
     }
 }
 
+/// A `max_tokens` that alone fills the window: no prompt fits beside it,
+/// and the client's `max_tokens` is not condense's to lower. The client
+/// gets Anthropic's error as it came, and nothing is compacted or
+/// summarized for a retry that cannot be.
+#[tokio::test]
+async fn a_max_tokens_that_fills_the_window_is_not_retried() {
+    let h = Harness::with(|c| c.models = vec![profile("claude-*", 200_000)]).await;
+    let mut body = session(30, false);
+    // The prompt fits the window (by about 1000 tokens); max_tokens is all
+    // of it.
+    let window = body.to_string().len() as u64 / 4 + 1000;
+    body["max_tokens"] = json!(window);
+    let resp = post(&h, &body, &[("x-mock-window", &window.to_string())]).await;
+    assert_eq!(resp.status(), 400);
+    let error: Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("input length and `max_tokens` exceed context limit: "),
+        "{message}"
+    );
+    assert_eq!(h.mock.requests().len(), 1, "no retry, no summarizer call");
+    assert_eq!(
+        h.metric(
+            "condense_context_overflow_total{outcome=\"not_recoverable\",provider_format=\"anthropic\"}"
+        )
+        .await,
+        Some(1.0)
+    );
+}
+
 #[tokio::test]
 async fn condenses_own_errors_take_anthropics_shape() {
     let port = {
