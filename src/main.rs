@@ -89,9 +89,11 @@ enum Command {
         /// applies, i.e. --window or the model's).
         #[arg(long, value_name = "N")]
         provider_window: Option<u64>,
-        /// The provider's overflow error: `openai` (names the window and the
-        /// prompt's size), `llamacpp` (its exceed_context_size_error) or
-        /// `bare` (no numbers).
+        /// The server behind chat completions, and so its overflow error:
+        /// `openai` (names the window, the prompt and any max_tokens),
+        /// `llamacpp` (exceed_context_size_error, for a prompt that fills
+        /// the window) or `bare` (no numbers). Messages and Responses
+        /// bodies get their own API's wordings.
         #[arg(long, value_name = "STYLE", default_value = "openai")]
         provider_errors: condense::simulate::OverflowStyle,
         /// The provider's /models listing names its window (as vLLM's

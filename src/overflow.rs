@@ -677,6 +677,91 @@ mod tests {
         }
     }
 
+    /// (format, limit, prompt, completion).
+    type Read = (&'static str, Option<u64>, Option<u64>, Option<u64>);
+
+    /// What condense reads from an error.
+    fn numbers(status: u16, body: &str) -> Option<Read> {
+        detect(status, body.as_bytes()).map(|o| (o.format, o.limit, o.prompt, o.completion))
+    }
+
+    #[test]
+    fn anthropics_prompt_too_long_names_the_window_and_the_prompt() {
+        let body = r#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 208462 tokens > 200000 maximum"},"request_id":"req_1"}"#;
+        assert_eq!(
+            numbers(400, body),
+            Some(("anthropic", Some(200_000), Some(208_462), None))
+        );
+    }
+
+    #[test]
+    fn anthropics_input_and_max_tokens_over_the_limit_names_all_three() {
+        let body = r#"{"type":"error","error":{"type":"invalid_request_error","message":"input length and `max_tokens` exceed context limit: 187254 + 20000 > 200000, decrease input length or `max_tokens` and try again"}}"#;
+        let o = detect(400, body.as_bytes()).unwrap();
+        // The window is the limit W, not W - M: the prompt fit in it.
+        assert_eq!(
+            (o.format, o.limit, o.prompt, o.completion, o.names_window),
+            (
+                "anthropic",
+                Some(200_000),
+                Some(187_254),
+                Some(20_000),
+                true
+            )
+        );
+        // The retry keeps the completion the provider counted and, with
+        // both numbers given, needs no blind share.
+        let sent = Rejected {
+            raw: 170_000,
+            bytes: 700_000,
+            calibrated: 180_000,
+            ratio: 1.1,
+        };
+        let c = o.correction(&sent);
+        assert_eq!((c.completion, c.prompt_budget), (Some(20_000), None));
+        assert!(c.density.is_some());
+    }
+
+    #[test]
+    fn openais_messages_resulted_in_names_the_window_and_the_messages() {
+        let body = openai(
+            "This model's maximum context length is 128000 tokens. However, your messages resulted in 130412 tokens. Please reduce the length of the messages.",
+            "context_length_exceeded",
+        );
+        assert_eq!(
+            numbers(400, std::str::from_utf8(&body).unwrap()),
+            Some(("openai", Some(128_000), Some(130_412), None))
+        );
+    }
+
+    #[test]
+    fn openais_you_requested_names_the_messages_and_the_completion() {
+        let body = openai(
+            "This model's maximum context length is 16385 tokens. However, you requested 17153 tokens (13057 in the messages, 4096 in the completion). Please reduce the length of the messages or completion.",
+            "context_length_exceeded",
+        );
+        assert_eq!(
+            numbers(400, std::str::from_utf8(&body).unwrap()),
+            Some(("openai", Some(16_385), Some(13_057), Some(4_096)))
+        );
+    }
+
+    #[test]
+    fn llamacpps_error_is_read_from_its_fields_whatever_its_message() {
+        for message in [
+            "the request exceeds the available context size, try increasing it",
+            "request (9120 tokens) exceeds the available context size (8192 tokens), try increasing it",
+        ] {
+            let body = serde_json::json!({"error": {"code": 400, "message": message,
+                "type": "exceed_context_size_error", "n_prompt_tokens": 9120, "n_ctx": 8192}});
+            assert_eq!(
+                numbers(400, &body.to_string()),
+                Some(("llamacpp", Some(8192), Some(9120), None)),
+                "{message}"
+            );
+        }
+    }
+
     #[test]
     fn numbers_are_read_with_grouping_and_nearby_only() {
         assert_eq!(

@@ -480,7 +480,7 @@ async fn run(
         req.set_messages(messages.to_vec());
         simulator
             .count(&req.to_bytes())
-            .is_some_and(|n| n + completion <= simulator.window)
+            .is_some_and(|n| simulator.accepts(format, n, completion))
     };
     let fixed = tokens.count(&full, info.encoding).tools + crate::tokens::count::REPLY_PRIMING;
     let (mut ours, mut drop, mut sliding) = (Track::default(), Track::default(), Track::default());

@@ -1,6 +1,25 @@
-//! A simulated upstream: an OpenAI-compatible chat API that counts prompt
-//! tokens by its own rule and enforces its context window with a provider's
-//! overflow error, answering in process.
+//! A simulated upstream: an OpenAI-compatible chat API (and Anthropic's
+//! Messages and OpenAI's Responses) that counts prompt tokens by its own
+//! rule and enforces its context window with the provider's own overflow
+//! errors, answering in process.
+//!
+//! Each API rejects what the real one rejects, in the wording the real one
+//! chooses for it:
+//! - Anthropic Messages: "prompt is too long: P tokens > W maximum" when
+//!   the prompt alone is over the window; "input length and `max_tokens`
+//!   exceed context limit: P + M > W, ..." when only the prompt plus
+//!   `max_tokens` is.
+//! - OpenAI chat completions: "This model's maximum context length is W
+//!   tokens. However, you requested T tokens (P in the messages, M in the
+//!   completion)" when the request sets `max_tokens` (or
+//!   `max_completion_tokens`), "... your messages resulted in P tokens"
+//!   when it does not; or, as some OpenAI-compatible servers, the code
+//!   `context_length_exceeded` with no numbers.
+//! - llama.cpp server: `exceed_context_size_error` (with `n_prompt_tokens`
+//!   and `n_ctx`) only when the prompt alone fills the context; a prompt
+//!   that leaves less room than `max_tokens` is accepted, its answer cut at
+//!   the window.
+//! - OpenAI Responses: `context_length_exceeded` with no numbers.
 //!
 //! No production upstream counts like o200k, so `condense replay --count`
 //! sends every turn through the real proxy to one of these: calibration
@@ -141,13 +160,16 @@ fn text_units(v: &Value, rule: &CountRule) -> usize {
     }
 }
 
-/// The wording of the simulated provider's overflow error.
+/// The kind of server behind the simulated chat completions endpoint, and so
+/// the wording of its overflow error (Messages and Responses requests are
+/// answered in their own API's wordings whatever this is).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OverflowStyle {
-    /// OpenAI's, naming the window and the prompt's size.
+    /// OpenAI's, naming the window, the prompt's size and (when the request
+    /// sets one) its `max_tokens`.
     OpenAi,
     /// llama.cpp server's `exceed_context_size_error` with `n_prompt_tokens`
-    /// and `n_ctx`.
+    /// and `n_ctx`, for a prompt that alone fills the context.
     LlamaCpp,
     /// `context_length_exceeded` without numbers (as the Responses API).
     Bare,
@@ -171,7 +193,8 @@ impl std::str::FromStr for OverflowStyle {
 pub struct Simulator {
     pub rule: CountRule,
     /// The window it enforces: prompt plus `max_tokens` (or
-    /// `max_completion_tokens`) must fit.
+    /// `max_completion_tokens`) must fit, or for llama.cpp the prompt
+    /// alone (see [`Simulator::accepts`]).
     pub window: u64,
     pub overflow: OverflowStyle,
     /// Whether `/models` lists the window (as vLLM's `max_model_len`);
@@ -264,16 +287,15 @@ impl Simulator {
             );
         };
         let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-        let completion = req["max_completion_tokens"]
+        let asked = req["max_completion_tokens"]
             .as_u64()
-            .or(req["max_tokens"].as_u64())
-            .unwrap_or(0);
-        let fits = prompt + completion <= self.window;
+            .or(req["max_tokens"].as_u64());
+        let fits = self.accepts(Format::Chat, prompt, asked.unwrap_or(0));
         if let Ok(mut r) = self.received.lock() {
             r.push((body.clone(), fits));
         }
         if !fits {
-            return json_response(StatusCode::BAD_REQUEST, &self.overflow_body(prompt));
+            return json_response(StatusCode::BAD_REQUEST, &self.overflow_body(prompt, asked));
         }
         let usage =
             json!({"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1});
@@ -306,19 +328,12 @@ impl Simulator {
         };
         let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
         let completion = req["max_tokens"].as_u64().unwrap_or(0);
-        let fits = prompt + completion <= self.window;
+        let rejected = anthropic_overflow(prompt, completion, self.window);
         if let Ok(mut r) = self.received.lock() {
-            r.push((body.clone(), fits));
+            r.push((body.clone(), rejected.is_none()));
         }
-        if !fits {
-            let window = self.window;
-            return json_response(
-                StatusCode::BAD_REQUEST,
-                &anthropic_error(
-                    "invalid_request_error",
-                    &format!("prompt is too long: {prompt} tokens > {window} maximum"),
-                ),
-            );
+        if let Some(error) = rejected {
+            return json_response(StatusCode::BAD_REQUEST, &error);
         }
         let usage = json!({"input_tokens": prompt, "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": 0, "output_tokens": 1});
@@ -350,7 +365,7 @@ impl Simulator {
         };
         let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
         let completion = req["max_output_tokens"].as_u64().unwrap_or(0);
-        let fits = prompt + completion <= self.window;
+        let fits = self.accepts(Format::Responses, prompt, completion);
         if let Ok(mut r) = self.received.lock() {
             r.push((body.clone(), fits));
         }
@@ -399,13 +414,34 @@ impl Simulator {
         r
     }
 
-    fn overflow_body(&self, prompt: u64) -> Value {
+    /// Whether the provider takes a request of `format` with a prompt of
+    /// `prompt` of its tokens that asks for up to `completion` more.
+    pub fn accepts(&self, format: Format, prompt: u64, completion: u64) -> bool {
+        match (format, self.overflow) {
+            // llama.cpp refuses only a prompt that leaves no cell to decode
+            // into; `max_tokens` beyond the context ends the answer early.
+            (Format::Chat, OverflowStyle::LlamaCpp) => prompt < self.window,
+            _ => prompt.saturating_add(completion) <= self.window,
+        }
+    }
+
+    /// The chat completions overflow error for a prompt of `prompt` tokens
+    /// and the `max_tokens` the request asked for, if any.
+    fn overflow_body(&self, prompt: u64, asked: Option<u64>) -> Value {
         let window = self.window;
         match self.overflow {
+            // OpenAI names the completion whenever the request set one,
+            // even when the messages alone are over the window.
             OverflowStyle::OpenAi => error_body(
-                &format!(
-                    "This model's maximum context length is {window} tokens. However, your messages resulted in {prompt} tokens. Please reduce the length of the messages."
-                ),
+                &match asked {
+                    Some(m) => format!(
+                        "This model's maximum context length is {window} tokens. However, you requested {} tokens ({prompt} in the messages, {m} in the completion). Please reduce the length of the messages or completion.",
+                        prompt.saturating_add(m)
+                    ),
+                    None => format!(
+                        "This model's maximum context length is {window} tokens. However, your messages resulted in {prompt} tokens. Please reduce the length of the messages."
+                    ),
+                },
                 Some("context_length_exceeded"),
             ),
             OverflowStyle::Bare => error_body(
@@ -414,7 +450,7 @@ impl Simulator {
             ),
             OverflowStyle::LlamaCpp => json!({"error": {
                 "code": 400,
-                "message": format!("the request exceeds the available context size, try increasing it"),
+                "message": format!("request ({prompt} tokens) exceeds the available context size ({window} tokens), try increasing it"),
                 "type": "exceed_context_size_error",
                 "n_prompt_tokens": prompt,
                 "n_ctx": window,
@@ -452,6 +488,24 @@ pub fn anthropic_stream(message: &Value) -> String {
             )
         })
         .collect()
+}
+
+/// Anthropic's answer to a Messages request whose prompt is `prompt`
+/// tokens and whose `max_tokens` is `max_tokens`, against a window of
+/// `window`: None when it fits, else the error body, in the wording
+/// Anthropic chooses: the prompt alone over the window is "too long"; a
+/// prompt that fits but leaves less than `max_tokens` names both parts.
+pub fn anthropic_overflow(prompt: u64, max_tokens: u64, window: u64) -> Option<Value> {
+    let message = if prompt > window {
+        format!("prompt is too long: {prompt} tokens > {window} maximum")
+    } else if prompt.saturating_add(max_tokens) > window {
+        format!(
+            "input length and `max_tokens` exceed context limit: {prompt} + {max_tokens} > {window}, decrease input length or `max_tokens` and try again"
+        )
+    } else {
+        return None;
+    };
+    Some(anthropic_error("invalid_request_error", &message))
 }
 
 fn anthropic_error(kind: &str, message: &str) -> Value {
@@ -537,31 +591,140 @@ mod tests {
         );
     }
 
+    /// A chat body whose prompt is `chars` + 10 tokens under `Chars(1.0)`
+    /// ("user" and the content, 3 for the message, 3 priming), asking for
+    /// `max_tokens` when given.
+    fn chat(chars: usize, max_tokens: Option<u64>) -> Bytes {
+        let mut v =
+            json!({"model": "m", "messages": [{"role": "user", "content": "x".repeat(chars)}]});
+        if let Some(m) = max_tokens {
+            v["max_tokens"] = json!(m);
+        }
+        body(v)
+    }
+
+    type Read = (&'static str, Option<u64>, Option<u64>, Option<u64>);
+
+    /// The status `s` answers `b` at `path` with, the error's message, and
+    /// what condense reads from the error (format, limit, prompt,
+    /// completion).
+    fn answer(s: &Simulator, path: &str, b: &Bytes) -> (u16, String, Option<Read>) {
+        let r = s.respond(&Method::POST, path, b);
+        let status = r.status().as_u16();
+        let v: Value = serde_json::from_slice(r.body()).unwrap();
+        let message = v["error"]["message"].as_str().unwrap_or("").to_string();
+        let read = crate::overflow::detect(status, r.body())
+            .map(|o| (o.format, o.limit, o.prompt, o.completion));
+        (status, message, read)
+    }
+
     #[test]
-    fn the_window_is_enforced_with_the_providers_wording() {
-        let mut s = Simulator::new(CountRule::Chars(1.0), 100, OverflowStyle::OpenAi);
+    fn a_fitting_request_is_answered_with_its_usage() {
+        let s = Simulator::new(CountRule::Chars(1.0), 100, OverflowStyle::OpenAi);
         let small = body(json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}));
         let r = s.respond(&Method::POST, "/v1/chat/completions", &small);
         assert_eq!(r.status(), 200);
         let v: Value = serde_json::from_slice(r.body()).unwrap();
         assert_eq!(v["usage"]["prompt_tokens"], 6 + 6);
-        let big = body(
-            json!({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "x".repeat(90)}]}),
+    }
+
+    #[test]
+    fn anthropic_says_too_long_for_the_prompt_alone_and_names_max_tokens_otherwise() {
+        let mut s = Simulator::new(CountRule::Chars(1.0), 0, OverflowStyle::OpenAi);
+        let b = body(
+            json!({"model": "claude-x", "max_tokens": 100, "messages": [{"role": "user", "content": "x".repeat(500)}]}),
         );
-        let r = s.respond(&Method::POST, "/v1/chat/completions", &big);
-        assert_eq!(r.status(), 400);
-        let o = crate::overflow::detect(400, r.body()).unwrap();
-        assert_eq!((o.limit, o.prompt), (Some(100), Some(100)));
+        let p = s.count_as(Format::Messages, &b).unwrap();
+        let path = "/v1/messages";
+        s.window = p + 100;
+        assert_eq!(answer(&s, path, &b).0, 200);
+        // The prompt fits (up to the whole window), the prompt plus
+        // max_tokens does not.
+        for w in [p + 99, p] {
+            s.window = w;
+            let (status, message, read) = answer(&s, path, &b);
+            assert_eq!(status, 400);
+            assert_eq!(
+                message,
+                format!(
+                    "input length and `max_tokens` exceed context limit: {p} + 100 > {w}, decrease input length or `max_tokens` and try again"
+                )
+            );
+            assert_eq!(read, Some(("anthropic", Some(w), Some(p), Some(100))));
+        }
+        // The prompt alone is over; the chat style is not Anthropic's.
+        s.window = p - 1;
         s.overflow = OverflowStyle::LlamaCpp;
-        let r = s.respond(&Method::POST, "/v1/chat/completions", &big);
-        let o = crate::overflow::detect(400, r.body()).unwrap();
+        let (status, message, read) = answer(&s, path, &b);
+        assert_eq!(status, 400);
         assert_eq!(
-            (o.format, o.limit, o.prompt),
-            ("llamacpp", Some(100), Some(100))
+            message,
+            format!("prompt is too long: {p} tokens > {} maximum", p - 1)
         );
+        assert_eq!(read, Some(("anthropic", Some(p - 1), Some(p), None)));
         assert_eq!(
             s.received().iter().map(|(_, ok)| *ok).collect::<Vec<_>>(),
-            [true, false, false]
+            [true, false, false, false]
         );
+    }
+
+    #[test]
+    fn openai_names_the_completion_whenever_the_request_sets_one() {
+        let mut s = Simulator::new(CountRule::Chars(1.0), 100, OverflowStyle::OpenAi);
+        let path = "/v1/chat/completions";
+        assert_eq!(answer(&s, path, &chat(80, Some(10))).0, 200);
+        // 95 tokens: the messages fit, not with the completion.
+        let (status, message, read) = answer(&s, path, &chat(85, Some(10)));
+        assert_eq!(status, 400);
+        assert_eq!(
+            message,
+            "This model's maximum context length is 100 tokens. However, you requested 105 tokens (95 in the messages, 10 in the completion). Please reduce the length of the messages or completion."
+        );
+        assert_eq!(read, Some(("openai", Some(100), Some(95), Some(10))));
+        // Over on their own: the same form.
+        let (_, _, read) = answer(&s, path, &chat(100, Some(10)));
+        assert_eq!(read, Some(("openai", Some(100), Some(110), Some(10))));
+        let mut newer: Value = serde_json::from_slice(&chat(85, None)).unwrap();
+        newer["max_completion_tokens"] = json!(10);
+        let (_, _, read) = answer(&s, path, &body(newer));
+        assert_eq!(read, Some(("openai", Some(100), Some(95), Some(10))));
+        // No max_tokens: only the messages count, and only they are named.
+        assert_eq!(answer(&s, path, &chat(90, None)).0, 200);
+        let (status, message, read) = answer(&s, path, &chat(100, None));
+        assert_eq!(status, 400);
+        assert_eq!(
+            message,
+            "This model's maximum context length is 100 tokens. However, your messages resulted in 110 tokens. Please reduce the length of the messages."
+        );
+        assert_eq!(read, Some(("openai", Some(100), Some(110), None)));
+        // Without numbers.
+        s.overflow = OverflowStyle::Bare;
+        let (status, _, read) = answer(&s, path, &chat(85, Some(10)));
+        assert_eq!(status, 400);
+        assert_eq!(read, Some(("openai", None, None, None)));
+    }
+
+    #[test]
+    fn llamacpp_refuses_only_a_prompt_that_fills_the_context() {
+        let s = Simulator::new(CountRule::Chars(1.0), 100, OverflowStyle::LlamaCpp);
+        let path = "/v1/chat/completions";
+        // max_tokens past the context ends the answer early; no error.
+        assert_eq!(answer(&s, path, &chat(85, Some(10))).0, 200);
+        assert_eq!(answer(&s, path, &chat(89, Some(1000))).0, 200);
+        // A prompt of the whole context leaves no cell to decode into.
+        let (status, message, read) = answer(&s, path, &chat(90, None));
+        assert_eq!(status, 400);
+        assert_eq!(
+            message,
+            "request (100 tokens) exceeds the available context size (100 tokens), try increasing it"
+        );
+        assert_eq!(read, Some(("llamacpp", Some(100), Some(100), None)));
+        assert_eq!(
+            s.received().iter().map(|(_, ok)| *ok).collect::<Vec<_>>(),
+            [true, true, false]
+        );
+        assert!(s.accepts(Format::Chat, 99, 1000));
+        assert!(!s.accepts(Format::Messages, 99, 1000));
+        assert!(!s.accepts(Format::Responses, 99, 2));
     }
 }

@@ -190,6 +190,114 @@ async fn an_overflow_in_anthropic_wording_is_recovered_once() {
     );
 }
 
+/// Anthropic's other overflow: the prompt fits the window, the prompt plus
+/// `max_tokens` does not ("input length and `max_tokens` exceed context
+/// limit: P + M > W"). The retry fits W - M by the provider's count and
+/// asks for the client's `max_tokens`; the window learned is W, so the
+/// next turn is compacted before it goes.
+#[tokio::test]
+async fn an_overflow_of_prompt_plus_max_tokens_is_recovered_keeping_max_tokens() {
+    for stream in [false, true] {
+        let h = Harness::with(|c| c.models = vec![profile("claude-*", 200_000)]).await;
+        let body = session(30, stream);
+        let max_tokens = body["max_tokens"].as_u64().unwrap();
+        // The mock counts a token per 4 bytes: the prompt fits this window,
+        // not with its max_tokens.
+        let prompt = body.to_string().len() as u64 / 4;
+        let window = prompt + max_tokens / 2;
+        let error = condense::simulate::anthropic_overflow(prompt, max_tokens, window).unwrap();
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .unwrap()
+                .starts_with(&format!("input length and `max_tokens` exceed context limit: {prompt} + {max_tokens} > {window},")),
+            "{error}"
+        );
+        let limit = window.to_string();
+        let resp = post(&h, &body, &[("x-mock-window", &limit)]).await;
+        assert_eq!(resp.status(), 200, "stream {stream}");
+        assert_ne!(resp.headers()["x-condense-actions"], "none");
+        let text = resp.text().await.unwrap();
+        if stream {
+            assert!(text.starts_with("event: message_start\n"), "{text}");
+            assert!(
+                text.ends_with("data: {\"type\":\"message_stop\"}\n\n"),
+                "{text}"
+            );
+        } else {
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(v["content"][0]["text"], "Hello there!");
+        }
+        let sent = h.mock.requests();
+        assert_eq!(sent.len(), 2, "the request and one retry");
+        assert_eq!(sent[0].body, body.to_string().as_bytes());
+        let retry = sent[1].json();
+        let retry_prompt = sent[1].body.len() as u64 / 4;
+        assert!(
+            retry_prompt + max_tokens <= window,
+            "stream {stream}: retry of {retry_prompt} tokens + {max_tokens} over {window}"
+        );
+        assert_eq!(retry["max_tokens"], body["max_tokens"]);
+        assert_valid(&retry, &body);
+        assert_eq!(
+            h.metric(
+                "condense_context_overflow_total{outcome=\"recovered\",provider_format=\"anthropic\"}"
+            )
+            .await,
+            Some(1.0)
+        );
+
+        // The next turn, longer still, is compacted for W before it goes.
+        let next = session(32, stream);
+        let resp = post(&h, &next, &[("x-mock-window", &limit)]).await;
+        assert_eq!(resp.status(), 200);
+        assert_eq!(
+            h.mock
+                .state
+                .overflows
+                .load(std::sync::atomic::Ordering::SeqCst),
+            1
+        );
+        assert_eq!(h.mock.last().json()["max_tokens"], body["max_tokens"]);
+        assert_eq!(
+            h.metric("condense_context_window_tokens{model=\"claude-sonnet-4-5\"}")
+                .await,
+            Some(window as f64),
+            "the window learned is W, not W - M"
+        );
+    }
+}
+
+/// A `max_tokens` that alone fills the window: no prompt fits beside it,
+/// and the client's `max_tokens` is not condense's to lower. The client
+/// gets Anthropic's error as it came, and nothing is compacted or
+/// summarized for a retry that cannot be.
+#[tokio::test]
+async fn a_max_tokens_that_fills_the_window_is_not_retried() {
+    let h = Harness::with(|c| c.models = vec![profile("claude-*", 200_000)]).await;
+    let mut body = session(30, false);
+    // The prompt fits the window (by about 1000 tokens); max_tokens is all
+    // of it.
+    let window = body.to_string().len() as u64 / 4 + 1000;
+    body["max_tokens"] = json!(window);
+    let resp = post(&h, &body, &[("x-mock-window", &window.to_string())]).await;
+    assert_eq!(resp.status(), 400);
+    let error: Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("input length and `max_tokens` exceed context limit: "),
+        "{message}"
+    );
+    assert_eq!(h.mock.requests().len(), 1, "no retry, no summarizer call");
+    assert_eq!(
+        h.metric(
+            "condense_context_overflow_total{outcome=\"not_recoverable\",provider_format=\"anthropic\"}"
+        )
+        .await,
+        Some(1.0)
+    );
+}
+
 #[tokio::test]
 async fn condenses_own_errors_take_anthropics_shape() {
     let port = {
@@ -381,5 +489,70 @@ async fn the_shared_traces_as_messages_replay_like_chat_and_stay_valid() {
             let m = replay_and_check(&messages, window, condense::simulate::CountRule::O200k).await;
             assert_eq!(m.condense.turns_not_fit, 0, "{name} at {window}");
         }
+    }
+}
+
+/// Sends a recorded Messages conversation turn by turn (each prefix that
+/// ends before an assistant message), streamed as Claude Code streams,
+/// through condense configured with a 200k window, to the mock's Messages
+/// API enforcing a smaller `window` with Anthropic's wordings (it counts a
+/// token per 4 bytes). Old turns are dropped mechanically, as `condense
+/// replay` drops them. Returns (requests the upstream rejected, responses
+/// that were not 200 for the client, turns).
+async fn messages_against_a_small_window(body: &Value, window: u64) -> (usize, usize, usize) {
+    let h = Harness::with(|c| {
+        c.models = vec![profile("*", 200_000)];
+        c.summary.enabled = false;
+    })
+    .await;
+    let messages = body["messages"].as_array().unwrap();
+    let (mut errors, mut turns) = (0, 0);
+    for end in
+        (1..=messages.len()).filter(|&e| e == messages.len() || messages[e]["role"] == "assistant")
+    {
+        let mut turn = body.clone();
+        turn["messages"] = json!(messages[..end]);
+        turn["stream"] = json!(true);
+        let resp = post(&h, &turn, &[("x-mock-window", &window.to_string())]).await;
+        turns += 1;
+        if resp.status() != 200 {
+            errors += 1;
+        }
+        let _ = resp.bytes().await;
+        let sent = h.mock.last().json();
+        assert_eq!(
+            sent["max_tokens"], body["max_tokens"],
+            "max_tokens untouched"
+        );
+    }
+    let rejected = h
+        .mock
+        .state
+        .overflows
+        .load(std::sync::atomic::Ordering::SeqCst);
+    (rejected, errors, turns)
+}
+
+#[tokio::test]
+#[ignore = "needs ../shared/traces beside the repository; run with `cargo test -- --ignored shared_traces`"]
+async fn the_shared_traces_as_messages_against_a_smaller_real_window_fail_no_turn() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
+    let mut paths: Vec<_> = std::fs::read_dir(dir.join("anthropic"))
+        .expect("../shared/traces/anthropic")
+        .map(|e| e.unwrap().path())
+        .collect();
+    paths.extend(
+        ["cc_glm51_musdb_training", "cc_sonnet45_frontend_build"]
+            .map(|n| dir.join(format!("native/conversations/{n}.json"))),
+    );
+    for p in paths {
+        let body: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+        let (rejected, errors, turns) = messages_against_a_small_window(&body, 16_000).await;
+        eprintln!(
+            "{}: {turns} turns, {rejected} rejected upstream, {errors} client errors",
+            p.display()
+        );
+        assert_eq!(errors, 0, "{}", p.display());
+        assert!(rejected <= 1, "{}: {rejected}", p.display());
     }
 }

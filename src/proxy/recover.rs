@@ -237,12 +237,16 @@ impl Proxy {
     /// The client's original request compacted for a retry after an
     /// overflow, or None when no smaller request that fits the window can
     /// be made (the system and developer messages and the last user
-    /// message alone are too long, by the provider's measure). The retry
-    /// aims at the budget, but goes out whenever it fits the window: a
-    /// budget's completion allowance and reserve are condense's margins,
-    /// not the provider's limit. On this path a needed checkpoint that
-    /// cannot be had is no reason to drop history mechanically: the client
-    /// gets the upstream's error.
+    /// message alone are too long, by the provider's measure, or the
+    /// completion asked for leaves no room). The prompt is what shrinks:
+    /// it must fit the window less the completion (the provider's count of
+    /// it, else the request's `max_tokens`), which the retry asks for
+    /// unchanged. The retry aims at the budget, but goes out whenever it
+    /// fits the window: a budget's reserve, and a completion allowance the
+    /// request did not ask for, are condense's margins, not the provider's
+    /// limit. On this path a needed checkpoint that cannot be had is no
+    /// reason to drop history mechanically: the client gets the upstream's
+    /// error.
     async fn prepare_retry(
         &self,
         format: Format,
@@ -259,6 +263,13 @@ impl Proxy {
             .or(parsed.max_completion_tokens())
             .unwrap_or(0);
         let window = info.window;
+        // The client's `max_tokens` is never changed: when it alone fills
+        // the window (Anthropic's "input length and `max_tokens` exceed
+        // context limit" for any prompt), no prompt can be made to fit, and
+        // nothing is compacted or summarized for it.
+        if completion >= window {
+            return None;
+        }
         let (p, writer) = self
             .measure_or_forward(format, parsed, original, model, info, Own::default())
             .ok()?;

@@ -34,8 +34,10 @@
 //!   request back as JSON.
 //! - `/v1/messages` answers like Anthropic (JSON, or its SSE events), with
 //!   `input_tokens` plus `cache_read_input_tokens` the body's length / 4;
-//!   `x-mock-window` rejects it with "prompt is too long: M tokens > N
-//!   maximum".
+//!   `x-mock-window: N` rejects it as Anthropic does: "prompt is too long:
+//!   P tokens > N maximum" when the prompt alone is over N, "input length
+//!   and `max_tokens` exceed context limit: P + M > N, ..." when only the
+//!   prompt plus `max_tokens` is (counted in `MockState::overflows`).
 //! - With a provider set (`MockUpstream::set_provider`), chat requests that
 //!   are not summarizer calls and `/v1/models` are answered by that
 //!   `condense::simulate::Simulator` (its counting rule, window and overflow
@@ -393,18 +395,17 @@ fn echo_invalid(req: &Value, field: &str, style: Option<&axum::http::HeaderValue
 }
 
 /// Anthropic's Messages API: usage with the prompt split into uncached and
-/// cache-read parts, `x-mock-window` enforced with Anthropic's wording, and
+/// cache-read parts, `x-mock-window` enforced with Anthropic's wordings, and
 /// a stream in Anthropic's events.
 fn messages(state: Arc<MockState>, h: &HeaderMap, body: &Bytes) -> Response {
     let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     let prompt_tokens = body.len() as u64 / 4;
     let max_tokens = req["max_tokens"].as_u64().unwrap_or(0);
-    if let Some(window) = header_u64(h, "x-mock-window").filter(|w| prompt_tokens + max_tokens > *w)
+    if let Some(mut body) = header_u64(h, "x-mock-window")
+        .and_then(|w| condense::simulate::anthropic_overflow(prompt_tokens, max_tokens, w))
     {
         state.overflows.fetch_add(1, Ordering::SeqCst);
-        let body = json!({"type": "error", "error": {"type": "invalid_request_error",
-            "message": format!("prompt is too long: {prompt_tokens} tokens > {window} maximum")},
-            "request_id": "req_mock"});
+        body["request_id"] = json!("req_mock");
         let mut r = (StatusCode::BAD_REQUEST, body.to_string()).into_response();
         r.headers_mut()
             .insert("content-type", "application/json".parse().unwrap());
