@@ -833,24 +833,16 @@ fn assistant_view(content: &Content) -> Bytes {
         out.extend_from_slice(b",\"thinking\":");
         write_json_string(&mut out, &thinking);
     }
-    let mut calls = 0;
-    for b in blocks.iter().filter(|b| b.kind() == "tool_use") {
-        let call = json!({"id": b.str("id").unwrap_or_default(), "type": "function", "function": {
-            "name": b.str("name").unwrap_or_default(),
-            "arguments": b.get("input").map(|i| i.to_string()).unwrap_or_default(),
-        }});
-        out.extend_from_slice(if calls == 0 {
-            b",\"tool_calls\":["
-        } else {
-            b","
-        });
-        // Writing a value into a Vec cannot fail.
-        let _ = serde_json::to_writer(&mut out, &call);
-        calls += 1;
-    }
-    if calls > 0 {
-        out.push(b']');
-    }
+    super::write_tool_calls(
+        &mut out,
+        blocks.iter().filter(|b| b.kind() == "tool_use").map(|b| {
+            (
+                b.str("id").unwrap_or_default(),
+                b.str("name").unwrap_or_default(),
+                b.get("input").map(|i| i.to_string()).unwrap_or_default(),
+            )
+        }),
+    );
     out.push(b'}');
     super::exact(out)
 }

@@ -234,6 +234,32 @@ pub(crate) fn exact(mut bytes: Vec<u8>) -> Bytes {
     Bytes::from(bytes)
 }
 
+/// Writes the `tool_calls` of an assistant view message being written into
+/// `out` (after its other fields, before its closing brace), one call at a
+/// time: (id, name, arguments as a JSON string's contents). Nothing is
+/// written when there are none.
+pub(crate) fn write_tool_calls(
+    out: &mut Vec<u8>,
+    calls: impl Iterator<Item = (String, String, String)>,
+) {
+    let mut written = 0;
+    for (id, name, arguments) in calls {
+        out.extend_from_slice(if written == 0 {
+            b",\"tool_calls\":["
+        } else {
+            b","
+        });
+        let call = serde_json::json!({"id": id, "type": "function",
+            "function": {"name": name, "arguments": arguments}});
+        // Writing a value into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *out, &call);
+        written += 1;
+    }
+    if written > 0 {
+        out.push(b']');
+    }
+}
+
 /// A view message from its value, in an allocation of its length.
 pub(crate) fn view_bytes(v: &serde_json::Value) -> Bytes {
     exact(serde_json::to_vec(v).unwrap_or_default())

@@ -360,23 +360,16 @@ impl ResponsesRequest {
             write_json_string(&mut out, &reasoning);
         }
         out.extend_from_slice(b",\"role\":\"assistant\"");
-        let mut calls = 0;
-        for i in items.iter().filter(|i| i.is_call()) {
-            let args = i.str("arguments").or(i.str("input")).unwrap_or_default();
-            let call = json!({"id": i.str("call_id").unwrap_or_default(), "type": "function",
-                "function": {"name": i.str("name").unwrap_or_default(), "arguments": args}});
-            out.extend_from_slice(if calls == 0 {
-                b",\"tool_calls\":["
-            } else {
-                b","
-            });
-            // Writing a value into a Vec cannot fail.
-            let _ = serde_json::to_writer(&mut out, &call);
-            calls += 1;
-        }
-        if calls > 0 {
-            out.push(b']');
-        }
+        super::write_tool_calls(
+            &mut out,
+            items.iter().filter(|i| i.is_call()).map(|i| {
+                (
+                    i.str("call_id").unwrap_or_default(),
+                    i.str("name").unwrap_or_default(),
+                    i.str("arguments").or(i.str("input")).unwrap_or_default(),
+                )
+            }),
+        );
         out.push(b'}');
         super::exact(out)
     }
