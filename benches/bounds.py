@@ -232,8 +232,9 @@ OK_ANSWER = json.dumps(
 ).encode()
 
 
-def read_request(conn: socket.socket) -> bytes | None:
-    """Reads one request (head and Content-Length body); returns the head."""
+def read_message(conn: socket.socket, keep_body: bool) -> tuple[bytes, bytes] | None:
+    """Reads one request (head and Content-Length body); returns its head
+    and, when `keep_body`, its body (else the body is read and dropped)."""
     buf = b""
     while b"\r\n\r\n" not in buf:
         chunk = conn.recv(65536)
@@ -246,39 +247,28 @@ def read_request(conn: socket.socket) -> bytes | None:
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length":
             length = int(value.strip())
-    # The body is read and dropped.
+    parts = [rest] if keep_body else []
     left = length - len(rest)
     while left > 0:
         chunk = conn.recv(min(1 << 20, left))
         if not chunk:
             return None
+        if keep_body:
+            parts.append(chunk)
         left -= len(chunk)
-    return head
+    return head, b"".join(parts)
+
+
+def read_request(conn: socket.socket) -> bytes | None:
+    """Reads one request; returns its head (the body is dropped)."""
+    read = read_message(conn, keep_body=False)
+    return None if read is None else read[0]
 
 
 def read_body(conn: socket.socket) -> bytes | None:
     """Reads one request with a Content-Length body; returns the body."""
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        chunk = conn.recv(65536)
-        if not chunk:
-            return None
-        buf += chunk
-    head, _, body = buf.partition(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value.strip())
-    parts = [body]
-    left = length - len(body)
-    while left > 0:
-        chunk = conn.recv(min(1 << 20, left))
-        if not chunk:
-            return None
-        parts.append(chunk)
-        left -= len(chunk)
-    return b"".join(parts)
+    read = read_message(conn, keep_body=True)
+    return None if read is None else read[1]
 
 
 def send_chunked(conn: socket.socket, parts) -> None:

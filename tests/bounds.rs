@@ -797,11 +797,13 @@ async fn a_malformed_chunked_body_on_a_passthrough_route_is_a_400() {
 // 5: every connection busy
 // ---------------------------------------------------------------------------
 
-#[tokio::test]
-async fn with_every_connection_busy_a_new_one_gets_a_503_and_is_closed() {
-    let h = Harness::with(|c| c.server.max_connections = 4).await;
-    let s = server(&h);
-    let busy: Vec<_> = (0..4)
+/// `n` connections, each with a request in flight for 1.5 s (the mock
+/// holds its answer), once the mock has all of them.
+async fn busy_connections(
+    h: &Harness,
+    n: usize,
+) -> Vec<tokio::task::JoinHandle<reqwest::StatusCode>> {
+    let busy: Vec<_> = (0..n)
         .map(|_| {
             let url = h.url("/v1/files");
             tokio::spawn(async move {
@@ -816,7 +818,15 @@ async fn with_every_connection_busy_a_new_one_gets_a_503_and_is_closed() {
             })
         })
         .collect();
-    eventually("4 requests in flight", || h.mock.requests().len() == 4).await;
+    eventually("the requests in flight", || h.mock.requests().len() == n).await;
+    busy
+}
+
+#[tokio::test]
+async fn with_every_connection_busy_a_new_one_gets_a_503_and_is_closed() {
+    let h = Harness::with(|c| c.server.max_connections = 4).await;
+    let s = server(&h);
+    let busy = busy_connections(&h, 4).await;
     let mut fifth = TcpStream::connect(h.addr).await.unwrap();
     let resp = bounded("the refusal", read_response(&mut fifth)).await;
     resp.assert_error(503, "overloaded");
@@ -841,21 +851,7 @@ async fn with_every_connection_busy_a_new_one_gets_a_503_and_is_closed() {
 async fn with_every_connection_busy_liveness_answers_200_and_readiness_503() {
     let h = Harness::with(|c| c.server.max_connections = 2).await;
     let s = server(&h);
-    let busy: Vec<_> = (0..2)
-        .map(|_| {
-            let url = h.url("/v1/files");
-            tokio::spawn(async move {
-                client()
-                    .get(url)
-                    .header("x-mock-sleep-ms", "1500")
-                    .send()
-                    .await
-                    .unwrap()
-                    .status()
-            })
-        })
-        .collect();
-    eventually("2 requests in flight", || h.mock.requests().len() == 2).await;
+    let busy = busy_connections(&h, 2).await;
     let live = raw(h.addr, b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").await;
     assert_eq!(live.status, 200, "{:?}", live.body);
     assert_eq!(live.body, b"ok");
