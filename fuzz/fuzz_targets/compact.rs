@@ -103,8 +103,6 @@ fn paired(messages: &[Message]) -> Vec<bool> {
             Some("assistant") => {
                 open = m
                     .tool_calls()
-                    .into_iter()
-                    .flatten()
                     .filter_map(|c| c.get("id").and_then(Value::as_str).map(str::to_string))
                     .collect();
                 ok.push(true);
