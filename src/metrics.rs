@@ -269,7 +269,7 @@ impl Metrics {
         let prepare_jobs_total = IntCounterVec::new(
             Opts::new(
                 "condense_prepare_jobs_total",
-                "Large request bodies prepared (parsed, counted, compacted) off the async workers, by outcome: run; busy (their lane's queue was full, so the request went upstream as it came); abandoned (the client went away while the job waited, so it never ran).",
+                "Jobs that prepare a body of 128 KB or more off the async workers (parsing one, or counting and compacting it), by outcome: run; busy (the lane's queue was full, so the request went upstream as it came); abandoned (the client went away while the job waited, so it never ran).",
             ),
             &["outcome"],
         )?;
