@@ -217,6 +217,22 @@ async fn a_request_too_large_for_the_tpm_limit_is_recovered() {
     );
 }
 
+/// The next turn of the session, sent to replica `b` against the same
+/// 8192-token window; it must come back 200.
+async fn next_turn_on(a: &Harness, b: &condense::server::Server) {
+    let resp = a
+        .client
+        .post(format!("http://{}/v1/chat/completions", b.local_addr()))
+        .header("x-mock-token-factor", "1.0")
+        .header("x-mock-window", "8192")
+        .body(session(15).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let _ = resp.text().await.unwrap();
+}
+
 #[tokio::test]
 #[ignore = "needs redis-server; run with `cargo test -- --ignored redis`"]
 async fn a_window_learned_by_one_replica_reaches_the_others_through_redis() {
@@ -231,17 +247,7 @@ async fn a_window_learned_by_one_replica_reaches_the_others_through_redis() {
     let window = [("x-mock-window", "8192")];
     assert_eq!(send(&a, &session(14), &window).await.status(), 200);
     assert_eq!(a.mock.state.overflows.load(Ordering::SeqCst), 1);
-    let resp = a
-        .client
-        .post(format!("http://{}/v1/chat/completions", b.local_addr()))
-        .header("x-mock-token-factor", "1.0")
-        .header("x-mock-window", "8192")
-        .body(session(15).to_string())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let _ = resp.text().await.unwrap();
+    next_turn_on(&a, &b).await;
     assert_eq!(
         a.mock.state.overflows.load(Ordering::SeqCst),
         1,
@@ -267,17 +273,7 @@ async fn a_window_learned_through_redis_expires_there_too() {
     // it sends the conversation whole and is rejected once more.
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     let b = a.replica(setup).await;
-    let resp = a
-        .client
-        .post(format!("http://{}/v1/chat/completions", b.local_addr()))
-        .header("x-mock-token-factor", "1.0")
-        .header("x-mock-window", "8192")
-        .body(session(15).to_string())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let _ = resp.text().await.unwrap();
+    next_turn_on(&a, &b).await;
     assert_eq!(a.mock.state.overflows.load(Ordering::SeqCst), 2);
     b.shutdown().await.unwrap();
 }
