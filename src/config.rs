@@ -16,7 +16,7 @@ use figment::Figment;
 use figment::providers::{Format, Serialized, Toml};
 use serde::{Deserialize, Serialize, Serializer};
 
-use crate::tokens::Encoding;
+use crate::tokens::encoding::Encoding;
 
 mod env;
 mod error;

@@ -6,9 +6,8 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
 
-use crate::wire::Format;
+use crate::wire::{Failure, Format};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
@@ -86,11 +85,6 @@ impl ProxyError {
     }
 }
 
-/// The OpenAI error body for a message, type and code.
-pub fn openai_error_body(message: &str, kind: &str, code: &str) -> String {
-    json!({"error": {"message": message, "type": kind, "param": null, "code": code}}).to_string()
-}
-
 impl ProxyError {
     /// Anthropic's error type for this failure.
     fn anthropic_kind(&self) -> &'static str {
@@ -112,17 +106,15 @@ impl ProxyError {
     /// `{"type":"error","error":{"type","message"}}` for Messages, OpenAI's
     /// otherwise.
     pub fn response_for(self, format: Format) -> Response {
-        match format {
-            Format::Chat | Format::Responses => self.into_response(),
-            Format::Messages => {
-                let body = json!({"type": "error", "error": {
-                    "type": self.anthropic_kind(),
-                    "message": format!("condense: {self} ({})", self.metric_label()),
-                }})
-                .to_string();
-                self.finish(body)
-            }
-        }
+        let message = format!("condense: {self}");
+        let (kind, code) = self.kind();
+        let body = format.api().error_body(&Failure {
+            kind,
+            anthropic_kind: self.anthropic_kind(),
+            code,
+            message: &message,
+        });
+        self.finish(body)
     }
 
     fn finish(self, body: String) -> Response {
@@ -153,7 +145,7 @@ impl ProxyError {
 impl IntoResponse for ProxyError {
     fn into_response(self) -> Response {
         let (kind, code) = self.kind();
-        let body = openai_error_body(&format!("condense: {self}"), kind, code);
+        let body = crate::wire::chat::error_body(&format!("condense: {self}"), kind, code);
         self.finish(body)
     }
 }

@@ -164,7 +164,7 @@ pub fn process(
     let ratio = assessment.calibration_ratio;
     let mut settings = compaction_config.for_model(info.trigger, info.target);
     // A recall key is of use only to a model that can call the tool.
-    let offered = crate::recall::tools::offered(&req);
+    let offered = crate::wire::tools::offered(&req);
     settings.recall &= offered;
     // The tools condense may add (about 110 tokens) are not planned for:
     // the budget's margins hold them, keeping them out keeps the plan's

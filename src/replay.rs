@@ -216,6 +216,8 @@ pub enum ReplayError {
     Offline(#[from] OfflineError),
     #[error("not a chat completions request: {0}")]
     NotChat(#[from] ParseError),
+    #[error(transparent)]
+    NotUnderstood(crate::wire::NotUnderstood),
     #[error("not an Anthropic Messages request: {0}")]
     NotMessages(#[from] crate::wire::anthropic::ParseError),
     #[error("not a stateless Responses request: {0}")]
@@ -332,7 +334,7 @@ async fn recallable(proxy: &Proxy, hay: &str) -> String {
         scope: crate::recall::store::scope(&http::HeaderMap::new()),
         own: Default::default(),
     };
-    let mut keys: Vec<&str> = crate::recall::keys_in(hay).collect();
+    let mut keys: Vec<&str> = crate::compaction::keys::keys_in(hay).collect();
     keys.sort_unstable();
     keys.dedup();
     let mut out = String::new();
@@ -480,7 +482,7 @@ async fn run(
         req.set_messages(messages.to_vec());
         simulator
             .count(&req.to_bytes())
-            .is_some_and(|n| simulator.accepts(format, n, completion))
+            .is_some_and(|n| simulator.accepts(format.path(), n, completion))
     };
     let fixed = tokens.count(&full, info.encoding).tools + crate::tokens::count::REPLY_PRIMING;
     let (mut ours, mut drop, mut sliding) = (Track::default(), Track::default(), Track::default());
@@ -581,21 +583,22 @@ async fn run(
 }
 
 /// The conversation replayed, in its wire format.
-enum Source {
-    Chat(ChatRequest),
-    Messages(MessagesRequest),
-    Responses(ResponsesRequest),
+use crate::wire::Request as Source;
+
+impl From<crate::wire::NotUnderstood> for ReplayError {
+    /// A body that is not its API's request, said as it always was.
+    fn from(e: crate::wire::NotUnderstood) -> ReplayError {
+        use crate::wire::NotUnderstood;
+        match e {
+            NotUnderstood::Chat(e) => ReplayError::NotChat(e),
+            NotUnderstood::Messages(e) => ReplayError::NotMessages(e),
+            NotUnderstood::Responses(e) => ReplayError::NotResponses(e),
+            other => ReplayError::NotUnderstood(other),
+        }
+    }
 }
 
 impl Source {
-    fn parse(format: Format, body: &Bytes) -> Result<Source, ReplayError> {
-        Ok(match format {
-            Format::Chat => Source::Chat(ChatRequest::parse(body)?),
-            Format::Messages => Source::Messages(MessagesRequest::parse(body)?),
-            Format::Responses => Source::Responses(ResponsesRequest::parse(body)?),
-        })
-    }
-
     /// The whole conversation as the pipeline sees it.
     fn conversation(&self) -> ChatRequest {
         match self {
@@ -717,24 +720,15 @@ fn proxy_config(
 /// when usage is taken); returns the status the client got and the actions
 /// condense reported.
 async fn send_turn(proxy: &Arc<Proxy>, format: Format, body: Bytes) -> (u16, String) {
-    let path = match format {
-        Format::Chat => "/v1/chat/completions",
-        Format::Messages => "/v1/messages",
-        Format::Responses => "/v1/responses",
-    };
     let request = http::Request::builder()
         .method(http::Method::POST)
-        .uri(path)
+        .uri(format.path())
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(axum::body::Body::from(body));
     let Ok(request) = request else {
         return (0, "none".to_string());
     };
-    let response = match format {
-        Format::Chat => proxy.clone().chat(request).await,
-        Format::Messages => proxy.clone().messages(request).await,
-        Format::Responses => proxy.clone().responses(request).await,
-    };
+    let response = proxy.clone().conversation(format, request).await;
     let status = response.status().as_u16();
     let actions = response
         .headers()

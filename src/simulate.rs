@@ -36,8 +36,7 @@ use serde_json::{Value, json};
 
 use crate::cache::{Bounded, PreHashed, one};
 use crate::chat::ChatRequest;
-use crate::tokens::Encoding;
-use crate::wire::Format;
+use crate::tokens::encoding::Encoding;
 use crate::wire::anthropic::MessagesRequest;
 use crate::wire::responses::ResponsesRequest;
 
@@ -228,26 +227,21 @@ impl Simulator {
     /// The prompt tokens of a chat request body by this provider's rule;
     /// None when it is not one.
     pub fn count(&self, body: &Bytes) -> Option<u64> {
-        self.count_as(Format::Chat, body)
+        self.rule
+            .count_with(body, &mut |raw, tools, count| self.memo(raw, tools, count))
     }
 
-    /// The prompt tokens of a request body of `format`.
-    pub fn count_as(&self, format: Format, body: &Bytes) -> Option<u64> {
-        let mut memo = |raw: &[u8], tools: bool, count: &dyn Fn() -> u64| {
-            let key = xxhash_rust::xxh3::xxh3_64(raw) ^ u64::from(tools);
-            self.memo.get_or_insert_with(key, count)
-        };
-        match format {
-            Format::Chat => self.rule.count_with(body, &mut memo),
-            Format::Messages => {
-                let (view, _) = MessagesRequest::parse(body).ok()?.view();
-                Some(self.rule.count_chat(&view, &mut memo))
-            }
-            Format::Responses => {
-                let (view, _) = ResponsesRequest::parse(body).ok()?.view();
-                Some(self.rule.count_chat(&view, &mut memo))
-            }
-        }
+    /// The prompt tokens of a conversation (another API's request, as the
+    /// pipeline sees it) by this provider's rule.
+    pub fn count_view(&self, view: &ChatRequest) -> u64 {
+        self.rule
+            .count_chat(view, &mut |raw, tools, count| self.memo(raw, tools, count))
+    }
+
+    /// A message's (or the tools') count, remembered.
+    fn memo(&self, raw: &[u8], tools: bool, count: &dyn Fn() -> u64) -> u64 {
+        let key = xxhash_rust::xxh3::xxh3_64(raw) ^ u64::from(tools);
+        self.memo.get_or_insert_with(key, count)
     }
 
     /// The chat bodies received so far, with whether each was accepted.
@@ -290,7 +284,7 @@ impl Simulator {
         let asked = req["max_completion_tokens"]
             .as_u64()
             .or(req["max_tokens"].as_u64());
-        let fits = self.accepts(Format::Chat, prompt, asked.unwrap_or(0));
+        let fits = self.accepts(path, prompt, asked.unwrap_or(0));
         if let Ok(mut r) = self.received.lock() {
             r.push((body.clone(), fits));
         }
@@ -320,7 +314,10 @@ impl Simulator {
     /// Answers an Anthropic Messages request, with Anthropic's usage,
     /// stream and overflow wording.
     fn messages(&self, body: &Bytes) -> http::Response<Bytes> {
-        let Some(prompt) = self.count_as(Format::Messages, body) else {
+        let Some(prompt) = MessagesRequest::parse(body)
+            .ok()
+            .map(|r| self.count_view(&r.view().0))
+        else {
             return json_response(
                 StatusCode::BAD_REQUEST,
                 &anthropic_error("invalid_request_error", "not a Messages request"),
@@ -357,7 +354,10 @@ impl Simulator {
     /// `response.completed`, and the Responses overflow error, which names
     /// no numbers.
     fn responses(&self, body: &Bytes) -> http::Response<Bytes> {
-        let Some(prompt) = self.count_as(Format::Responses, body) else {
+        let Some(prompt) = ResponsesRequest::parse(body)
+            .ok()
+            .map(|r| self.count_view(&r.view().0))
+        else {
             return json_response(
                 StatusCode::BAD_REQUEST,
                 &error_body("not a stateless Responses request", None),
@@ -365,7 +365,7 @@ impl Simulator {
         };
         let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
         let completion = req["max_output_tokens"].as_u64().unwrap_or(0);
-        let fits = self.accepts(Format::Responses, prompt, completion);
+        let fits = self.accepts("/v1/responses", prompt, completion);
         if let Ok(mut r) = self.received.lock() {
             r.push((body.clone(), fits));
         }
@@ -414,15 +414,16 @@ impl Simulator {
         r
     }
 
-    /// Whether the provider takes a request of `format` with a prompt of
+    /// Whether the provider takes a request on `path` with a prompt of
     /// `prompt` of its tokens that asks for up to `completion` more.
-    pub fn accepts(&self, format: Format, prompt: u64, completion: u64) -> bool {
-        match (format, self.overflow) {
-            // llama.cpp refuses only a prompt that leaves no cell to decode
-            // into; `max_tokens` beyond the context ends the answer early.
-            (Format::Chat, OverflowStyle::LlamaCpp) => prompt < self.window,
-            _ => prompt.saturating_add(completion) <= self.window,
+    pub fn accepts(&self, path: &str, prompt: u64, completion: u64) -> bool {
+        // llama.cpp refuses only a chat prompt that leaves no cell to
+        // decode into; `max_tokens` beyond the context ends the answer
+        // early.
+        if self.overflow == OverflowStyle::LlamaCpp && path.ends_with("/chat/completions") {
+            return prompt < self.window;
         }
+        prompt.saturating_add(completion) <= self.window
     }
 
     /// The chat completions overflow error for a prompt of `prompt` tokens
@@ -634,7 +635,7 @@ mod tests {
         let b = body(
             json!({"model": "claude-x", "max_tokens": 100, "messages": [{"role": "user", "content": "x".repeat(500)}]}),
         );
-        let p = s.count_as(Format::Messages, &b).unwrap();
+        let p = s.count_view(&MessagesRequest::parse(&b).unwrap().view().0);
         let path = "/v1/messages";
         s.window = p + 100;
         assert_eq!(answer(&s, path, &b).0, 200);
@@ -723,8 +724,8 @@ mod tests {
             s.received().iter().map(|(_, ok)| *ok).collect::<Vec<_>>(),
             [true, true, false]
         );
-        assert!(s.accepts(Format::Chat, 99, 1000));
-        assert!(!s.accepts(Format::Messages, 99, 1000));
-        assert!(!s.accepts(Format::Responses, 99, 2));
+        assert!(s.accepts("/v1/chat/completions", 99, 1000));
+        assert!(!s.accepts("/v1/messages", 99, 1000));
+        assert!(!s.accepts("/v1/responses", 99, 2));
     }
 }

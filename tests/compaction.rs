@@ -389,7 +389,7 @@ fn mask_replaces_old_results_with_extractive_placeholders() {
     assert_eq!(result.len(), m.len());
     let first_result = content(&result[3]);
     // With its recall key (the request has tools, recall is on).
-    let key = condense::recall::key(m[3].raw());
+    let key = condense::compaction::keys::key(m[3].raw());
     assert!(
         first_result.starts_with(&format!(
             "[condense: recall key: {key}; earlier tool output elided:"

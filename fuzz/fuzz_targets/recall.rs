@@ -12,9 +12,9 @@
 #![no_main]
 
 use bytes::Bytes;
-use condense::recall::stream::{Edit, Filter, Gather};
-use condense::recall::tools::{Answer, Usage};
-use condense::recall::{COMPRESS_TOOL, RECALL_TOOL};
+use condense::wire::stream::{Edit, Filter, Gather};
+use condense::wire::tools::{Answer, COMPRESS_TOOL, RECALL_TOOL};
+use condense::wire::usage::Sum;
 use condense::wire::Format;
 use libfuzzer_sys::fuzz_target;
 use serde_json::{Value, json};
@@ -73,7 +73,7 @@ fuzz_target!(|data: &[u8]| {
         1 => Format::Messages,
         _ => Format::Responses,
     };
-    let mut extra = Usage::default();
+    let mut extra = Sum::default();
     extra.add(Some(&json!({"input_tokens": 3, "prompt_tokens": 3})));
     if mode & 0x80 == 0 {
         // A JSON answer.

@@ -58,7 +58,7 @@ pub fn masked(
             // A recall key takes the place of some key lines, so that a
             // placeholder costs what it did without one.
             let keep = match recall {
-                true => placeholder_chars.saturating_sub(crate::recall::TAG_CHARS),
+                true => placeholder_chars.saturating_sub(super::keys::TAG_CHARS),
                 false => placeholder_chars,
             };
             with_string_field(m.raw(), "content", &placeholder(&text, keep))

@@ -36,6 +36,7 @@ pub mod emergency;
 pub mod extract;
 pub mod fade;
 pub mod fit;
+pub mod keys;
 pub mod mask;
 pub mod memo;
 pub mod plan;
@@ -47,7 +48,6 @@ use serde::Serialize;
 
 use crate::chat::Message;
 use crate::config::{CompactionConfig, SummaryTrigger, TriggerKind};
-use crate::recall;
 use conversation::{Analysis, Role};
 use text::{MARK, content_text, head_tail, with_string_field};
 
@@ -242,7 +242,7 @@ impl Work<'_> {
     /// With recall on, the new bytes carry the original's recall key.
     fn replace(&mut self, i: usize, bytes: Bytes, counter: &dyn Counter) -> u64 {
         let bytes = match self.recall {
-            true => recall::tag(&bytes, &recall::key(self.src[i].raw())).unwrap_or(bytes),
+            true => keys::tag(&bytes, &keys::key(self.src[i].raw())).unwrap_or(bytes),
             false => bytes,
         };
         let cost = counter.message(&bytes);
@@ -381,7 +381,7 @@ pub fn compact_until(
                 counter.derived(kind, messages[i].raw(), &mut || {
                     let m = mask::masked(&a, messages, i, s.placeholder_chars, s.recall)?;
                     match s.recall {
-                        true => recall::tag(&m, &recall::key(messages[i].raw())).or(Some(m)),
+                        true => keys::tag(&m, &keys::key(messages[i].raw())).or(Some(m)),
                         false => Some(m),
                     }
                 })
@@ -471,7 +471,7 @@ pub fn compact_until(
         let d = match s.recall {
             true => {
                 let span = (0..n).filter(|&i| w.dropped[i]).map(|i| messages[i].raw());
-                recall::tag(&d, &recall::span_key(span)).unwrap_or(d)
+                keys::tag(&d, &keys::span_key(span)).unwrap_or(d)
             }
             false => d,
         };

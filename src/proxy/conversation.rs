@@ -21,28 +21,15 @@ use super::recall::Again;
 use super::recover::OVERFLOW_STATUSES;
 use super::relay::{InflightGuard, Reply, Tap};
 use super::upstream::Outgoing;
-use super::usage::{JsonTap, SseTap};
 use super::{Proxy, Timing, X_ACTIONS, X_TOKENS_AFTER, X_TOKENS_BEFORE};
 use crate::error::ProxyError;
 use crate::wire::Format;
+use crate::wire::tap::{JsonTap, SseTap};
 
 impl Proxy {
-    /// `POST /v1/chat/completions`.
-    pub async fn chat(self: Arc<Self>, req: Request<Body>) -> Response {
-        self.conversation(Format::Chat, req).await
-    }
-
-    /// `POST /v1/messages`.
-    pub async fn messages(self: Arc<Self>, req: Request<Body>) -> Response {
-        self.conversation(Format::Messages, req).await
-    }
-
-    /// `POST /v1/responses`.
-    pub async fn responses(self: Arc<Self>, req: Request<Body>) -> Response {
-        self.conversation(Format::Responses, req).await
-    }
-
-    async fn conversation(self: Arc<Self>, format: Format, req: Request<Body>) -> Response {
+    /// A conversation request of `format` (`POST /v1/chat/completions`,
+    /// `/v1/messages`, `/v1/responses`).
+    pub async fn conversation(self: Arc<Self>, format: Format, req: Request<Body>) -> Response {
         let start = Instant::now();
         // What condense measured, kept for the response headers even when
         // sending fails: condense's own errors say what it did too.
@@ -177,8 +164,8 @@ impl Proxy {
         // Respond.
         let tap = match (resp.status.is_success(), resp.is_sse()) {
             (false, _) => Tap::None,
-            (true, true) => Tap::Sse(SseTap::for_format(format, prepared.strip_usage)),
-            (true, false) => Tap::Json(JsonTap::for_format(format, resp.content_length)),
+            (true, true) => Tap::Sse(SseTap::new(format, prepared.strip_usage)),
+            (true, false) => Tap::Json(JsonTap::new(format, resp.content_length)),
         };
         let learner = prepared.model.map(|model| Learner {
             metrics: self.metrics.clone(),

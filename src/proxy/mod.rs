@@ -22,7 +22,6 @@ mod recover;
 pub mod relay;
 pub mod trust;
 pub mod upstream;
-pub mod usage;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,7 +39,7 @@ use crate::state::{StateError, StateStore};
 use crate::summary::Summarizer;
 use crate::summary::client::CallError;
 use crate::tokens::TokenService;
-use crate::wire::Format;
+use crate::wire::{Format, Provider};
 use auth::Credentials;
 use body::BodyBudget;
 use learn::Background;
@@ -52,10 +51,8 @@ use upstream::{Outgoing, Upstream, UpstreamError};
 /// before are measured on the blocking pool.
 const BLOCKING_PREPARE_BYTES: usize = 128 * 1024;
 
-/// Route labels for metrics and logs.
-pub const ROUTE_CHAT: &str = Format::Chat.route();
-pub const ROUTE_MESSAGES: &str = Format::Messages.route();
-pub const ROUTE_RESPONSES: &str = Format::Responses.route();
+/// The route label, for metrics and logs, of requests condense relays
+/// without reading (a conversation's is its API's, `Format::route`).
 pub const ROUTE_PASSTHROUGH: &str = "passthrough";
 
 /// Response headers that tell the client what condense did.
@@ -190,9 +187,9 @@ impl Proxy {
 
     /// The upstream and credentials for requests of `format`.
     fn endpoint(&self, format: Format) -> (&Upstream, &Credentials) {
-        match format {
-            Format::Chat | Format::Responses => (&self.upstream, &self.credentials),
-            Format::Messages => (&self.anthropic.upstream, &self.anthropic.credentials),
+        match format.api().provider() {
+            Provider::OpenAi => (&self.upstream, &self.credentials),
+            Provider::Anthropic => (&self.anthropic.upstream, &self.anthropic.credentials),
         }
     }
 

@@ -19,7 +19,7 @@ use crate::pipeline;
 use crate::recall::{self, store::AgentPoint, store::Originals};
 use crate::summary::Summarizer;
 use crate::tokens::ModelInfo;
-use crate::wire::{Format, NotUnderstood, Parsed, Writer};
+use crate::wire::{Format, NotUnderstood, Parsed, Provider, Writer};
 
 /// A conversation request ready to forward.
 pub struct Prepared {
@@ -86,7 +86,7 @@ impl Proxy {
         let scope = || recall::store::scope(client_headers);
         // A large Messages or Responses body is parsed item by item, which
         // is work for the blocking pool, as counting is.
-        let parsed = if format != Format::Chat && bytes.len() >= BLOCKING_PREPARE_BYTES {
+        let parsed = if format.api().parses_into_a_view() && bytes.len() >= BLOCKING_PREPARE_BYTES {
             let body = bytes.clone();
             self.off_workers(body.len(), move || Parsed::parse(format, &body))
                 .await
@@ -119,7 +119,7 @@ impl Proxy {
         let (upstream, _) = self.endpoint(format);
         let mut waited = Duration::ZERO;
         // Anthropic's listing names no windows; Responses shares chat's.
-        if self.learn_windows && format != Format::Messages && !model.is_empty() {
+        if self.learn_windows && format.api().provider() == Provider::OpenAi && !model.is_empty() {
             waited = self
                 .listing
                 .ensure(upstream, &self.tokens.listings, &model, headers)
@@ -129,9 +129,10 @@ impl Proxy {
         let info = self.tokens.model_info(upstream.base_url(), &model);
         // Where the model asked for compaction (`compress_context`), and
         // where this request would record it.
-        let point = (self.compaction.agent_tool && recall::tools::offered(&parsed.conversation))
-            .then(|| AgentPoint::of(&scope(), parsed.conversation.messages()))
-            .flatten();
+        let point = (self.compaction.agent_tool
+            && crate::wire::tools::offered(&parsed.conversation))
+        .then(|| AgentPoint::of(&scope(), parsed.conversation.messages()))
+        .flatten();
         let due = match &point {
             Some(p) => p.recorded(&self.recall_state).await,
             None => None,
@@ -291,7 +292,8 @@ impl Proxy {
             (Some(_), Some(summarizer)) => {
                 let (upstream, _) = self.endpoint(format);
                 // Responses shares the chat upstream, so the key fits.
-                let client_headers = (format != Format::Messages).then_some(headers);
+                let client_headers =
+                    (format.api().provider() == Provider::OpenAi).then_some(headers);
                 let work = pipeline::summarize(
                     &self.tokens,
                     summarizer,
@@ -369,7 +371,7 @@ impl Proxy {
             actions: p.actions(),
             raw_after: p.raw_after,
         };
-        let offered = recall::tools::offered(&p.request);
+        let offered = crate::wire::tools::offered(&p.request);
         let room = p
             .assessment
             .budget
@@ -382,27 +384,29 @@ impl Proxy {
         // from a conversation another replica compacted).
         let mut names = Vec::new();
         if offer_tools && self.compaction.agent_tool && offered {
-            names.push(recall::COMPRESS_TOOL);
+            names.push(crate::wire::tools::COMPRESS_TOOL);
         }
         if offer_tools
             && (p.recallable.is_some()
                 || (self.compaction.recall
                     && offered
-                    && recall::mentions_key(p.request.messages())))
+                    && crate::compaction::keys::mentions_key(p.request.messages())))
         {
-            names.push(recall::RECALL_TOOL);
+            names.push(crate::wire::tools::RECALL_TOOL);
         }
         let format = writer.format();
         // The tool lists before and after, when they were added.
         let mut tools = None;
         let (body, strip_usage) = match written {
-            Some(body) if !names.is_empty() => match recall::tools::offer(format, &body, &names) {
-                Some(o) => {
-                    tools = Some((o.before, o.after));
-                    (o.body, false)
+            Some(body) if !names.is_empty() => {
+                match crate::wire::tools::offer(format, &body, &names) {
+                    Some(o) => {
+                        tools = Some((o.before, o.after));
+                        (o.body, false)
+                    }
+                    None => (body, false),
                 }
-                None => (body, false),
-            },
+            }
             Some(body) => (body, false),
             None => {
                 let mut chat = p.request;
@@ -414,7 +418,7 @@ impl Proxy {
                 // In place: the body is written once.
                 if !names.is_empty()
                     && let Some(before) = chat.field("tools").map(Bytes::copy_from_slice)
-                    && let Some(after) = recall::tools::extended(format, &before, &names)
+                    && let Some(after) = crate::wire::tools::extended(format, &before, &names)
                 {
                     chat.set_field("tools", after.clone());
                     tools = Some((before, after));

@@ -17,18 +17,18 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use http::{HeaderMap, Method};
-use serde_json::Value;
 
 use super::Proxy;
 use super::relay::{BodyStream, Reply};
 use super::upstream::{Outgoing, Upstream, UpstreamResponse};
-use super::usage::{self, JsonTap, SseTap};
 use crate::error::ProxyError;
 use crate::recall::store::{AgentPoint, Originals, within};
-use crate::recall::stream::{Decision, Edit, Filter, Gather};
-use crate::recall::tools::{Answer, Call, Usage};
-use crate::recall::{COMPRESS_TOOL, RECALL_TOOL};
 use crate::wire::Format;
+use crate::wire::sse;
+use crate::wire::stream::{Decision, Edit, Filter, Gather};
+use crate::wire::tap::{JsonTap, SseTap};
+use crate::wire::tools::{Answer, COMPRESS_TOOL, Call, RECALL_TOOL};
+use crate::wire::usage::{Sum, Usage};
 
 /// Largest answer read for condense's calls (a larger one is relayed as it
 /// comes).
@@ -61,7 +61,7 @@ pub struct Again {
 /// How a stream is read: the usage of earlier rounds, the client's tool
 /// names, whether this is the last round, the idle timeout.
 struct Read<'a> {
-    extra: &'a Usage,
+    extra: &'a Sum,
     client_tools: &'a [String],
     last: bool,
     idle: Duration,
@@ -87,7 +87,7 @@ pub struct Answered {
     /// Set when the model called condense's tools: the usage of the first
     /// round (what the request as prepared cost), if it could be read.
     /// Calibration must not read the final answer's then.
-    pub first_round: Option<Option<usage::Usage>>,
+    pub first_round: Option<Option<Usage>>,
 }
 
 impl Proxy {
@@ -103,8 +103,8 @@ impl Proxy {
     ) -> Result<Answered, ProxyError> {
         let max = self.compaction.max_recalls;
         // Told apart from condense's when a name is streamed in pieces.
-        let client_tools = crate::recall::tools::client_tool_names(&sent);
-        let mut extra = Usage::default();
+        let client_tools = crate::wire::tools::client_tool_names(&sent);
+        let mut extra = Sum::default();
         let mut first_round = None;
         let mut body = sent;
         let mut reply = Reply::from(resp);
@@ -140,7 +140,7 @@ impl Proxy {
             }
             // What the client gets if this round is the last.
             // (A stream's filter counts the calls it takes out itself.)
-            let fallback = |outcome: &'static str, extra: &Usage| {
+            let fallback = |outcome: &'static str, extra: &Sum| {
                 if !sse {
                     self.metrics
                         .recalls_total
@@ -331,8 +331,8 @@ impl Proxy {
                 Ok(None) => break,
             };
             buf.extend_from_slice(&next);
-            while let Some(end) = usage::find_event_end(&buf, scanned) {
-                if let Some((_, data)) = event_json(&buf[scanned..end]) {
+            while let Some(end) = sse::event_end(&buf, scanned) {
+                if let Some((_, data)) = sse::event_json(&buf[scanned..end]) {
                     decision = gather.event(&data);
                 }
                 scanned = end;
@@ -344,7 +344,7 @@ impl Proxy {
                 return Ok(pass(buf.freeze(), body, headers));
             }
         }
-        if let Some((_, data)) = event_json(&buf[scanned..]) {
+        if let Some((_, data)) = sse::event_json(&buf[scanned..]) {
             decision = gather.event(&data);
         }
         let raw = buf.freeze();
@@ -366,14 +366,13 @@ impl Proxy {
         &self,
         format: Format,
         body: BodyStream,
-        extra: Usage,
+        extra: Sum,
         client_tools: &[String],
         outcome: &'static str,
     ) -> BodyStream {
         let state = Edited {
             body,
-            buf: BytesMut::new(),
-            scanned: 0,
+            events: sse::Reader::default(),
             filter: Filter::new(format, extra).with_client_tools(client_tools.to_vec()),
             raw: false,
             done: false,
@@ -388,21 +387,14 @@ impl Proxy {
                 match st.body.next().await {
                     Some(Ok(chunk)) if st.raw => return Some((Ok(chunk), st)),
                     Some(Ok(chunk)) => {
-                        st.buf.extend_from_slice(&chunk);
+                        st.events.push(&chunk);
                         let mut out = Vec::new();
-                        let mut from = 0;
-                        while let Some(end) = usage::find_event_end(&st.buf, from.max(st.scanned)) {
-                            edit(&st.buf[from..end], &mut st.filter, &mut out);
-                            from = end;
-                            st.scanned = 0;
+                        while let Some(event) = st.events.next_event() {
+                            edit(&event, &mut st.filter, &mut out);
                         }
-                        let _ = st.buf.split_to(from);
-                        // The unfinished event is not scanned again, but
-                        // for a blank line split between chunks.
-                        st.scanned = st.buf.len().saturating_sub(2);
-                        if st.buf.len() > MAX_EVENT_BYTES {
+                        if st.events.pending() > MAX_EVENT_BYTES {
                             st.raw = true;
-                            out.extend_from_slice(&st.buf.split());
+                            out.extend_from_slice(&st.events.take_rest());
                         }
                         if !out.is_empty() {
                             return Some((Ok(Bytes::from(out)), st));
@@ -415,8 +407,8 @@ impl Proxy {
                     None => {
                         st.done = true;
                         let mut out = Vec::new();
-                        if !st.buf.is_empty() {
-                            let rest = st.buf.split();
+                        let rest = st.events.take_rest();
+                        if !rest.is_empty() {
                             edit(&rest, &mut st.filter, &mut out);
                         }
                         if st.filter.stripped > 0 {
@@ -436,10 +428,8 @@ impl Proxy {
 /// A stream on its way through the [`Filter`].
 struct Edited {
     body: BodyStream,
-    /// The unfinished event.
-    buf: BytesMut,
-    /// Where in `buf` to look for the event's end.
-    scanned: usize,
+    /// The stream's events so far, the unfinished one held.
+    events: sse::Reader,
     filter: Filter,
     /// An event past MAX_EVENT_BYTES came: the rest goes as it is.
     raw: bool,
@@ -455,7 +445,7 @@ struct Edited {
 async fn read_json(
     format: Format,
     reply: Reply,
-    extra: &Usage,
+    extra: &Sum,
     idle: Duration,
 ) -> Result<Step, ProxyError> {
     let Reply {
@@ -510,31 +500,17 @@ async fn read_json(
 }
 
 /// The usage an answer reports, as the calibration reads it.
-fn usage_of(format: Format, raw: &Bytes, sse: bool) -> Option<usage::Usage> {
+fn usage_of(format: Format, raw: &Bytes, sse: bool) -> Option<Usage> {
     if sse {
-        let mut tap = SseTap::for_format(format, false);
-        tap.push(raw.clone());
-        tap.finish();
-        tap.usage()
+        SseTap::usage_of_stream(format, raw)
     } else {
-        let mut tap = JsonTap::for_format(format, Some(raw.len() as u64));
-        tap.push(raw);
-        tap.finish();
-        tap.usage()
+        JsonTap::usage_of_body(format, raw)
     }
-}
-
-/// An SSE event's text and its data as JSON (None for `[DONE]` and events
-/// without JSON data).
-fn event_json(event: &[u8]) -> Option<(&str, Value)> {
-    let (text, data) = usage::event_data(event)?;
-    let value: Value = serde_json::from_str(&data).ok()?;
-    Some((text, value))
 }
 
 /// One event through the filter, into `out`.
 fn edit(event: &[u8], filter: &mut Filter, out: &mut Vec<u8>) {
-    let Some((text, mut data)) = event_json(event) else {
+    let Some((text, mut data)) = sse::event_json(event) else {
         out.extend_from_slice(event);
         return;
     };
@@ -542,7 +518,7 @@ fn edit(event: &[u8], filter: &mut Filter, out: &mut Vec<u8>) {
         Edit::Keep => out.extend_from_slice(event),
         Edit::Drop => {}
         Edit::Changed => {
-            out.extend_from_slice(&usage::rebuild_event(text, data.to_string().as_bytes()))
+            out.extend_from_slice(&sse::rebuild_event(text, data.to_string().as_bytes()))
         }
     }
 }

@@ -18,9 +18,10 @@ use tokio::sync::watch;
 
 use super::learn::Background;
 use super::upstream::{self, BoxError, UpstreamResponse};
-use super::usage::{JsonTap, SseTap, Usage};
 use crate::metrics::Metrics;
-use crate::wire::Format;
+use crate::wire::Failure;
+use crate::wire::tap::{JsonTap, SseTap};
+use crate::wire::usage::Usage;
 
 /// Time between a stream's error event and the body failing.
 const FLUSH_BEFORE_ABORT: Duration = Duration::from_millis(20);
@@ -83,25 +84,13 @@ impl Tap {
         let lead = if t.at_event_boundary() { "" } else { "\n\n" };
         // A finishing chunk held back goes first.
         let mut out = t.take_held().map(Vec::from).unwrap_or_default();
-        let event = match t.format() {
-            Format::Chat => {
-                let error = serde_json::json!({"error": {
-                    "message": message, "type": "api_error", "param": null, "code": code}});
-                format!("{lead}data: {error}\n\n")
-            }
-            // The Responses stream's own error event, which the SDKs raise.
-            Format::Responses => {
-                let error = serde_json::json!({"type": "error", "code": code,
-                    "message": message, "param": null});
-                format!("{lead}event: error\ndata: {error}\n\n")
-            }
-            // Anthropic's SDKs raise an `error` event as an API error.
-            Format::Messages => {
-                let error = serde_json::json!({"type": "error", "error": {
-                    "type": "api_error", "message": format!("{message} ({code})")}});
-                format!("{lead}event: error\ndata: {error}\n\n")
-            }
+        let failure = Failure {
+            kind: "api_error",
+            anthropic_kind: "api_error",
+            code,
+            message,
         };
+        let event = format!("{lead}{}", t.format().api().stream_error(&failure));
         out.extend_from_slice(event.as_bytes());
         Some(Bytes::from(out))
     }

@@ -60,7 +60,7 @@ impl Originals {
         if let Some(text) = self.own.text(key) {
             return Some(text);
         }
-        if !super::valid_key(key) {
+        if !crate::compaction::keys::valid_key(key) {
             return None;
         }
         store.get(&store_key(&self.scope, key)).await
@@ -207,8 +207,8 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert("authorization", "Bearer a".parse().unwrap());
         let raw = br#"{"role":"tool","tool_call_id":"c","content":"first"}"#;
-        let k = super::super::key(raw);
-        let masked = super::super::tag(
+        let k = crate::compaction::keys::key(raw);
+        let masked = crate::compaction::keys::tag(
             br#"{"role":"tool","tool_call_id":"c","content":"[condense: elided]"}"#,
             &k,
         );
@@ -283,8 +283,8 @@ mod tests {
     async fn a_key_stored_for_a_bearer_token_is_found_for_the_same_key_in_x_api_key() {
         let store = Arc::new(StateStore::memory(1 << 20, Duration::from_secs(60)));
         let raw = br#"{"role":"tool","tool_call_id":"c","content":"kept"}"#;
-        let k = super::super::key(raw);
-        let masked = super::super::tag(
+        let k = crate::compaction::keys::key(raw);
+        let masked = crate::compaction::keys::tag(
             br#"{"role":"tool","tool_call_id":"c","content":"[condense: elided]"}"#,
             &k,
         );

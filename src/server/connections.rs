@@ -770,7 +770,15 @@ fn refused_route(head: &[u8]) -> Refused {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::Format;
+    use crate::wire::Provider;
+
+    /// Whose error shape a refused request is answered in.
+    fn shape(head: &[u8]) -> Option<Provider> {
+        match refused_route(head) {
+            Refused::Api(format) => Some(format.api().provider()),
+            _ => None,
+        }
+    }
 
     #[test]
     fn a_refused_connection_is_answered_by_what_it_asked_for() {
@@ -787,26 +795,23 @@ mod tests {
             Refused::Ready
         );
         assert_eq!(
-            refused_route(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n\r\n"),
-            Refused::Api(Format::Messages)
+            shape(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n\r\n"),
+            Some(Provider::Anthropic)
         );
         assert_eq!(
-            refused_route(b"POST /v1/files HTTP/1.1\r\nanthropic-version: 2023-06-01\r\n\r\n"),
-            Refused::Api(Format::Messages)
+            shape(b"POST /v1/files HTTP/1.1\r\nanthropic-version: 2023-06-01\r\n\r\n"),
+            Some(Provider::Anthropic)
         );
         assert_eq!(
-            refused_route(b"POST /v1/chat/completions HTTP/1.1\r\n\r\n"),
-            Refused::Api(Format::Chat)
+            shape(b"POST /v1/chat/completions HTTP/1.1\r\n\r\n"),
+            Some(Provider::OpenAi)
         );
-        assert_eq!(
-            refused_route(b"\x16\x03\x01garbage"),
-            Refused::Api(Format::Chat)
-        );
-        assert_eq!(refused_route(b""), Refused::Api(Format::Chat));
+        assert_eq!(shape(b"\x16\x03\x01garbage"), Some(Provider::OpenAi));
+        assert_eq!(shape(b""), Some(Provider::OpenAi));
         // POST /healthz is not a probe.
         assert_eq!(
-            refused_route(b"POST /healthz HTTP/1.1\r\n\r\n"),
-            Refused::Api(Format::Chat)
+            shape(b"POST /healthz HTTP/1.1\r\n\r\n"),
+            Some(Provider::OpenAi)
         );
     }
 }

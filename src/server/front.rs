@@ -36,10 +36,10 @@ use axum::response::{IntoResponse, Response};
 use futures_util::FutureExt;
 
 use super::AppState;
-use crate::error::{ProxyError, openai_error_body};
+use crate::error::ProxyError;
 use crate::logging::AccessLine;
 use crate::metrics::status_class;
-use crate::proxy::{ROUTE_CHAT, ROUTE_MESSAGES, ROUTE_PASSTHROUGH, ROUTE_RESPONSES};
+use crate::proxy::ROUTE_PASSTHROUGH;
 use crate::wire::Format;
 
 /// Longest client `x-request-id` kept.
@@ -75,10 +75,7 @@ async fn serve(app: Arc<AppState>, mut req: Request, saturated: bool) -> Respons
     let request_id = request_id(headers);
     let route = route_of(&req);
     // What the request's log line says of it, taken only when it is logged.
-    let logged = matches!(
-        route,
-        ROUTE_CHAT | ROUTE_MESSAGES | ROUTE_RESPONSES | ROUTE_PASSTHROUGH
-    ) && AccessLine::enabled();
+    let logged = !own_endpoint(route) && AccessLine::enabled();
     let line = logged.then(|| {
         (
             req.method().clone(),
@@ -191,9 +188,9 @@ fn route_of(req: &Request) -> &'static str {
         "/healthz" => "healthz",
         "/readyz" => "readyz",
         "/metrics" => "metrics",
-        "/v1/chat/completions" | "/chat/completions" if req.method() == Method::POST => ROUTE_CHAT,
-        "/v1/messages" | "/messages" if req.method() == Method::POST => ROUTE_MESSAGES,
-        "/v1/responses" | "/responses" if req.method() == Method::POST => ROUTE_RESPONSES,
+        path if req.method() == Method::POST => {
+            Format::of_path(path).map_or(ROUTE_PASSTHROUGH, Format::route)
+        }
         _ => ROUTE_PASSTHROUGH,
     }
 }
@@ -238,14 +235,13 @@ fn denied(app: &AppState, route: &str, req: &Request) -> Option<Response> {
 /// boxed here, so that this function's own future (moved into a box per
 /// request by the connection) stays small.
 async fn dispatch(app: &AppState, route: &'static str, req: Request, saturated: bool) -> Response {
+    if let Some(format) = Format::of_route(route) {
+        return Box::pin(app.proxy.clone().conversation(format, req)).await;
+    }
     match route {
-        ROUTE_CHAT => Box::pin(app.proxy.clone().chat(req)).await,
-        ROUTE_MESSAGES => Box::pin(app.proxy.clone().messages(req)).await,
-        ROUTE_RESPONSES => Box::pin(app.proxy.clone().responses(req)).await,
         ROUTE_PASSTHROUGH => Box::pin(app.proxy.passthrough(req)).await,
         _ if !matches!(*req.method(), Method::GET | Method::HEAD) => {
-            let mut resp =
-                ProxyError::MethodNotAllowed(req.method().clone()).response_for(Format::Chat);
+            let mut resp = ProxyError::MethodNotAllowed(req.method().clone()).into_response();
             resp.headers_mut()
                 .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
             resp
@@ -275,7 +271,7 @@ fn panic_response() -> Response {
     tracing::error!("a request handler panicked");
     let mut resp = (
         StatusCode::INTERNAL_SERVER_ERROR,
-        openai_error_body("condense: internal error", "api_error", "internal_error"),
+        crate::wire::chat::error_body("condense: internal error", "api_error", "internal_error"),
     )
         .into_response();
     resp.headers_mut().insert(

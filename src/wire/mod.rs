@@ -1,21 +1,120 @@
-//! Wire formats. Each format module parses its API's request body without
-//! loss, shows the pipeline its conversation as a chat-shaped message list
-//! (the view the stages, the plan, the budget and the stores work on), and
-//! writes the pipeline's decisions back into its own body, rewriting only
-//! the parts that changed. Chat completions is the view itself.
+//! Wire formats: one folder per API (`chat/`, `anthropic/`, `responses/`),
+//! each behind the one trait the request path calls, [`Api`]. Each parses
+//! its API's request body without loss, shows the pipeline its
+//! conversation as a chat-shaped message list (the view the stages, the
+//! plan, the budget and the stores work on), and writes the pipeline's
+//! decisions back into its own body, rewriting only the parts that
+//! changed (chat completions is the view itself). Each also reads the
+//! usage its responses report, renders condense's errors in its shape,
+//! offers and answers condense's own tools, and edits its streams.
 //!
-//! What else differs by format (the usage a response reports, the shape of
-//! condense's own errors) is told by [`Format`].
+//! Outside this folder only routing names a format ([`Format`]); a fourth
+//! API is a folder here, an arm in [`Format::api`] and a route.
 
 pub mod anthropic;
+pub mod chat;
 pub mod responses;
+pub mod sse;
+pub mod stream;
+pub mod tap;
+pub mod tools;
+pub mod usage;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
+use serde_json::Value;
 
 use crate::chat::ChatRequest;
 use crate::compaction::Fates;
 use anthropic::{MessagesRequest, Origins};
 use responses::ResponsesRequest;
+use stream::{Decision, Edit, Filter, Gather};
+use tap::SseTap;
+use tools::Call;
+use usage::Usage;
+
+/// What differs between the APIs condense reads: the request path, the
+/// usage tap, condense's tools and its errors call these, never a
+/// format's module directly.
+pub trait Api: Sync {
+    /// The body parsed in this API: the pipeline's view and how its
+    /// decisions are written back.
+    fn parse(&self, body: &Bytes) -> Result<Parsed, NotUnderstood>;
+
+    /// Who serves it: where it goes, whose key it carries, what the
+    /// provider's model listing tells.
+    fn provider(&self) -> Provider;
+
+    /// Whether a body is parsed item by item into a view of its own (a
+    /// large one is then work for the blocking pool); chat's view is the
+    /// body itself.
+    fn parses_into_a_view(&self) -> bool;
+
+    /// A `usage` value of this API's responses.
+    fn usage(&self, raw: &[u8]) -> Option<Usage>;
+
+    /// Reads one whole stream event on its way through the usage tap,
+    /// appending to `out` what the client gets for it when the tap strips.
+    fn tap_event(&self, tap: &mut SseTap, event: &[u8], out: &mut BytesMut);
+
+    /// condense's own error as this API's JSON error body.
+    fn error_body(&self, failure: &Failure) -> String;
+
+    /// condense's own error as this API's stream error event (whole, with
+    /// its blank line).
+    fn stream_error(&self, failure: &Failure) -> String;
+
+    /// One of condense's tools in this API's shape.
+    fn tool(&self, name: &str, description: &str, schema: Value) -> Value;
+
+    /// The tool calls of an answer, with whether each is condense's own.
+    fn calls(&self, answer: &Value) -> Vec<(Call, bool)>;
+
+    /// The request that carries the results of condense's calls `ours`:
+    /// `sent` with the answer's turn appended (the client's own calls left
+    /// out) and one result per call.
+    fn follow_up(
+        &self,
+        answer: &Value,
+        ours: &[Call],
+        sent: &Bytes,
+        results: &[(String, String)],
+    ) -> Option<Bytes>;
+
+    /// Takes condense's calls out of an answer (the stop reason says
+    /// "done" when no call of the client's is left).
+    fn strip_own_calls(&self, answer: &mut Value);
+
+    /// Reads one streamed event's data into a gathered answer.
+    fn gather(&self, g: &mut Gather, data: &Value) -> Decision;
+
+    /// Finishes a gathered answer.
+    fn gathered(&self, _g: &mut Gather) {}
+
+    /// Edits one streamed event the client gets.
+    fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit;
+}
+
+/// Who serves an API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Provider {
+    /// An OpenAI-compatible upstream (`upstream.base_url`): chat
+    /// completions and Responses share it, its keys and its listing.
+    OpenAi,
+    /// Anthropic's (`upstream.anthropic_base_url`).
+    Anthropic,
+}
+
+/// One of condense's own failures, as each API renders it.
+#[derive(Debug, Clone, Copy)]
+pub struct Failure<'a> {
+    /// OpenAI's error `type`.
+    pub kind: &'a str,
+    /// Anthropic's error `type`.
+    pub anthropic_kind: &'a str,
+    /// The `code` (OpenAI) condense names it by.
+    pub code: &'a str,
+    pub message: &'a str,
+}
 
 /// The API a conversation request speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,6 +128,39 @@ pub enum Format {
 }
 
 impl Format {
+    /// The API itself.
+    pub fn api(self) -> &'static dyn Api {
+        match self {
+            Format::Chat => &chat::Chat,
+            Format::Messages => &anthropic::Messages,
+            Format::Responses => &responses::Responses,
+        }
+    }
+
+    /// Every API, in the order metrics list them.
+    pub const ALL: [Format; 3] = [Format::Chat, Format::Messages, Format::Responses];
+
+    /// The API whose conversation route `path` is (with or without `/v1`).
+    pub fn of_path(path: &str) -> Option<Format> {
+        Format::ALL
+            .into_iter()
+            .find(|f| path.strip_prefix("/v1").unwrap_or(path) == &f.path()[3..])
+    }
+
+    /// The API of a `route` label.
+    pub fn of_route(route: &str) -> Option<Format> {
+        Format::ALL.into_iter().find(|f| f.route() == route)
+    }
+
+    /// Its conversation route.
+    pub const fn path(self) -> &'static str {
+        match self {
+            Format::Chat => "/v1/chat/completions",
+            Format::Messages => "/v1/messages",
+            Format::Responses => "/v1/responses",
+        }
+    }
+
     /// The `route` label of the metrics.
     pub const fn route(self) -> &'static str {
         match self {
@@ -105,6 +237,24 @@ pub enum NotUnderstood {
     Stateful(&'static str),
 }
 
+/// A request body of any API, parsed as it is (no rule of its API checked):
+/// what the offline tools read.
+pub enum Request {
+    Chat(ChatRequest),
+    Messages(MessagesRequest),
+    Responses(ResponsesRequest),
+}
+
+impl Request {
+    pub fn parse(format: Format, body: &Bytes) -> Result<Request, NotUnderstood> {
+        Ok(match format {
+            Format::Chat => Request::Chat(ChatRequest::parse(body)?),
+            Format::Messages => Request::Messages(MessagesRequest::parse(body)?),
+            Format::Responses => Request::Responses(ResponsesRequest::parse(body)?),
+        })
+    }
+}
+
 /// A request body parsed in its format: the conversation the pipeline works
 /// on, and how its decisions go back into the body.
 pub struct Parsed {
@@ -122,37 +272,7 @@ pub enum Writer {
 
 impl Parsed {
     pub fn parse(format: Format, body: &Bytes) -> Result<Parsed, NotUnderstood> {
-        match format {
-            Format::Chat => Ok(Parsed {
-                conversation: ChatRequest::parse(body)?,
-                writer: Writer::Chat,
-            }),
-            Format::Messages => {
-                let req = MessagesRequest::parse(body)?;
-                if !req.well_formed() {
-                    return Err(NotUnderstood::IllFormed);
-                }
-                let (conversation, origins) = req.view();
-                Ok(Parsed {
-                    conversation,
-                    writer: Writer::Messages(req, origins),
-                })
-            }
-            Format::Responses => {
-                let req = ResponsesRequest::parse(body)?;
-                if let Some(reason) = req.stateful() {
-                    return Err(NotUnderstood::Stateful(reason));
-                }
-                if !req.well_formed() {
-                    return Err(NotUnderstood::IllFormed);
-                }
-                let (conversation, origins) = req.view();
-                Ok(Parsed {
-                    conversation,
-                    writer: Writer::Responses(req, origins),
-                })
-            }
-        }
+        format.api().parse(body)
     }
 
     /// The requested model, when it is a string.

@@ -1,142 +1,20 @@
-//! The usage tap: reads `usage` from chat responses as they pass, without
-//! holding back what the client is waiting for.
+//! The usage tap: reads `usage` from responses as they pass, without
+//! holding back what the client is waiting for. What is read from which
+//! event, and what is stripped, is each API's own (`Api::tap_event`); the
+//! framing, the bounds and the held event are here.
 //!
-//! condense always asks streamed requests for `stream_options.include_usage`
-//! because the upstream's own prompt token count is what calibrates condense's
-//! estimate. A client that did not ask for usage must not see the difference,
-//! so for it the tap drops the usage-only chunk (`"choices":[]`) and the
-//! `"usage":null` field the upstream then adds to every other chunk.
-//!
-//! Some upstreams put more than usage on that chunk when asked for it, and
-//! on the last chunk otherwise: llama.cpp's `timings`. So the tap holds the
-//! chunk that finishes a choice until the next event: when that is the
-//! usage-only chunk, the fields it has and the held chunk lacks (other than
-//! `usage` and `choices`) are moved onto the held chunk, which then goes out.
-//! The client receives what the upstream would have sent it had condense not
-//! asked for usage.
-
-use std::sync::LazyLock;
+//! condense always asks streamed chat requests for
+//! `stream_options.include_usage` because the upstream's own prompt token
+//! count is what calibrates condense's estimate. A client that did not ask
+//! for usage must not see the difference, so for it the tap strips what
+//! condense asked for (see `wire::chat::stream`).
 
 use bytes::{Bytes, BytesMut};
-use memchr::memmem::Finder;
-use serde::Deserialize;
 
-use crate::chat::RawObject;
+use super::Format;
+use super::sse::Reader;
+use super::usage::Usage;
 use crate::chat::object::members;
-use crate::wire::Format;
-
-/// Token usage as the upstream reported it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-pub struct Usage {
-    #[serde(default)]
-    pub prompt_tokens: u64,
-    #[serde(default)]
-    pub completion_tokens: u64,
-    #[serde(default)]
-    pub total_tokens: u64,
-}
-
-/// Anthropic's usage object: the prompt is split into uncached, cache-read
-/// and cache-written parts, which together are what the window holds.
-#[derive(Debug, Default, Deserialize)]
-struct AnthropicUsage {
-    #[serde(default)]
-    input_tokens: Option<u64>,
-    #[serde(default)]
-    cache_creation_input_tokens: Option<u64>,
-    #[serde(default)]
-    cache_read_input_tokens: Option<u64>,
-    #[serde(default)]
-    output_tokens: Option<u64>,
-}
-
-impl AnthropicUsage {
-    fn prompt(&self) -> Option<u64> {
-        let parts = [
-            self.input_tokens,
-            self.cache_creation_input_tokens,
-            self.cache_read_input_tokens,
-        ];
-        parts
-            .iter()
-            .any(Option::is_some)
-            .then(|| parts.iter().flatten().sum())
-    }
-}
-
-impl Usage {
-    /// Reads `usage` from a response object, when present and not null.
-    fn from_object(obj: &RawObject) -> Option<Usage> {
-        Usage::chat(obj.get("usage")?)
-    }
-
-    /// A chat `usage` value (None when it is null).
-    fn chat(raw: &[u8]) -> Option<Usage> {
-        serde_json::from_slice::<Option<Usage>>(raw).ok()?
-    }
-
-    /// An Anthropic `usage` value.
-    fn anthropic(raw: &[u8]) -> Option<Usage> {
-        let u: AnthropicUsage = serde_json::from_slice(raw).ok()?;
-        let prompt = u.prompt()?;
-        let completion = u.output_tokens.unwrap_or(0);
-        Some(Usage {
-            prompt_tokens: prompt,
-            completion_tokens: completion,
-            total_tokens: prompt + completion,
-        })
-    }
-
-    /// A `usage` value in `format`'s shape.
-    fn of_format(format: Format, raw: &[u8]) -> Option<Usage> {
-        match format {
-            Format::Chat => Usage::chat(raw),
-            Format::Messages => Usage::anthropic(raw),
-            Format::Responses => Usage::responses(raw),
-        }
-    }
-
-    /// A Responses `usage` value: `input_tokens` is the whole prompt
-    /// (cached tokens included), `output_tokens` the completion.
-    fn responses(raw: &[u8]) -> Option<Usage> {
-        #[derive(Deserialize)]
-        struct R {
-            input_tokens: u64,
-            #[serde(default)]
-            output_tokens: u64,
-        }
-        let r: R = serde_json::from_slice::<Option<R>>(raw).ok()??;
-        Some(Usage {
-            prompt_tokens: r.input_tokens,
-            completion_tokens: r.output_tokens,
-            total_tokens: r.input_tokens + r.output_tokens,
-        })
-    }
-
-    /// Reads `usage` from a complete non-streamed JSON response body.
-    pub fn from_json_body(body: &Bytes) -> Option<Usage> {
-        Usage::from_object(&RawObject::parse(body).ok()?)
-    }
-
-    /// A streamed Anthropic event's usage, from its data: `message_start`
-    /// carries the prompt's in its message, `message_delta` the
-    /// completion's (and, from some servers, the prompt's again); `seen` is
-    /// what came before.
-    fn from_anthropic_event(data: &[u8], seen: Option<Usage>) -> Option<Usage> {
-        if let Some(message) = member(data, "message").flatten() {
-            return Usage::anthropic(member(message, "usage").flatten()?);
-        }
-        let u: AnthropicUsage = serde_json::from_slice(member(data, "usage").flatten()?).ok()?;
-        let before = seen.unwrap_or_default();
-        let prompt = u.prompt().unwrap_or(before.prompt_tokens);
-        let completion = u.output_tokens.unwrap_or(before.completion_tokens);
-        Some(Usage {
-            prompt_tokens: prompt,
-            completion_tokens: completion,
-            total_tokens: prompt + completion,
-        })
-    }
-}
 
 /// Splits a Server-Sent-Events byte stream into events, reads usage from them
 /// and, when `strip` is set, removes what the client did not ask for.
@@ -147,17 +25,16 @@ impl Usage {
 /// relayed untouched, and its usage goes unread.
 pub struct SseTap {
     format: Format,
-    strip: bool,
-    pending: BytesMut,
-    /// Bytes of `pending` already scanned for an event end.
-    scanned: usize,
-    usage: Option<Usage>,
-    /// Whether the `data: [DONE]` event went by.
-    done: bool,
+    pub(super) strip: bool,
+    reader: Reader,
+    pub(super) usage: Option<Usage>,
+    /// Whether the stream's last event went by (`data: [DONE]`,
+    /// Anthropic's `message_stop`, the Responses end events).
+    pub(super) done: bool,
     /// Set once an over-long event ended the tap.
     ended: bool,
     /// When stripping: the last event that finished a choice, not yet sent.
-    held: Option<Bytes>,
+    pub(super) held: Option<Bytes>,
 }
 
 /// The longest SSE event the tap holds (a chat chunk is a few hundred
@@ -165,18 +42,13 @@ pub struct SseTap {
 pub const MAX_EVENT_BYTES: usize = 4 << 20;
 
 impl SseTap {
-    /// A chat stream's tap; with `strip`, the usage condense asked for is
-    /// taken out again.
-    pub fn new(strip: bool) -> SseTap {
-        SseTap::for_format(Format::Chat, strip)
-    }
-
-    pub fn for_format(format: Format, strip: bool) -> SseTap {
+    /// A stream's tap; with `strip`, the usage condense asked for is taken
+    /// out again.
+    pub fn new(format: Format, strip: bool) -> SseTap {
         SseTap {
             format,
             strip,
-            pending: BytesMut::new(),
-            scanned: 0,
+            reader: Reader::default(),
             usage: None,
             done: false,
             ended: false,
@@ -202,7 +74,7 @@ impl SseTap {
     /// Whether the client has been sent whole events only, so an event
     /// condense adds starts cleanly.
     pub fn at_event_boundary(&self) -> bool {
-        !self.ended && (self.strip || self.pending.is_empty())
+        !self.ended && (self.strip || self.reader.pending() == 0)
     }
 
     /// Takes a chunk from the upstream; returns the bytes to send the client
@@ -213,28 +85,24 @@ impl SseTap {
         if self.ended {
             return chunk;
         }
-        self.pending.extend_from_slice(&chunk);
+        self.reader.push(&chunk);
         let mut out = if self.strip {
             BytesMut::with_capacity(chunk.len())
         } else {
             BytesMut::new()
         };
-        while let Some(end) = find_event_end(&self.pending, self.scanned) {
-            let event = self.pending.split_to(end);
-            self.scanned = 0;
-            self.process(&event, &mut out);
+        let api = self.format.api();
+        while let Some(event) = self.reader.next_event() {
+            api.tap_event(self, &event, &mut out);
         }
-        // The end of an event can straddle chunks: rescan the last two
-        // bytes with the next chunk, never what came before them.
-        self.scanned = self.pending.len().saturating_sub(2);
-        if self.pending.len() > MAX_EVENT_BYTES {
+        if self.reader.pending() > MAX_EVENT_BYTES {
             tracing::warn!(
-                bytes = self.pending.len(),
+                bytes = self.reader.pending(),
                 "an SSE event is longer than the tap reads; relaying the rest of the stream unread"
             );
             self.ended = true;
-            let rest = self.pending.split();
-            self.pending = BytesMut::new();
+            let rest = self.reader.take_rest();
+            self.reader = Reader::default();
             if self.strip {
                 self.flush_held(&mut out);
                 out.extend_from_slice(&rest);
@@ -249,7 +117,7 @@ impl SseTap {
         let mut out = BytesMut::new();
         self.flush_held(&mut out);
         if self.strip {
-            out.extend_from_slice(&self.pending.split());
+            out.extend_from_slice(&self.reader.take_rest());
         }
         out.freeze()
     }
@@ -259,7 +127,18 @@ impl SseTap {
         self.held.take()
     }
 
-    fn flush_held(&mut self, out: &mut BytesMut) {
+    /// Sends an event after the held one; an event that finishes a choice
+    /// is held instead until the next one.
+    pub(super) fn pass(&mut self, event: Bytes, finishing: bool, out: &mut BytesMut) {
+        self.flush_held(out);
+        if finishing {
+            self.held = Some(event);
+        } else {
+            out.extend_from_slice(&event);
+        }
+    }
+
+    pub(super) fn flush_held(&mut self, out: &mut BytesMut) {
         if let Some(h) = self.held.take() {
             out.extend_from_slice(&h);
         }
@@ -270,237 +149,13 @@ impl SseTap {
         self.usage
     }
 
-    /// Reads one complete event and, when stripping, appends to `out` what
-    /// the client gets for it.
-    fn process(&mut self, event: &[u8], out: &mut BytesMut) {
-        if self.format == Format::Responses {
-            // The last event carries the response, usage and all.
-            if let Some((end, _)) = needles().ends.iter().find(|(_, f)| f.find(event).is_some()) {
-                self.done = true;
-                if end == b"response.completed" || end == b"response.incomplete" {
-                    let usage = data_of(event).and_then(|data| {
-                        let response = member(&data, "response").flatten()?;
-                        Usage::responses(member(response, "usage").flatten()?)
-                    });
-                    if usage.is_some() {
-                        self.usage = usage;
-                    }
-                }
-            }
-            return;
-        }
-        if self.format == Format::Messages {
-            // Nothing is stripped from an Anthropic stream: it always
-            // reports usage.
-            if needles().message_stop.find(event).is_some() {
-                self.done = true;
-            }
-            if needles().usage.find(event).is_some()
-                && let Some(data) = data_of(event)
-                && let Some(u) = Usage::from_anthropic_event(&data, self.usage)
-            {
-                self.usage = Some(u);
-            }
-            return;
-        }
-        let n = needles();
-        if n.done.find(event).is_some() || n.done_tight.find(event).is_some() {
-            self.done = true;
-        }
-        let mentions_usage = n.usage.find(event).is_some();
-        // The usual chunk of a stream that reports usage: `"usage":null`,
-        // read and (when stripping) cut out without parsing the chunk.
-        if mentions_usage && let Some(cut) = null_usage(event) {
-            if self.strip {
-                let event = match cut {
-                    Some(cut) => [&event[..cut.start], &event[cut.end..]].concat().into(),
-                    None => Bytes::copy_from_slice(event),
-                };
-                let finishing = finishes(&event);
-                self.pass(event, finishing, out);
-            }
-            return;
-        }
-        let parsed = if mentions_usage {
-            parse_event(event)
-        } else {
-            None
-        };
-        let usage = parsed.as_ref().and_then(|(_, o)| Usage::from_object(o));
-        if usage.is_some() {
-            self.usage = usage;
-        }
-        if !self.strip {
-            return;
-        }
-        let Some((text, mut obj)) = parsed else {
-            self.pass(Bytes::copy_from_slice(event), finishes(event), out);
-            return;
-        };
-        if usage.is_some() && obj.get("choices") == Some(b"[]") {
-            // The usage-only chunk the client did not ask for: dropped, its
-            // other fields moved onto the chunk that finished the answer.
-            if let Some(held) = self.held.take() {
-                out.extend_from_slice(&merge_extra_fields(held, &obj));
-            }
-            return;
-        }
-        let event = if obj.get("usage") == Some(b"null") {
-            obj.remove("usage");
-            rebuild_event(text, &obj.to_vec())
-        } else {
-            Bytes::copy_from_slice(event)
-        };
-        let finishing = finishes(&event);
-        self.pass(event, finishing, out);
-    }
-
-    /// Sends an event after the held one; an event that finishes a choice
-    /// is held instead until the next one.
-    fn pass(&mut self, event: Bytes, finishing: bool, out: &mut BytesMut) {
-        self.flush_held(out);
-        if finishing {
-            self.held = Some(event);
-        } else {
-            out.extend_from_slice(&event);
-        }
-    }
-}
-
-/// For an event whose data (one `data:` line) is a JSON object with a
-/// top-level `"usage":null` or no top-level `usage`: the bytes of `event` to
-/// cut to take that member out (with its comma), or None when there is none.
-/// None (the outer one) for anything else (data on several lines, not an
-/// object by its structure, a usage that is not null, a key written with
-/// escapes, the member twice): the caller parses the event then.
-///
-/// An OpenAI stream asked for usage puts `"usage":null` on every chunk:
-/// parsing each to learn that, and writing it out again without the
-/// member, cost several times what walking its members does.
-fn null_usage(event: &[u8]) -> Option<Option<std::ops::Range<usize>>> {
-    let (offset, data) = single_data_line(event)?;
-    // OpenAI's own chunks end with it, written compactly. In a JSON object
-    // that ends `,"usage":null}`, that is the last top-level member: a
-    // nested one would be followed by another closing bracket, and a
-    // quote inside a string is escaped (`\"`). Mentioned once, and with
-    // no `\u` escape that could spell the key another way, it is the only
-    // one; no need to walk the members.
-    const TAIL: &[u8] = b",\"usage\":null}";
-    let trimmed = data.trim_ascii_end();
-    let n = needles();
-    if trimmed.ends_with(TAIL)
-        && data.trim_ascii_start().starts_with(b"{")
-        && n.usage.find_iter(data).nth(1).is_none()
-        && n.unicode_escape.find(data).is_none()
-    {
-        let start = offset + trimmed.len() - TAIL.len();
-        return Some(Some(start..start + TAIL.len() - 1));
-    }
-    let mut found = None;
-    let mut twice = false;
-    members(data, |key, value| {
-        if key == "usage" {
-            twice |= found.is_some();
-            found = Some(value);
-        }
-    })?;
-    if twice {
-        return None;
-    }
-    let Some(value) = found else {
-        return Some(None);
-    };
-    if value != b"null" {
-        return None;
-    }
-    // Where the value sits in `data`, then its key (written plainly) and
-    // the comma before it, or else the one after it.
-    let value_start = (value.as_ptr() as usize).checked_sub(data.as_ptr() as usize)?;
-    let value_end = value_start + value.len();
-    let before = data[..value_start].trim_ascii_end().strip_suffix(b":")?;
-    let key_start = before.trim_ascii_end().strip_suffix(b"\"usage\"")?.len();
-    let head = data[..key_start].trim_ascii_end();
-    let cut = match head.strip_suffix(b",") {
-        Some(kept) => kept.trim_ascii_end().len()..value_end,
-        // The first member: up to the next one's key.
-        None => match data[value_end..].trim_ascii_start().strip_prefix(b",") {
-            Some(next) => key_start..data.len() - next.trim_ascii_start().len(),
-            None => key_start..value_end,
-        },
-    };
-    Some(Some(offset + cut.start..offset + cut.end))
-}
-
-/// An event's one `data:` line, as the offset of its data in `event` and
-/// the data (after `data:` and one space, without the line end); None
-/// when the event has no data line or several.
-fn single_data_line(event: &[u8]) -> Option<(usize, &[u8])> {
-    let mut found = None;
-    let mut start = 0;
-    let ends = memchr::memchr_iter(b'\n', event).chain(std::iter::once(event.len()));
-    for end in ends {
-        let line = event.get(start..end)?;
-        let line_start = start;
-        start = end + 1;
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if let Some(data) = line.strip_prefix(b"data:") {
-            if found.is_some() {
-                return None;
-            }
-            let (skip, data) = match data.strip_prefix(b" ") {
-                Some(d) => (6, d),
-                None => (5, data),
-            };
-            found = Some((line_start + skip, data));
-        }
-    }
-    found
-}
-
-/// What the tap looks for in events, each searcher built once: building
-/// one (`memmem::find` does, every call) cost more than searching a chunk
-/// with it, and several searches run on every event of a stream.
-struct Needles {
-    usage: Finder<'static>,
-    done: Finder<'static>,
-    done_tight: Finder<'static>,
-    message_stop: Finder<'static>,
-    /// The Responses events that end a stream.
-    ends: [(&'static [u8], Finder<'static>); 3],
-    finish_reason: Finder<'static>,
-    finish_null: Finder<'static>,
-    finish_null_spaced: Finder<'static>,
-    unicode_escape: Finder<'static>,
-}
-
-fn needles() -> &'static Needles {
-    static NEEDLES: LazyLock<Needles> = LazyLock::new(|| {
-        let end = |e: &'static [u8]| (e, Finder::new(e));
-        Needles {
-            usage: Finder::new(b"\"usage\""),
-            done: Finder::new(b"data: [DONE]"),
-            done_tight: Finder::new(b"data:[DONE]"),
-            message_stop: Finder::new(b"message_stop"),
-            ends: [
-                end(b"response.completed"),
-                end(b"response.incomplete"),
-                end(b"response.failed"),
-            ],
-            finish_reason: Finder::new(b"\"finish_reason\""),
-            finish_null: Finder::new(b"\"finish_reason\":null"),
-            finish_null_spaced: Finder::new(b"\"finish_reason\": null"),
-            unicode_escape: Finder::new(b"\\u"),
-        }
-    });
-    &NEEDLES
-}
-
-/// An event's data: borrowed when it is on one `data:` line, as it is in
-/// practice, else its lines joined.
-fn data_of(event: &[u8]) -> Option<std::borrow::Cow<'_, [u8]>> {
-    match single_data_line(event) {
-        Some((_, data)) => Some(data.into()),
-        None => event_data(event).map(|(_, data)| data.into_bytes().into()),
+    /// The usage of a whole stream already read (a round condense answered
+    /// itself).
+    pub fn usage_of_stream(format: Format, stream: &Bytes) -> Option<Usage> {
+        let mut tap = SseTap::new(format, false);
+        tap.push(stream.clone());
+        tap.finish();
+        tap.usage()
     }
 }
 
@@ -508,7 +163,7 @@ fn data_of(event: &[u8]) -> Option<std::borrow::Cow<'_, [u8]>> {
 /// last one, if it is there twice; None inside when there is none), found
 /// by walking the members: nothing of an answer is copied or parsed to read
 /// its usage. None when `raw` is not a JSON object by its structure.
-fn member<'a>(raw: &'a [u8], key: &str) -> Option<Option<&'a [u8]>> {
+pub(super) fn member<'a>(raw: &'a [u8], key: &str) -> Option<Option<&'a [u8]>> {
     let mut found = None;
     members(raw, |k, v| {
         if k == key {
@@ -516,110 +171,6 @@ fn member<'a>(raw: &'a [u8], key: &str) -> Option<Option<&'a [u8]>> {
         }
     })?;
     Some(found)
-}
-
-/// The data of an SSE event as a JSON object, with the event's text.
-fn parse_event(event: &[u8]) -> Option<(&str, RawObject)> {
-    let (text, data) = event_data(event)?;
-    Some((text, RawObject::parse(&Bytes::from(data)).ok()?))
-}
-
-/// An SSE event's text and its data (its `data:` lines joined).
-pub(crate) fn event_data(event: &[u8]) -> Option<(&str, String)> {
-    let text = std::str::from_utf8(event).ok()?;
-    let data: String = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data:"))
-        .map(|d| d.strip_prefix(' ').unwrap_or(d))
-        .collect::<Vec<_>>()
-        .join("\n");
-    Some((text, data))
-}
-
-/// Whether an event finishes a choice: it has a `finish_reason` that is not
-/// null.
-fn finishes(event: &[u8]) -> bool {
-    let n = needles();
-    let all = n.finish_reason.find_iter(event).count();
-    if all == 0 {
-        return false;
-    }
-    let null =
-        n.finish_null.find_iter(event).count() + n.finish_null_spaced.find_iter(event).count();
-    all > null
-}
-
-/// Fields every chunk of an OpenAI-style stream carries: a usage chunk with
-/// no others has nothing to move, and the held chunk need not be parsed.
-const CHUNK_FIELDS: &[&str] = &[
-    "id",
-    "object",
-    "created",
-    "model",
-    "system_fingerprint",
-    "service_tier",
-    "obfuscation",
-    "choices",
-    "usage",
-];
-
-/// `held` with the top-level fields of `usage_chunk` it lacks added (not
-/// `usage`, not `choices`); unchanged when there are none.
-fn merge_extra_fields(held: Bytes, usage_chunk: &RawObject) -> Bytes {
-    if usage_chunk.keys().all(|k| CHUNK_FIELDS.contains(&k)) {
-        return held;
-    }
-    let Some((text, mut obj)) = parse_event(&held) else {
-        return held;
-    };
-    let extra: Vec<&str> = usage_chunk
-        .keys()
-        .filter(|k| !matches!(*k, "usage" | "choices") && obj.get(k).is_none())
-        .collect();
-    if extra.is_empty() {
-        return held;
-    }
-    for k in extra {
-        if let Some(v) = usage_chunk.get(k) {
-            obj.set(k, Bytes::copy_from_slice(v));
-        }
-    }
-    rebuild_event(text, &obj.to_vec())
-}
-
-/// The event with its data lines replaced by one `data:` line holding `json`.
-pub(crate) fn rebuild_event(text: &str, json: &[u8]) -> Bytes {
-    let mut out = Vec::with_capacity(text.len());
-    let mut data_written = false;
-    for line in text.lines().filter(|l| !l.is_empty()) {
-        if line.starts_with("data:") {
-            if !data_written {
-                out.extend_from_slice(b"data: ");
-                out.extend_from_slice(json);
-                out.push(b'\n');
-                data_written = true;
-            }
-        } else {
-            out.extend_from_slice(line.as_bytes());
-            out.push(b'\n');
-        }
-    }
-    out.push(b'\n');
-    Bytes::from(out)
-}
-
-/// The index just past the blank line that ends the first event, if any,
-/// looking from `from` on.
-pub(crate) fn find_event_end(buf: &[u8], from: usize) -> Option<usize> {
-    let mut from = from;
-    while let Some(i) = memchr::memchr(b'\n', &buf[from..]).map(|i| i + from) {
-        match (buf.get(i + 1), buf.get(i + 2)) {
-            (Some(b'\n'), _) => return Some(i + 2),
-            (Some(b'\r'), Some(b'\n')) => return Some(i + 3),
-            _ => from = i + 1,
-        }
-    }
-    None
 }
 
 /// Keeps a bounded copy of a JSON response body to read its usage at the end.
@@ -646,11 +197,7 @@ impl JsonTap {
     /// Bodies larger than this are not inspected (usage is then unknown).
     const MAX_BYTES: usize = 8 * 1024 * 1024;
 
-    pub fn new(expected_len: Option<u64>) -> JsonTap {
-        JsonTap::for_format(Format::Chat, expected_len)
-    }
-
-    pub fn for_format(format: Format, expected_len: Option<u64>) -> JsonTap {
+    pub fn new(format: Format, expected_len: Option<u64>) -> JsonTap {
         JsonTap {
             format,
             buf: BytesMut::new(),
@@ -662,6 +209,14 @@ impl JsonTap {
             finished: false,
             invalid: false,
         }
+    }
+
+    /// The usage of a whole JSON body already read.
+    pub fn usage_of_body(format: Format, body: &Bytes) -> Option<Usage> {
+        let mut tap = JsonTap::new(format, Some(body.len() as u64));
+        tap.push(body);
+        tap.finish();
+        tap.usage()
     }
 
     /// Keeps a chunk of the body; nothing is read until [`JsonTap::finish`].
@@ -714,7 +269,7 @@ impl JsonTap {
             .ok()
             .and_then(|_| member(body, "usage"))
         {
-            Some(usage) => self.usage = usage.and_then(|u| Usage::of_format(self.format, u)),
+            Some(usage) => self.usage = usage.and_then(|u| self.format.api().usage(u)),
             None => self.invalid = true,
         }
     }
@@ -732,6 +287,7 @@ impl JsonTap {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::chat::RawObject;
     use proptest::prelude::*;
 
     const CHUNK: &str = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}],\"usage\":null}\n\n";
@@ -750,7 +306,7 @@ mod tests {
     #[test]
     fn responses_usage_comes_from_the_body_or_the_completed_event() {
         let body = Bytes::from_static(br#"{"id":"resp_1","object":"response","usage":{"input_tokens":900,"input_tokens_details":{"cached_tokens":800},"output_tokens":12,"total_tokens":912}}"#);
-        let mut t = JsonTap::for_format(Format::Responses, Some(body.len() as u64));
+        let mut t = JsonTap::new(Format::Responses, Some(body.len() as u64));
         t.push(&body);
         t.finish();
         assert_eq!(t.usage().unwrap().prompt_tokens, 900);
@@ -759,7 +315,7 @@ mod tests {
             "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"hi\",\"sequence_number\":1}\n\n",
             "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"r\",\"usage\":{\"input_tokens\":77,\"output_tokens\":5,\"total_tokens\":82}},\"sequence_number\":2}\n\n",
         );
-        let mut tap = SseTap::for_format(Format::Responses, false);
+        let mut tap = SseTap::new(Format::Responses, false);
         assert_eq!(run(&mut tap, &[stream]), stream);
         assert_eq!(tap.usage().unwrap().prompt_tokens, 77);
         assert!(tap.saw_done());
@@ -773,7 +329,7 @@ mod tests {
             )
         };
         for (kind, read) in [("response.incomplete", Some(40)), ("response.failed", None)] {
-            let mut tap = SseTap::for_format(Format::Responses, false);
+            let mut tap = SseTap::new(Format::Responses, false);
             let stream = ev(kind, 40);
             assert_eq!(run(&mut tap, &[&stream]), stream);
             assert_eq!(tap.usage().map(|u| u.prompt_tokens), read, "{kind}");
@@ -781,11 +337,11 @@ mod tests {
         }
         // Data split over several `data:` lines is joined.
         let split = "event: response.completed\ndata: {\"type\":\"response.completed\",\ndata: \"response\":{\"usage\":{\"input_tokens\":9}}}\n\n";
-        let mut tap = SseTap::for_format(Format::Responses, false);
+        let mut tap = SseTap::new(Format::Responses, false);
         run(&mut tap, &[split]);
         assert_eq!(tap.usage().map(|u| u.prompt_tokens), Some(9));
         let split = "event: message_start\ndata: {\"type\":\"message_start\",\ndata: \"message\":{\"usage\":{\"input_tokens\":5,\"output_tokens\":1}}}\n\n";
-        let mut tap = SseTap::for_format(Format::Messages, false);
+        let mut tap = SseTap::new(Format::Messages, false);
         run(&mut tap, &[split]);
         assert_eq!(tap.usage().map(|u| u.prompt_tokens), Some(5));
     }
@@ -793,7 +349,7 @@ mod tests {
     #[test]
     fn anthropic_usage_counts_cache_reads_and_writes_as_prompt() {
         let body = Bytes::from_static(br#"{"id":"msg_1","type":"message","usage":{"input_tokens":12,"cache_creation_input_tokens":100,"cache_read_input_tokens":3000,"output_tokens":7}}"#);
-        let mut t = JsonTap::for_format(Format::Messages, Some(body.len() as u64));
+        let mut t = JsonTap::new(Format::Messages, Some(body.len() as u64));
         t.push(&body);
         t.finish();
         let u = t.usage().unwrap();
@@ -806,7 +362,7 @@ mod tests {
             "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":42}}\n\n",
             "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
         );
-        let mut tap = SseTap::for_format(Format::Messages, false);
+        let mut tap = SseTap::new(Format::Messages, false);
         let (a, b) = stream.split_at(100);
         // The client gets the stream byte for byte.
         assert_eq!(run(&mut tap, &[a, b]), stream);
@@ -817,7 +373,7 @@ mod tests {
 
     #[test]
     fn stripping_removes_usage_chunk_and_null_usage_fields() {
-        let mut tap = SseTap::new(true);
+        let mut tap = SseTap::new(Format::Chat, true);
         let out = run(&mut tap, &[CHUNK, USAGE, DONE]);
         assert_eq!(
             out,
@@ -860,7 +416,7 @@ mod tests {
             ),
         ];
         for (event, expected) in cases {
-            let mut tap = SseTap::new(true);
+            let mut tap = SseTap::new(Format::Chat, true);
             assert_eq!(run(&mut tap, &[event]), expected, "{event}");
             assert!(tap.usage().is_none());
         }
@@ -870,7 +426,7 @@ mod tests {
             "data: {\"id\":\"c\",\ndata: \"usage\":null}\n\n",
             "data: {\"id\":\"c\",\"usage\":null,\"usage\":null}\n\n",
         ] {
-            let mut tap = SseTap::new(true);
+            let mut tap = SseTap::new(Format::Chat, true);
             assert_eq!(
                 run(&mut tap, &[event]),
                 "data: {\"id\":\"c\"}\n\n",
@@ -879,7 +435,7 @@ mod tests {
         }
         // Not an object: passed on as it came.
         let broken = "data: {\"id\":\"c\",\"usage\":null\n\n";
-        assert_eq!(run(&mut SseTap::new(true), &[broken]), broken);
+        assert_eq!(run(&mut SseTap::new(Format::Chat, true), &[broken]), broken);
     }
 
     /// A chunk's members, as (key, value) JSON texts: keys that repeat
@@ -936,7 +492,7 @@ mod tests {
             let name = if named { format!("event: chunk{end}") } else { String::new() };
             let field = if tight { "data:" } else { "data: " };
             let event = format!("{name}{field}{}{{{body}}}{}{end}{end}", ws(1), ws(2));
-            let mut tap = SseTap::new(true);
+            let mut tap = SseTap::new(Format::Chat, true);
             let out = run(&mut tap, &[&event]);
             prop_assert!(tap.usage().is_none());
             // The members, in order and with their bytes, as the parser
@@ -965,7 +521,7 @@ mod tests {
 
     #[test]
     fn without_stripping_bytes_pass_unchanged_and_usage_is_read() {
-        let mut tap = SseTap::new(false);
+        let mut tap = SseTap::new(Format::Chat, false);
         let all = format!("{CHUNK}{USAGE}{DONE}");
         // Split inside the usage event to exercise reassembly.
         let (a, b) = all.split_at(CHUNK.len() + 20);
@@ -975,7 +531,7 @@ mod tests {
 
     #[test]
     fn events_split_across_chunks_and_crlf_are_handled() {
-        let mut tap = SseTap::new(true);
+        let mut tap = SseTap::new(Format::Chat, true);
         let usage = USAGE.replace("\n\n", "\r\n\r\n");
         let (a, b) = usage.split_at(17);
         let out = run(&mut tap, &[": keep-alive\n\n", a, b, DONE]);
@@ -988,7 +544,7 @@ mod tests {
         // Some upstreams put usage on the last content chunk; it is content,
         // so it is never dropped.
         let ev = "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":5}}\n\n";
-        let mut tap = SseTap::new(true);
+        let mut tap = SseTap::new(Format::Chat, true);
         assert_eq!(run(&mut tap, &[ev]), ev);
         assert_eq!(tap.usage().unwrap().prompt_tokens, 5);
     }
@@ -996,7 +552,7 @@ mod tests {
     #[test]
     fn a_long_stream_is_scanned_once_and_an_over_long_event_ends_the_tap() {
         // One byte at a time: each push scans only the new byte.
-        let mut tap = SseTap::new(true);
+        let mut tap = SseTap::new(Format::Chat, true);
         let all = format!("{CHUNK}{USAGE}{DONE}");
         let parts: Vec<String> = all.chars().map(String::from).collect();
         let refs: Vec<&str> = parts.iter().map(String::as_str).collect();
@@ -1008,13 +564,13 @@ mod tests {
         assert_eq!(tap.usage().unwrap().prompt_tokens, 11);
 
         // An event without end: held only up to the limit, then passed on.
-        let mut tap = SseTap::new(true);
+        let mut tap = SseTap::new(Format::Chat, true);
         let mut sent = 0;
         let line = Bytes::from(vec![b'x'; 1 << 20]);
         tap.push(Bytes::from_static(b"data: "));
         for _ in 0..8 {
             sent += tap.push(line.clone()).len();
-            assert!(tap.pending.len() <= MAX_EVENT_BYTES + line.len());
+            assert!(tap.reader.pending() <= MAX_EVENT_BYTES + line.len());
         }
         assert!(tap.ended());
         assert_eq!(sent, 6 + 8 * line.len(), "every byte reached the client");
@@ -1030,7 +586,7 @@ mod tests {
         // without it, on the chunk with the finish_reason.
         let fin = "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],\"id\":\"c\",\"usage\":null}\n\n";
         let usage = "data: {\"choices\":[],\"id\":\"c\",\"usage\":{\"prompt_tokens\":9},\"timings\":{\"prompt_ms\":1.5}}\n\n";
-        let mut tap = SseTap::new(true);
+        let mut tap = SseTap::new(Format::Chat, true);
         let out = run(&mut tap, &[CHUNK, fin, usage, DONE]);
         assert_eq!(
             out,
@@ -1042,17 +598,17 @@ mod tests {
         assert_eq!(tap.usage().unwrap().prompt_tokens, 9);
         // OpenAI: nothing beside usage that the last chunk lacks; bytes as
         // before.
-        let mut tap = SseTap::new(true);
+        let mut tap = SseTap::new(Format::Chat, true);
         let out = run(&mut tap, &[fin, USAGE, DONE]);
         assert_eq!(out, format!("{}{DONE}", fin.replace(",\"usage\":null", "")));
         // A stream that ends after the finishing chunk still sends it.
-        let mut tap = SseTap::new(true);
+        let mut tap = SseTap::new(Format::Chat, true);
         assert_eq!(run(&mut tap, &[fin]), fin.replace(",\"usage\":null", ""));
     }
 
     #[test]
     fn json_tap_reads_usage() {
-        let mut t = JsonTap::new(None);
+        let mut t = JsonTap::new(Format::Chat, None);
         t.push(&Bytes::from_static(br#"{"id":"x","choices":[],"#));
         t.push(&Bytes::from_static(
             br#""usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#,
@@ -1060,11 +616,11 @@ mod tests {
         assert_eq!(t.usage(), None, "usage is read when the body is complete");
         t.finish();
         assert_eq!(t.usage().unwrap().completion_tokens, 4);
-        assert_eq!(JsonTap::new(None).usage(), None);
+        assert_eq!(JsonTap::new(Format::Chat, None).usage(), None);
         // With a known length the tap tells when the last byte passed, in
         // one chunk or several; a body in one chunk is kept, not copied.
         let body = Bytes::from_static(br#"{"usage":{"prompt_tokens":9}}"#);
-        let mut t = JsonTap::new(Some(body.len() as u64));
+        let mut t = JsonTap::new(Format::Chat, Some(body.len() as u64));
         t.push(&body);
         assert!(t.complete());
         assert!(
@@ -1074,7 +630,7 @@ mod tests {
         );
         t.finish();
         assert_eq!(t.usage().unwrap().prompt_tokens, 9);
-        let mut t = JsonTap::new(Some(body.len() as u64));
+        let mut t = JsonTap::new(Format::Chat, Some(body.len() as u64));
         t.push(&body.slice(..5));
         assert!(!t.complete());
         t.push(&body.slice(5..));
@@ -1082,7 +638,7 @@ mod tests {
         t.finish();
         assert_eq!(t.usage().unwrap().prompt_tokens, 9);
         // Past the limit nothing is kept, and the usage stays unknown.
-        let mut t = JsonTap::new(None);
+        let mut t = JsonTap::new(Format::Chat, None);
         t.push(&Bytes::from(vec![b' '; JsonTap::MAX_BYTES]));
         t.push(&body);
         t.finish();
@@ -1093,7 +649,7 @@ mod tests {
     /// whether it counts as invalid.
     fn tapped(format: Format, body: &str) -> (Option<Usage>, bool) {
         let body = Bytes::copy_from_slice(body.as_bytes());
-        let mut t = JsonTap::for_format(format, Some(body.len() as u64));
+        let mut t = JsonTap::new(format, Some(body.len() as u64));
         t.push(&body);
         t.finish();
         (t.usage(), t.invalid())
@@ -1141,7 +697,7 @@ mod tests {
         }
         // A multi-byte character cut in two.
         let body = Bytes::from_static(b"{\"content\":\"\xc3\",\"usage\":{\"prompt_tokens\":3}}");
-        let mut t = JsonTap::new(Some(body.len() as u64));
+        let mut t = JsonTap::new(Format::Chat, Some(body.len() as u64));
         t.push(&body);
         t.finish();
         assert_eq!((t.usage(), t.invalid()), (None, true));

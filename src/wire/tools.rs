@@ -1,17 +1,29 @@
-//! The tools condense offers and answers itself, in each wire format: their
+//! The tools condense offers and answers itself: their names and
 //! definitions, their calls found in a model's answer (a JSON body, or a
 //! stream's events gathered into one), the follow-up request that carries
-//! their results, and the answer the client sees without them.
+//! their results, and the answer the client sees without them. What is in
+//! each API's shape is the API's (`Api::tool`, `calls`, `follow_up`,
+//! `strip_own_calls`); the rest is here.
 //!
 //! Answers are read as `serde_json::Value`: only requests that were offered
 //! a tool pay for it, and the answer is small next to the request.
 
 use bytes::Bytes;
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
-use super::COMPRESS_TOOL;
+use super::Format;
+use super::usage::Sum;
 use crate::chat::{ChatRequest, RawObject};
-use crate::wire::Format;
+
+/// The tool the model recalls an original with.
+pub const RECALL_TOOL: &str = "condense_recall";
+/// The tool the model asks for compaction with (`compaction.agent_tool`).
+pub const COMPRESS_TOOL: &str = "compress_context";
+
+/// Whether a tool name is one of condense's own.
+pub fn is_own_tool(name: &str) -> bool {
+    name == RECALL_TOOL || name == COMPRESS_TOOL
+}
 
 /// Fields of a chat assistant message that hold its reasoning.
 pub const REASONING_FIELDS: &[&str] = &["reasoning_content", "reasoning"];
@@ -66,15 +78,7 @@ pub fn definition(format: Format, name: &str) -> Value {
         "required": [param],
         "additionalProperties": false,
     });
-    match format {
-        Format::Chat => json!({"type": "function", "function": {
-            "name": name, "description": description, "parameters": schema}}),
-        Format::Messages => {
-            json!({"name": name, "description": description, "input_schema": schema})
-        }
-        Format::Responses => json!({"type": "function", "name": name,
-            "description": description, "parameters": schema, "strict": true}),
-    }
+    format.api().tool(name, description, schema)
 }
 
 /// A body with condense's tools added.
@@ -129,7 +133,7 @@ pub fn client_tool_names(body: &Bytes) -> Vec<String> {
                 .or_else(|| t.get("name"))
                 .and_then(Value::as_str)
         })
-        .filter(|n| !super::is_own_tool(n))
+        .filter(|n| !is_own_tool(n))
         .map(str::to_string)
         .collect()
 }
@@ -145,6 +149,52 @@ pub struct Call {
     pub name: String,
     /// The call's one string argument (`key` or `reason`), if it gave one.
     pub argument: Option<String>,
+}
+
+impl Call {
+    /// A call of `name` (with `id` and its `arguments`: a JSON string or
+    /// object), and whether it is one of condense's own.
+    pub(super) fn read(
+        id: Option<&Value>,
+        name: Option<&Value>,
+        arguments: Option<&Value>,
+    ) -> (Call, bool) {
+        let call = Call {
+            id: text(id),
+            name: text(name),
+            argument: argument(arguments),
+        };
+        let own = is_own_tool(&call.name);
+        (call, own)
+    }
+}
+
+/// A string value, or "" when it is not one.
+pub(super) fn text(v: Option<&Value>) -> String {
+    v.and_then(Value::as_str).unwrap_or("").to_string()
+}
+
+/// The one string argument of a call (`key` or `reason`) in its
+/// arguments, a JSON object or a string holding one.
+fn argument(v: Option<&Value>) -> Option<String> {
+    let obj = match v? {
+        Value::String(s) => serde_json::from_str::<Value>(s).ok()?,
+        other => other.clone(),
+    };
+    let o = obj.as_object()?;
+    // A key of digits may come back as a number.
+    match o.get("key").or_else(|| o.get("reason"))? {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// Whether the string at `name_at` in `v` names one of condense's tools.
+pub(super) fn names_own(v: &Value, name_at: &str) -> bool {
+    v.pointer(name_at)
+        .and_then(Value::as_str)
+        .is_some_and(is_own_tool)
 }
 
 /// A model's answer (a JSON response body, or a stream gathered into one),
@@ -163,78 +213,7 @@ impl Answer {
 
     /// The answer's tool calls, with whether each is condense's own.
     fn calls(&self) -> Vec<(Call, bool)> {
-        let mut out = Vec::new();
-        let ours = super::is_own_tool;
-        let argument = |v: Option<&Value>| -> Option<String> {
-            let obj = match v? {
-                Value::String(s) => serde_json::from_str::<Value>(s).ok()?,
-                other => other.clone(),
-            };
-            let o = obj.as_object()?;
-            // A key of digits may come back as a number.
-            match o.get("key").or_else(|| o.get("reason"))? {
-                Value::String(s) => Some(s.clone()),
-                Value::Number(n) => Some(n.to_string()),
-                _ => None,
-            }
-        };
-        let s = |v: Option<&Value>| v.and_then(Value::as_str).unwrap_or("").to_string();
-        match self.format {
-            Format::Chat => {
-                let calls = self.value.pointer("/choices/0/message/tool_calls");
-                for c in calls.and_then(Value::as_array).into_iter().flatten() {
-                    let name = s(c.pointer("/function/name"));
-                    let call = Call {
-                        id: s(c.get("id")),
-                        argument: argument(c.pointer("/function/arguments")),
-                        name,
-                    };
-                    let own = ours(&call.name);
-                    out.push((call, own));
-                }
-            }
-            Format::Messages => {
-                for b in blocks(&self.value) {
-                    if b.get("type").and_then(Value::as_str) == Some("tool_use") {
-                        let call = Call {
-                            id: s(b.get("id")),
-                            name: s(b.get("name")),
-                            argument: argument(b.get("input")),
-                        };
-                        let own = ours(&call.name);
-                        out.push((call, own));
-                    }
-                }
-            }
-            Format::Responses => {
-                let items = self.value.get("output").and_then(Value::as_array);
-                for item in items.into_iter().flatten() {
-                    match item.get("type").and_then(Value::as_str) {
-                        Some("function_call") => {
-                            let call = Call {
-                                id: s(item.get("call_id")),
-                                name: s(item.get("name")),
-                                argument: argument(item.get("arguments")),
-                            };
-                            let own = ours(&call.name);
-                            out.push((call, own));
-                        }
-                        Some("custom_tool_call" | "local_shell_call" | "computer_call") => {
-                            out.push((
-                                Call {
-                                    id: s(item.get("call_id")),
-                                    name: s(item.get("name")),
-                                    argument: None,
-                                },
-                                false,
-                            ));
-                        }
-                        _ => {}
-                    }
-                }
-            }
-        }
-        out
+        self.format.api().calls(&self.value)
     }
 
     /// condense's own calls in the answer.
@@ -252,8 +231,8 @@ impl Answer {
     }
 
     /// The numbers of the answer's `usage`.
-    pub fn usage(&self) -> Usage {
-        let mut u = Usage::default();
+    pub fn usage(&self) -> Sum {
+        let mut u = Sum::default();
         u.add(self.value.get("usage"));
         u
     }
@@ -263,166 +242,25 @@ impl Answer {
     /// the model decides on them again once it has the results) and one
     /// result per call. None when `sent` cannot take it.
     pub fn follow_up(&self, sent: &Bytes, results: &[(String, String)]) -> Option<Bytes> {
-        let ours = self.ours();
-        let is_ours = |id: &str| ours.iter().any(|c| c.id == id);
-        match self.format {
-            Format::Chat => {
-                let message = self.value.pointer("/choices/0/message")?;
-                let calls: Vec<Value> = message
-                    .get("tool_calls")?
-                    .as_array()?
-                    .iter()
-                    .filter(|c| c.get("id").and_then(Value::as_str).is_some_and(is_ours))
-                    .cloned()
-                    .collect();
-                let content = message.get("content").cloned().unwrap_or(Value::Null);
-                let mut assistant =
-                    json!({"role": "assistant", "content": content, "tool_calls": calls});
-                // Reasoning some servers send beside the content (DeepSeek's
-                // `reasoning_content`, OpenRouter's `reasoning`) goes back with
-                // the calls it led to, as their tool loops expect.
-                for key in REASONING_FIELDS {
-                    if let Some(r) = message.get(*key).filter(|r| !r.is_null()) {
-                        assistant[*key] = r.clone();
-                    }
-                }
-                let mut turn = vec![assistant];
-                for (id, text) in results {
-                    turn.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
-                }
-                append(sent, "messages", &turn)
-            }
-            Format::Messages => {
-                let content: Vec<Value> = blocks(&self.value)
-                    .filter(|b| {
-                        b.get("type").and_then(Value::as_str) != Some("tool_use")
-                            || b.get("id").and_then(Value::as_str).is_some_and(is_ours)
-                    })
-                    .cloned()
-                    .collect();
-                let results: Vec<Value> = results
-                    .iter()
-                    .map(|(id, text)| json!({"type": "tool_result", "tool_use_id": id, "content": text}))
-                    .collect();
-                let turn = [
-                    json!({"role": "assistant", "content": content}),
-                    json!({"role": "user", "content": results}),
-                ];
-                append(sent, "messages", &turn)
-            }
-            Format::Responses => {
-                let mut turn = Vec::new();
-                for item in self.value.get("output")?.as_array()? {
-                    let kind = item.get("type").and_then(Value::as_str).unwrap_or("");
-                    let mut item = item.clone();
-                    match kind {
-                        // Without its encrypted content a reasoning item
-                        // refers to one stored on the server, which a
-                        // stateless request must not.
-                        "reasoning" if item.get("encrypted_content").is_none_or(Value::is_null) => {
-                            continue;
-                        }
-                        "reasoning" => {}
-                        "function_call" => {
-                            let id = item.get("call_id").and_then(Value::as_str);
-                            if !id.is_some_and(is_ours) {
-                                continue;
-                            }
-                            strip_id(&mut item);
-                        }
-                        "message" => strip_id(&mut item),
-                        _ => continue,
-                    }
-                    turn.push(item);
-                }
-                for (id, text) in results {
-                    turn.push(
-                        json!({"type": "function_call_output", "call_id": id, "output": text}),
-                    );
-                }
-                append(sent, "input", &turn)
-            }
-        }
+        self.format
+            .api()
+            .follow_up(&self.value, &self.ours(), sent, results)
     }
 
     /// The answer as the client sees it: condense's calls taken out (the
     /// stop reason says "done" when no call of the client's is left), and
     /// `extra` (the usage of the rounds condense answered) added to its
     /// usage.
-    pub fn for_client(mut self, extra: &Usage) -> Bytes {
-        let ours = |v: &Value, name_at: &str| {
-            v.pointer(name_at)
-                .and_then(Value::as_str)
-                .is_some_and(super::is_own_tool)
-        };
-        match self.format {
-            Format::Chat => {
-                let choices = self.value.get_mut("choices").and_then(Value::as_array_mut);
-                for choice in choices.into_iter().flatten() {
-                    let Some(message) = choice.get_mut("message").and_then(Value::as_object_mut)
-                    else {
-                        continue;
-                    };
-                    let left = match message.get_mut("tool_calls").and_then(Value::as_array_mut) {
-                        Some(calls) => {
-                            calls.retain(|c| !ours(c, "/function/name"));
-                            calls.len()
-                        }
-                        None => 0,
-                    };
-                    if left == 0 && message.remove("tool_calls").is_some() {
-                        if message.get("content").is_none_or(Value::is_null) {
-                            message.insert("content".into(), Value::String(String::new()));
-                        }
-                        if choice.get("finish_reason").and_then(Value::as_str) == Some("tool_calls")
-                        {
-                            choice["finish_reason"] = json!("stop");
-                        }
-                    }
-                }
-            }
-            Format::Messages => {
-                if let Some(content) = self.value.get_mut("content").and_then(Value::as_array_mut) {
-                    content.retain(|b| !ours(b, "/name"));
-                    let left = content
-                        .iter()
-                        .any(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"));
-                    if !left
-                        && self.value.get("stop_reason").and_then(Value::as_str) == Some("tool_use")
-                    {
-                        self.value["stop_reason"] = json!("end_turn");
-                    }
-                }
-            }
-            Format::Responses => {
-                if let Some(output) = self.value.get_mut("output").and_then(Value::as_array_mut) {
-                    output.retain(|i| !ours(i, "/name"));
-                }
-            }
-        }
+    pub fn for_client(mut self, extra: &Sum) -> Bytes {
+        self.format.api().strip_own_calls(&mut self.value);
         extra.add_to(&mut self.value);
         Bytes::from(self.value.to_string())
     }
 }
 
-fn blocks(value: &Value) -> impl Iterator<Item = &Value> {
-    value
-        .get("content")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-}
-
-fn strip_id(item: &mut Value) {
-    if let Some(o) = item.as_object_mut() {
-        o.remove("id");
-        o.remove("status");
-    }
-}
-
 /// `sent` with `items` appended to its list `key` (a string `input` becomes
 /// a list first).
-fn append(sent: &Bytes, key: &str, items: &[Value]) -> Option<Bytes> {
+pub(super) fn append(sent: &Bytes, key: &str, items: &[Value]) -> Option<Bytes> {
     let mut obj = RawObject::parse(sent).ok()?;
     let list = obj.get(key)?;
     let mut list: Vec<Value> = match serde_json::from_slice::<Value>(list).ok()? {
@@ -435,71 +273,9 @@ fn append(sent: &Bytes, key: &str, items: &[Value]) -> Option<Bytes> {
     Some(Bytes::from(obj.to_vec()))
 }
 
-/// Token counts summed field by field over several answers' `usage`.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Usage(Map<String, Value>);
-
-impl Usage {
-    /// Adds the integer fields of `usage` (and of its `*_details` objects).
-    pub fn add(&mut self, usage: Option<&Value>) {
-        if let Some(Value::Object(u)) = usage {
-            sum_into(&mut self.0, u);
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// Adds these counts to the `usage` of a response object (where a
-    /// Responses stream's event holds it, under `response`).
-    pub fn add_to(&self, value: &mut Value) {
-        if self.0.is_empty() {
-            return;
-        }
-        if let Some(Value::Object(u)) = value.get_mut("usage") {
-            add_existing(u, &self.0);
-        }
-    }
-}
-
-/// Adds `from`'s numbers to the fields `into` has (a stream's usage event
-/// names only what it reports).
-fn add_existing(into: &mut Map<String, Value>, from: &Map<String, Value>) {
-    for (k, slot) in into.iter_mut() {
-        match (slot, from.get(k)) {
-            (Value::Object(a), Some(Value::Object(b))) => add_existing(a, b),
-            (slot @ Value::Number(_), Some(Value::Number(b))) => {
-                if let (Some(a), Some(b)) = (slot.as_u64(), b.as_u64()) {
-                    *slot = json!(a + b);
-                }
-            }
-            _ => {}
-        }
-    }
-}
-
-fn sum_into(into: &mut Map<String, Value>, from: &Map<String, Value>) {
-    for (k, v) in from {
-        match (into.get_mut(k), v) {
-            (Some(Value::Object(a)), Value::Object(b)) => sum_into(a, b),
-            (Some(slot), Value::Number(b)) => {
-                if let (Some(a), Some(b)) = (slot.as_u64(), b.as_u64()) {
-                    *slot = json!(a + b);
-                }
-            }
-            (None, Value::Number(_) | Value::Object(_)) => {
-                into.insert(k.clone(), v.clone());
-            }
-            _ => {}
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::recall::RECALL_TOOL;
 
     fn body(v: Value) -> Bytes {
         Bytes::from(v.to_string())
@@ -602,7 +378,7 @@ mod tests {
             json!({"role": "tool", "tool_call_id": "a", "content": "the original"})
         );
 
-        let mut extra = Usage::default();
+        let mut extra = Sum::default();
         extra.add(answer.get("usage"));
         let shown: Value = serde_json::from_slice(&a.for_client(&extra)).unwrap();
         assert_eq!(shown["usage"]["prompt_tokens"], 20);
@@ -632,7 +408,7 @@ mod tests {
         let m = v["messages"].as_array().unwrap();
         assert_eq!(m[1]["content"][0]["signature"], "s");
         assert_eq!(m[2]["content"][0]["tool_use_id"], "tu1");
-        let shown: Value = serde_json::from_slice(&a.for_client(&Usage::default())).unwrap();
+        let shown: Value = serde_json::from_slice(&a.for_client(&Sum::default())).unwrap();
         assert_eq!(shown["stop_reason"], "end_turn");
         assert_eq!(shown["content"].as_array().unwrap().len(), 1);
 

@@ -220,7 +220,7 @@ impl MessagesRequest {
     /// The request with its first `end` messages only (and `model`, when
     /// given): a turn of the conversation as the client sent it then.
     pub fn prefix(&self, end: usize, model: Option<&str>) -> Bytes {
-        let list = super::raw_list(self.turns.iter().take(end).map(|t| &t.raw));
+        let list = crate::wire::raw_list(self.turns.iter().take(end).map(|t| &t.raw));
         let mut fields = self.fields.clone();
         fields.set("messages", list);
         if let Some(m) = model {
@@ -269,7 +269,7 @@ impl MessagesRequest {
             messages.push(Message::from_bytes(v));
             origins.push(o);
         };
-        let bytes = |v: Value| super::view_bytes(&v);
+        let bytes = |v: Value| crate::wire::view_bytes(&v);
         if let Some(text) = self.system_text() {
             push(
                 bytes(json!({"role": "system", "content": text})),
@@ -279,7 +279,7 @@ impl MessagesRequest {
         for (t, turn) in self.turns.iter().enumerate() {
             match (&turn.side, &turn.content) {
                 (Side::User, Content::Text(s)) => {
-                    push(super::chat_text("user", &decoded(s)), Origin::User(t));
+                    push(crate::wire::chat_text("user", &decoded(s)), Origin::User(t));
                 }
                 // One view message per block, in order: a tool result, or
                 // what the client wrote (a text as chat's user message).
@@ -447,7 +447,9 @@ impl MessagesRequest {
         match (&turn.side, &turn.content) {
             (Side::User, Content::Text(_)) => {
                 let &j = js.first().ok_or(WriteError::Mismatch)?;
-                let text = new_view(j).map(|v| super::text_of(&v)).unwrap_or_default();
+                let text = new_view(j)
+                    .map(|v| crate::wire::text_of(&v))
+                    .unwrap_or_default();
                 Ok(vec![Block::new(json!({"type": "text", "text": text}))])
             }
             (Side::User, Content::Blocks(blocks)) => {
@@ -465,7 +467,7 @@ impl MessagesRequest {
                         out.push(block.clone());
                         continue;
                     };
-                    let text = super::text_of(&v);
+                    let text = crate::wire::text_of(&v);
                     if block.kind() == "tool_result" {
                         out.push(block.with("content", json!(text)));
                     } else if block.kind() == "text" {
@@ -586,7 +588,10 @@ impl MessagesRequest {
                 Out::Kept(t) => list.extend_from_slice(&self.turns[*t].raw),
                 Out::Built { fields, blocks, .. } => {
                     let mut f = fields.clone();
-                    f.set("content", super::raw_list(blocks.iter().map(|b| &b.raw)));
+                    f.set(
+                        "content",
+                        crate::wire::raw_list(blocks.iter().map(|b| &b.raw)),
+                    );
                     list.extend_from_slice(&f.to_vec());
                 }
             }
@@ -811,7 +816,7 @@ fn user_view(block: &Block) -> Value {
 /// order, no spaces.
 fn assistant_view(content: &Content) -> Bytes {
     let blocks = match content {
-        Content::Text(s) => return super::chat_text("assistant", &decoded(s)),
+        Content::Text(s) => return crate::wire::chat_text("assistant", &decoded(s)),
         Content::Blocks(b) => b,
     };
     let text = joined_text(blocks);
@@ -833,7 +838,7 @@ fn assistant_view(content: &Content) -> Bytes {
         out.extend_from_slice(b",\"thinking\":");
         write_json_string(&mut out, &thinking);
     }
-    super::write_tool_calls(
+    crate::wire::write_tool_calls(
         &mut out,
         blocks.iter().filter(|b| b.kind() == "tool_use").map(|b| {
             (
@@ -844,7 +849,7 @@ fn assistant_view(content: &Content) -> Bytes {
         }),
     );
     out.push(b'}');
-    super::exact(out)
+    crate::wire::exact(out)
 }
 
 fn joined_text(blocks: &[Block]) -> String {
@@ -861,7 +866,7 @@ fn joined_text(blocks: &[Block]) -> String {
 /// it), each `tool_use` whose arguments changed given them as its input;
 /// thinking and other blocks untouched.
 fn assistant_rebuilt(content: &Content, v: &Message) -> Vec<Block> {
-    let new_text = super::text_of(v.content().unwrap_or(&Value::Null));
+    let new_text = crate::wire::text_of(v.content().unwrap_or(&Value::Null));
     let blocks = match content {
         Content::Text(_) => {
             return vec![Block::new(json!({"type": "text", "text": new_text}))];
@@ -915,7 +920,7 @@ fn assistant_rebuilt(content: &Content, v: &Message) -> Vec<Block> {
 /// The text of a digest or checkpoint message (a chat message).
 fn view_text(raw: &Bytes) -> String {
     serde_json::from_slice::<Value>(raw)
-        .map(|v| super::text_of(&v))
+        .map(|v| crate::wire::text_of(&v))
         .unwrap_or_default()
 }
 

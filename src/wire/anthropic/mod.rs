@@ -1,0 +1,166 @@
+//! Anthropic Messages (`/v1/messages`): the request read without loss
+//! and written back (`request.rs`), its usage, its errors, condense's
+//! tools in its shape, and its streams (`stream.rs`).
+
+mod request;
+mod stream;
+
+pub use request::{MessagesRequest, Origins, ParseError, WriteError};
+
+use bytes::{Bytes, BytesMut};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::stream::{Decision, Edit, Filter, Gather};
+use super::tap::SseTap;
+use super::tools::{Call, append, names_own};
+use super::usage::Usage;
+use super::{Api, Failure, NotUnderstood, Parsed, Provider, Writer};
+
+/// The Messages API.
+pub struct Messages;
+
+/// Anthropic's usage object: the prompt is split into uncached, cache-read
+/// and cache-written parts, which together are what the window holds.
+#[derive(Debug, Default, Deserialize)]
+struct AnthropicUsage {
+    #[serde(default)]
+    input_tokens: Option<u64>,
+    #[serde(default)]
+    cache_creation_input_tokens: Option<u64>,
+    #[serde(default)]
+    cache_read_input_tokens: Option<u64>,
+    #[serde(default)]
+    output_tokens: Option<u64>,
+}
+
+impl AnthropicUsage {
+    fn prompt(&self) -> Option<u64> {
+        let parts = [
+            self.input_tokens,
+            self.cache_creation_input_tokens,
+            self.cache_read_input_tokens,
+        ];
+        parts
+            .iter()
+            .any(Option::is_some)
+            .then(|| parts.iter().flatten().sum())
+    }
+}
+
+/// An Anthropic `usage` value.
+fn usage(raw: &[u8]) -> Option<Usage> {
+    let u: AnthropicUsage = serde_json::from_slice(raw).ok()?;
+    let prompt = u.prompt()?;
+    Some(Usage::of(prompt, u.output_tokens.unwrap_or(0)))
+}
+
+/// Anthropic's error object (the body's and the stream event's data).
+fn error_value(f: &Failure) -> Value {
+    json!({"type": "error", "error": {
+        "type": f.anthropic_kind, "message": format!("{} ({})", f.message, f.code)}})
+}
+
+fn blocks(value: &Value) -> impl Iterator<Item = &Value> {
+    value
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+}
+
+impl Api for Messages {
+    fn parse(&self, body: &Bytes) -> Result<Parsed, NotUnderstood> {
+        let req = MessagesRequest::parse(body)?;
+        if !req.well_formed() {
+            return Err(NotUnderstood::IllFormed);
+        }
+        let (conversation, origins) = req.view();
+        Ok(Parsed {
+            conversation,
+            writer: Writer::Messages(req, origins),
+        })
+    }
+
+    fn provider(&self) -> Provider {
+        Provider::Anthropic
+    }
+
+    fn parses_into_a_view(&self) -> bool {
+        true
+    }
+
+    fn usage(&self, raw: &[u8]) -> Option<Usage> {
+        usage(raw)
+    }
+
+    fn tap_event(&self, tap: &mut SseTap, event: &[u8], out: &mut BytesMut) {
+        stream::tap_event(tap, event, out);
+    }
+
+    fn error_body(&self, f: &Failure) -> String {
+        error_value(f).to_string()
+    }
+
+    /// Anthropic's SDKs raise an `error` event as an API error.
+    fn stream_error(&self, f: &Failure) -> String {
+        format!("event: error\ndata: {}\n\n", error_value(f))
+    }
+
+    fn tool(&self, name: &str, description: &str, schema: Value) -> Value {
+        json!({"name": name, "description": description, "input_schema": schema})
+    }
+
+    fn calls(&self, answer: &Value) -> Vec<(Call, bool)> {
+        blocks(answer)
+            .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
+            .map(|b| Call::read(b.get("id"), b.get("name"), b.get("input")))
+            .collect()
+    }
+
+    fn follow_up(
+        &self,
+        answer: &Value,
+        ours: &[Call],
+        sent: &Bytes,
+        results: &[(String, String)],
+    ) -> Option<Bytes> {
+        let is_ours = |id: &str| ours.iter().any(|c| c.id == id);
+        let content: Vec<Value> = blocks(answer)
+            .filter(|b| {
+                b.get("type").and_then(Value::as_str) != Some("tool_use")
+                    || b.get("id").and_then(Value::as_str).is_some_and(is_ours)
+            })
+            .cloned()
+            .collect();
+        let results: Vec<Value> = results
+            .iter()
+            .map(|(id, text)| json!({"type": "tool_result", "tool_use_id": id, "content": text}))
+            .collect();
+        let turn = [
+            json!({"role": "assistant", "content": content}),
+            json!({"role": "user", "content": results}),
+        ];
+        append(sent, "messages", &turn)
+    }
+
+    fn strip_own_calls(&self, answer: &mut Value) {
+        if let Some(content) = answer.get_mut("content").and_then(Value::as_array_mut) {
+            content.retain(|b| !names_own(b, "/name"));
+            let left = content
+                .iter()
+                .any(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"));
+            if !left && answer.get("stop_reason").and_then(Value::as_str) == Some("tool_use") {
+                answer["stop_reason"] = json!("end_turn");
+            }
+        }
+    }
+
+    fn gather(&self, g: &mut Gather, data: &Value) -> Decision {
+        stream::gather(g, data)
+    }
+
+    fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit {
+        stream::filter(f, data)
+    }
+}

@@ -1,0 +1,158 @@
+//! OpenAI chat completions (`/v1/chat/completions`): the request is the
+//! pipeline's view itself (`crate::chat`); here is what else the API is:
+//! its usage, its errors, condense's tools in its shape, and its streams
+//! (`stream.rs`).
+
+mod stream;
+
+use bytes::{Bytes, BytesMut};
+use serde_json::{Value, json};
+
+use super::stream::{Decision, Edit, Filter, Gather};
+use super::tap::SseTap;
+use super::tools::{Call, append, names_own};
+use super::usage::Usage;
+use super::{Api, Failure, NotUnderstood, Parsed, Provider, Writer};
+use crate::chat::ChatRequest;
+
+/// Fields of a chat assistant message that hold its reasoning.
+pub const REASONING_FIELDS: &[&str] = &["reasoning_content", "reasoning"];
+
+/// A chat `usage` value (None when it is null).
+fn usage(raw: &[u8]) -> Option<Usage> {
+    serde_json::from_slice::<Option<Usage>>(raw).ok()?
+}
+
+/// The chat completions API.
+pub struct Chat;
+
+/// OpenAI's error body for a message, type and code (also Responses').
+pub fn error_body(message: &str, kind: &str, code: &str) -> String {
+    json!({"error": {"message": message, "type": kind, "param": null, "code": code}}).to_string()
+}
+
+impl Api for Chat {
+    fn parse(&self, body: &Bytes) -> Result<Parsed, NotUnderstood> {
+        Ok(Parsed {
+            conversation: ChatRequest::parse(body)?,
+            writer: Writer::Chat,
+        })
+    }
+
+    fn provider(&self) -> Provider {
+        Provider::OpenAi
+    }
+
+    fn parses_into_a_view(&self) -> bool {
+        false
+    }
+
+    fn usage(&self, raw: &[u8]) -> Option<Usage> {
+        usage(raw)
+    }
+
+    fn tap_event(&self, tap: &mut SseTap, event: &[u8], out: &mut BytesMut) {
+        stream::tap_event(tap, event, out);
+    }
+
+    fn error_body(&self, f: &Failure) -> String {
+        error_body(f.message, f.kind, f.code)
+    }
+
+    fn stream_error(&self, f: &Failure) -> String {
+        format!("data: {}\n\n", error_body(f.message, f.kind, f.code))
+    }
+
+    fn tool(&self, name: &str, description: &str, schema: Value) -> Value {
+        json!({"type": "function", "function": {
+            "name": name, "description": description, "parameters": schema}})
+    }
+
+    fn calls(&self, answer: &Value) -> Vec<(Call, bool)> {
+        let calls = answer.pointer("/choices/0/message/tool_calls");
+        calls
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                Call::read(
+                    c.get("id"),
+                    c.pointer("/function/name"),
+                    c.pointer("/function/arguments"),
+                )
+            })
+            .collect()
+    }
+
+    fn follow_up(
+        &self,
+        answer: &Value,
+        ours: &[Call],
+        sent: &Bytes,
+        results: &[(String, String)],
+    ) -> Option<Bytes> {
+        let is_ours = |id: &str| ours.iter().any(|c| c.id == id);
+        let message = answer.pointer("/choices/0/message")?;
+        let calls: Vec<Value> = message
+            .get("tool_calls")?
+            .as_array()?
+            .iter()
+            .filter(|c| c.get("id").and_then(Value::as_str).is_some_and(is_ours))
+            .cloned()
+            .collect();
+        let content = message.get("content").cloned().unwrap_or(Value::Null);
+        let mut assistant = json!({"role": "assistant", "content": content, "tool_calls": calls});
+        // Reasoning some servers send beside the content (DeepSeek's
+        // `reasoning_content`, OpenRouter's `reasoning`) goes back with
+        // the calls it led to, as their tool loops expect.
+        for key in REASONING_FIELDS {
+            if let Some(r) = message.get(*key).filter(|r| !r.is_null()) {
+                assistant[*key] = r.clone();
+            }
+        }
+        let mut turn = vec![assistant];
+        for (id, text) in results {
+            turn.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
+        }
+        append(sent, "messages", &turn)
+    }
+
+    fn strip_own_calls(&self, answer: &mut Value) {
+        let choices = answer.get_mut("choices").and_then(Value::as_array_mut);
+        for choice in choices.into_iter().flatten() {
+            let Some(message) = choice.get_mut("message").and_then(Value::as_object_mut) else {
+                continue;
+            };
+            let left = match message.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                Some(calls) => {
+                    calls.retain(|c| !names_own(c, "/function/name"));
+                    calls.len()
+                }
+                None => 0,
+            };
+            if left == 0 && message.remove("tool_calls").is_some() {
+                if message.get("content").is_none_or(Value::is_null) {
+                    message.insert("content".into(), Value::String(String::new()));
+                }
+                if choice.get("finish_reason").and_then(Value::as_str) == Some("tool_calls") {
+                    choice["finish_reason"] = json!("stop");
+                }
+            }
+        }
+    }
+
+    fn gather(&self, g: &mut Gather, data: &Value) -> Decision {
+        stream::gather(g, data)
+    }
+
+    fn gathered(&self, g: &mut Gather) {
+        if !g.calls.is_empty() {
+            g.value["choices"][0]["message"]["tool_calls"] =
+                Value::Array(std::mem::take(&mut g.calls));
+        }
+    }
+
+    fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit {
+        stream::filter(f, data)
+    }
+}

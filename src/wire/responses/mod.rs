@@ -1,0 +1,165 @@
+//! OpenAI Responses (`/v1/responses`), stateless: the request read
+//! without loss and written back (`request.rs`), its usage, its errors,
+//! condense's tools in its shape, and its streams (`stream.rs`).
+
+mod request;
+mod stream;
+
+pub use request::{Origins, ParseError, ResponsesRequest, WriteError};
+
+use bytes::{Bytes, BytesMut};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::stream::{Decision, Edit, Filter, Gather};
+use super::tap::SseTap;
+use super::tools::{Call, append, names_own, text};
+use super::usage::Usage;
+use super::{Api, Failure, NotUnderstood, Parsed, Provider, Writer};
+
+/// The Responses API.
+pub struct Responses;
+
+/// A Responses `usage` value: `input_tokens` is the whole prompt (cached
+/// tokens included), `output_tokens` the completion.
+fn usage(raw: &[u8]) -> Option<Usage> {
+    #[derive(Deserialize)]
+    struct R {
+        input_tokens: u64,
+        #[serde(default)]
+        output_tokens: u64,
+    }
+    let r: R = serde_json::from_slice::<Option<R>>(raw).ok()??;
+    Some(Usage::of(r.input_tokens, r.output_tokens))
+}
+
+fn strip_id(item: &mut Value) {
+    if let Some(o) = item.as_object_mut() {
+        o.remove("id");
+        o.remove("status");
+    }
+}
+
+impl Api for Responses {
+    fn parse(&self, body: &Bytes) -> Result<Parsed, NotUnderstood> {
+        let req = ResponsesRequest::parse(body)?;
+        if let Some(reason) = req.stateful() {
+            return Err(NotUnderstood::Stateful(reason));
+        }
+        if !req.well_formed() {
+            return Err(NotUnderstood::IllFormed);
+        }
+        let (conversation, origins) = req.view();
+        Ok(Parsed {
+            conversation,
+            writer: Writer::Responses(req, origins),
+        })
+    }
+
+    fn provider(&self) -> Provider {
+        Provider::OpenAi
+    }
+
+    fn parses_into_a_view(&self) -> bool {
+        true
+    }
+
+    fn usage(&self, raw: &[u8]) -> Option<Usage> {
+        usage(raw)
+    }
+
+    fn tap_event(&self, tap: &mut SseTap, event: &[u8], out: &mut BytesMut) {
+        stream::tap_event(tap, event, out);
+    }
+
+    fn error_body(&self, f: &Failure) -> String {
+        super::chat::error_body(f.message, f.kind, f.code)
+    }
+
+    /// The Responses stream's own error event, which the SDKs raise.
+    fn stream_error(&self, f: &Failure) -> String {
+        let error = json!({"type": "error", "code": f.code, "message": f.message, "param": null});
+        format!("event: error\ndata: {error}\n\n")
+    }
+
+    fn tool(&self, name: &str, description: &str, schema: Value) -> Value {
+        json!({"type": "function", "name": name,
+            "description": description, "parameters": schema, "strict": true})
+    }
+
+    fn calls(&self, answer: &Value) -> Vec<(Call, bool)> {
+        let items = answer.get("output").and_then(Value::as_array);
+        let mut out = Vec::new();
+        for item in items.into_iter().flatten() {
+            match item.get("type").and_then(Value::as_str) {
+                Some("function_call") => out.push(Call::read(
+                    item.get("call_id"),
+                    item.get("name"),
+                    item.get("arguments"),
+                )),
+                Some("custom_tool_call" | "local_shell_call" | "computer_call") => out.push((
+                    Call {
+                        id: text(item.get("call_id")),
+                        name: text(item.get("name")),
+                        argument: None,
+                    },
+                    false,
+                )),
+                _ => {}
+            }
+        }
+        out
+    }
+
+    fn follow_up(
+        &self,
+        answer: &Value,
+        ours: &[Call],
+        sent: &Bytes,
+        results: &[(String, String)],
+    ) -> Option<Bytes> {
+        let is_ours = |id: &str| ours.iter().any(|c| c.id == id);
+        let mut turn = Vec::new();
+        for item in answer.get("output")?.as_array()? {
+            let kind = item.get("type").and_then(Value::as_str).unwrap_or("");
+            let mut item = item.clone();
+            match kind {
+                // Without its encrypted content a reasoning item
+                // refers to one stored on the server, which a
+                // stateless request must not.
+                "reasoning" if item.get("encrypted_content").is_none_or(Value::is_null) => {
+                    continue;
+                }
+                "reasoning" => {}
+                "function_call" => {
+                    let id = item.get("call_id").and_then(Value::as_str);
+                    if !id.is_some_and(is_ours) {
+                        continue;
+                    }
+                    strip_id(&mut item);
+                }
+                "message" => strip_id(&mut item),
+                _ => continue,
+            }
+            turn.push(item);
+        }
+        for (id, text) in results {
+            turn.push(json!({"type": "function_call_output", "call_id": id, "output": text}));
+        }
+        append(sent, "input", &turn)
+    }
+
+    fn strip_own_calls(&self, answer: &mut Value) {
+        if let Some(output) = answer.get_mut("output").and_then(Value::as_array_mut) {
+            output.retain(|i| !names_own(i, "/name"));
+        }
+    }
+
+    fn gather(&self, g: &mut Gather, data: &Value) -> Decision {
+        stream::gather(g, data)
+    }
+
+    fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit {
+        stream::filter(f, data)
+    }
+}

@@ -1,0 +1,97 @@
+//! Responses streams: usage read from the event that ends the stream
+//! (`response.completed`, `response.incomplete`), and condense's tools in a
+//! streamed answer.
+
+use std::sync::LazyLock;
+
+use bytes::BytesMut;
+use memchr::memmem::Finder;
+use serde_json::Value;
+
+use crate::wire::sse::data_of;
+use crate::wire::stream::{Decision, Edit, Filter, Gather, ours, str_at};
+use crate::wire::tap::{SseTap, member};
+
+/// The events that end a stream, each searcher built once.
+fn ends() -> &'static [(&'static [u8], Finder<'static>); 3] {
+    static ENDS: LazyLock<[(&'static [u8], Finder<'static>); 3]> = LazyLock::new(|| {
+        let end = |e: &'static [u8]| (e, Finder::new(e));
+        [
+            end(b"response.completed"),
+            end(b"response.incomplete"),
+            end(b"response.failed"),
+        ]
+    });
+    &ENDS
+}
+
+/// Reads one event of a Responses stream: the last one carries the
+/// response, usage and all.
+pub(super) fn tap_event(tap: &mut SseTap, event: &[u8], _out: &mut BytesMut) {
+    if let Some((end, _)) = ends().iter().find(|(_, f)| f.find(event).is_some()) {
+        tap.done = true;
+        if end == b"response.completed" || end == b"response.incomplete" {
+            let usage = data_of(event).and_then(|data| {
+                let response = member(&data, "response").flatten()?;
+                super::usage(member(response, "usage").flatten()?)
+            });
+            if usage.is_some() {
+                tap.usage = usage;
+            }
+        }
+    }
+}
+
+pub(super) fn gather(g: &mut Gather, data: &Value) -> Decision {
+    match data.get("type").and_then(Value::as_str) {
+        Some("response.output_item.added") => {
+            let item = data.get("item").unwrap_or(&Value::Null);
+            match str_at(item, "/type") {
+                Some("function_call") if ours(str_at(item, "/name")) => Decision::Ours,
+                Some("reasoning") => Decision::Hold,
+                _ => Decision::Pass,
+            }
+        }
+        Some("response.completed" | "response.incomplete" | "response.failed") => {
+            g.value = data.get("response").cloned().unwrap_or(Value::Null);
+            Decision::Pass
+        }
+        Some("error") => Decision::Pass,
+        _ => Decision::Hold,
+    }
+}
+
+pub(super) fn filter(f: &mut Filter, data: &mut Value) -> Edit {
+    let kind = data.get("type").and_then(Value::as_str).unwrap_or("");
+    let index = data.get("output_index").and_then(Value::as_u64);
+    // An event that carries one of condense's calls (`added`, or a
+    // `done` without it) goes, and takes its output index with it.
+    if str_at(data, "/item/type") == Some("function_call") {
+        if ours(str_at(data, "/item/name")) {
+            f.drop(index);
+            return Edit::Drop;
+        }
+        if kind == "response.output_item.added" {
+            f.client_calls = true;
+        }
+    }
+    // The whole response (`response.completed`, `incomplete`, `failed`).
+    if data
+        .pointer("/response/output")
+        .is_some_and(Value::is_array)
+    {
+        let mut changed = f.usage(data.pointer_mut("/response/usage"));
+        if let Some(output) = data
+            .pointer_mut("/response/output")
+            .and_then(Value::as_array_mut)
+        {
+            let before = output.len();
+            output.retain(|i| {
+                !(str_at(i, "/type") == Some("function_call") && ours(str_at(i, "/name")))
+            });
+            changed |= output.len() != before;
+        }
+        return if changed { Edit::Changed } else { Edit::Keep };
+    }
+    f.reindex(data, "output_index", index)
+}

@@ -1,0 +1,363 @@
+//! condense's tools in a streamed answer: [`Gather`] reads the events of
+//! one answer, tells as early as it can whether the answer starts with a
+//! call of condense's tools, and gathers the events into the answer a JSON
+//! response would have been; [`Filter`] edits the events the client gets
+//! (a call of condense's tools after text already went out is taken out,
+//! and the usage of the rounds condense answered is added). What an event
+//! of each API means is the API's (`Api::gather`, `Api::filter`); the
+//! state and what all APIs share is here.
+
+use serde_json::{Value, json};
+
+use super::Format;
+use super::tools::{Answer, COMPRESS_TOOL, RECALL_TOOL, is_own_tool};
+use super::usage::Sum;
+
+/// Whether a tool name is one of condense's.
+pub(super) fn ours(name: Option<&str>) -> bool {
+    name.is_some_and(is_own_tool)
+}
+
+/// What a tool name (or its first pieces, as some servers stream it) is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Named {
+    /// One of condense's tools, or the start of one that none of the
+    /// client's tools starts with.
+    Ours,
+    /// The start of one of condense's tools and of a client's tool alike.
+    Unknown,
+    Theirs,
+}
+
+pub(super) fn named(name: &str, client_tools: &[String]) -> Named {
+    if is_own_tool(name) {
+        return Named::Ours;
+    }
+    if ![RECALL_TOOL, COMPRESS_TOOL]
+        .iter()
+        .any(|t| t.starts_with(name))
+    {
+        return Named::Theirs;
+    }
+    match client_tools.iter().any(|c| c.starts_with(name)) {
+        true => Named::Unknown,
+        false => Named::Ours,
+    }
+}
+
+pub(super) fn str_at<'a>(v: &'a Value, at: &str) -> Option<&'a str> {
+    v.pointer(at).and_then(Value::as_str)
+}
+
+/// What an answer's events tell so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Nothing yet (the start of the message, reasoning).
+    Hold,
+    /// The answer starts with text, or a call of the client's tools.
+    Pass,
+    /// The answer starts with a call of condense's tools.
+    Ours,
+}
+
+/// One streamed answer, gathered.
+pub struct Gather {
+    format: Format,
+    /// The answer so far, in its API's JSON shape.
+    pub(super) value: Value,
+    /// Chat: the tool calls by index.
+    pub(super) calls: Vec<Value>,
+    /// Messages: a tool_use block's input JSON by block index.
+    pub(super) partial: Vec<(usize, String)>,
+    decision: Decision,
+    /// The names of the client's tools.
+    pub(super) client_tools: Vec<String>,
+}
+
+impl Gather {
+    pub fn new(format: Format) -> Gather {
+        Gather {
+            format,
+            value: Value::Null,
+            calls: Vec::new(),
+            partial: Vec::new(),
+            decision: Decision::Hold,
+            client_tools: Vec::new(),
+        }
+    }
+
+    /// Told the names of the client's tools (a name that comes in pieces
+    /// is then told apart sooner).
+    pub fn with_client_tools(mut self, names: Vec<String>) -> Gather {
+        self.client_tools = names;
+        self
+    }
+
+    /// Reads one event's data; returns what can be told once it is read
+    /// (once told, it stays).
+    pub fn event(&mut self, data: &Value) -> Decision {
+        let now = self.format.api().gather(self, data);
+        if self.decision == Decision::Hold {
+            self.decision = now;
+        }
+        self.decision
+    }
+
+    /// The gathered answer (None when the stream gave none).
+    pub fn answer(mut self) -> Option<Answer> {
+        self.format.api().gathered(&mut self);
+        self.value.is_object().then_some(Answer {
+            format: self.format,
+            value: self.value,
+        })
+    }
+}
+
+/// What to do with one event on its way to the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Edit {
+    Keep,
+    Drop,
+    Changed,
+}
+
+/// Edits the events of the answer the client gets.
+pub struct Filter {
+    format: Format,
+    /// The usage of the rounds condense answered.
+    pub(super) extra: Sum,
+    /// Indices (tool call, content block or output item) of condense's
+    /// calls taken out so far.
+    pub(super) dropped: Vec<u64>,
+    /// Whether a call of the client's went by.
+    pub(super) client_calls: bool,
+    /// How many calls were taken out.
+    pub stripped: usize,
+    /// The names of the client's tools.
+    pub(super) client_tools: Vec<String>,
+    /// Chat: the name of each tool call so far, by index.
+    pub(super) names: Vec<(u64, String)>,
+}
+
+impl Filter {
+    pub fn new(format: Format, extra: Sum) -> Filter {
+        Filter {
+            format,
+            extra,
+            dropped: Vec::new(),
+            client_calls: false,
+            stripped: 0,
+            client_tools: Vec::new(),
+            names: Vec::new(),
+        }
+    }
+
+    /// Told the names of the client's tools: a chat call whose name comes
+    /// in pieces is then taken out from its first piece, when that can
+    /// only start one of condense's tools.
+    pub fn with_client_tools(mut self, names: Vec<String>) -> Filter {
+        self.client_tools = names;
+        self
+    }
+
+    /// Takes out the call at `index` (and every later event of it).
+    pub(super) fn drop(&mut self, index: Option<u64>) {
+        match index {
+            Some(i) if self.dropped.contains(&i) => {}
+            Some(i) => {
+                self.dropped.push(i);
+                self.stripped += 1;
+            }
+            None => self.stripped += 1,
+        }
+    }
+
+    /// The index `i` once the calls taken out before it are gone.
+    pub(super) fn shifted(&self, i: u64) -> u64 {
+        i - self.dropped.iter().filter(|&&d| d < i).count() as u64
+    }
+
+    /// An event of the block or item at `index` (under `key`): gone with a
+    /// call taken out, else moved up past the ones taken out before it.
+    pub(super) fn reindex(&self, data: &mut Value, key: &str, index: Option<u64>) -> Edit {
+        let Some(i) = index else {
+            return Edit::Keep;
+        };
+        if self.dropped.contains(&i) {
+            return Edit::Drop;
+        }
+        let s = self.shifted(i);
+        if s == i {
+            return Edit::Keep;
+        }
+        data[key] = json!(s);
+        Edit::Changed
+    }
+
+    pub fn event(&mut self, data: &mut Value) -> Edit {
+        self.format.api().filter(self, data)
+    }
+
+    /// Adds the usage of the rounds condense answered to a `usage`
+    /// value; whether it changed.
+    pub(super) fn usage(&self, usage: Option<&mut Value>) -> bool {
+        self.extra.add_to_usage(usage)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(format: Format, events: &[Value]) -> (Decision, Option<Answer>) {
+        let mut g = Gather::new(format);
+        let mut d = Decision::Hold;
+        for e in events {
+            d = g.event(e);
+        }
+        (d, g.answer())
+    }
+
+    #[test]
+    fn a_chat_stream_that_starts_with_a_recall_is_gathered_whole() {
+        let events = [
+            json!({"id": "c", "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}),
+            json!({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1",
+                "type": "function", "function": {"name": RECALL_TOOL, "arguments": ""}}]}}]}),
+            json!({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
+                "function": {"arguments": "{\"key\":\"abc"}}]}}]}),
+            json!({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
+                "function": {"arguments": "defg\"}"}}]}, "finish_reason": "tool_calls"}]}),
+        ];
+        let mut g = Gather::new(Format::Chat);
+        assert_eq!(g.event(&events[0]), Decision::Hold);
+        assert_eq!(g.event(&events[1]), Decision::Ours);
+        g.event(&events[2]);
+        g.event(&events[3]);
+        let a = g.answer().unwrap();
+        let ours = a.ours();
+        assert_eq!(ours.len(), 1);
+        assert_eq!(ours[0].id, "call_1");
+        assert_eq!(ours[0].argument.as_deref(), Some("abcdefg"));
+
+        let text = [json!({"choices": [{"index": 0, "delta": {"content": "Hi"}}]})];
+        assert_eq!(run(Format::Chat, &text).0, Decision::Pass);
+        // A name in pieces: told at once when only condense's tools start
+        // that way, else once it can no longer be one of them.
+        let piece = |name: &str| {
+            json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
+                "function": {"name": name}}]}}]})
+        };
+        let mut g = Gather::new(Format::Chat);
+        assert_eq!(g.event(&piece("condense_")), Decision::Ours);
+        let client = || vec!["condense_logs".to_string()];
+        let mut g = Gather::new(Format::Chat).with_client_tools(client());
+        assert_eq!(g.event(&piece("condense_")), Decision::Hold);
+        assert_eq!(g.event(&piece("recall")), Decision::Ours);
+        let mut g = Gather::new(Format::Chat).with_client_tools(client());
+        assert_eq!(g.event(&piece("condense_")), Decision::Hold);
+        assert_eq!(g.event(&piece("x")), Decision::Pass);
+    }
+
+    #[test]
+    fn a_late_chat_recall_is_taken_out_and_indices_close_up() {
+        let mut f = Filter::new(Format::Chat, Sum::default());
+        let mut start = json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "x",
+            "function": {"name": RECALL_TOOL, "arguments": ""}}]}}]});
+        assert_eq!(f.event(&mut start), Edit::Drop);
+        let mut args = json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
+            "function": {"arguments": "{}"}}]}}]});
+        assert_eq!(f.event(&mut args), Edit::Drop);
+        let mut theirs = json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 1, "id": "y",
+            "function": {"name": "read", "arguments": "{}"}}]}}]});
+        assert_eq!(f.event(&mut theirs), Edit::Changed);
+        assert_eq!(theirs["choices"][0]["delta"]["tool_calls"][0]["index"], 0);
+        let mut end =
+            json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]});
+        assert_eq!(f.event(&mut end), Edit::Keep);
+        assert_eq!(f.stripped, 1);
+
+        // A name in pieces is taken out from its first piece, when no
+        // client tool starts the same way.
+        let piece = |i: u64, name: &str| {
+            json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": i,
+                "function": {"name": name}}]}}]})
+        };
+        let mut f =
+            Filter::new(Format::Chat, Sum::default()).with_client_tools(vec!["read".into()]);
+        assert_eq!(f.event(&mut piece(0, "condense_")), Edit::Drop);
+        assert_eq!(f.event(&mut piece(0, "recall")), Edit::Drop);
+        assert_eq!(f.event(&mut piece(1, "re")), Edit::Changed);
+        assert_eq!(f.stripped, 1);
+        let mut g = Gather::new(Format::Chat).with_client_tools(vec!["condense_logs".into()]);
+        assert_eq!(g.event(&piece(0, "condense_")), Decision::Hold);
+        assert_eq!(g.event(&piece(0, "logs")), Decision::Pass);
+    }
+
+    #[test]
+    fn malformed_events_neither_panic_nor_let_a_call_through() {
+        // Found by the fuzz target: a block that is not an object, a
+        // message that is not one, calls in events of unknown types.
+        let mut g = Gather::new(Format::Messages);
+        g.event(&json!({"type": "message_start", "message": 7}));
+        g.event(&json!({"type": "message_start", "message": {"content": [3]}}));
+        g.event(&json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "x"}}));
+        g.event(&json!({"type": "content_block_stop", "index": 0}));
+        assert!(g.answer().is_some());
+        let mut f = Filter::new(Format::Responses, Sum::default());
+        let mut odd = json!({"type": "response.output_item.idded",
+            "item": {"type": "function_call", "name": RECALL_TOOL}});
+        assert_eq!(f.event(&mut odd), Edit::Drop);
+        let mut whole = json!({"type": "reesponse.completed", "response": {"output": [
+            {"type": "function_call", "name": RECALL_TOOL}]}});
+        assert_eq!(f.event(&mut whole), Edit::Changed);
+        assert_eq!(whole["response"]["output"], json!([]));
+        let mut f = Filter::new(Format::Messages, Sum::default());
+        let mut delta = json!({"type": "message_delta", "delta": {},
+            "content_block": {"type": "tool_use", "name": RECALL_TOOL}});
+        assert_eq!(f.event(&mut delta), Edit::Drop);
+    }
+
+    #[test]
+    fn messages_and_responses_streams_are_gathered_and_filtered() {
+        let events = [
+            json!({"type": "message_start", "message": {"id": "m", "role": "assistant", "content": [],
+                "usage": {"input_tokens": 7, "output_tokens": 1}}}),
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}}),
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "hm"}}),
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "sig"}}),
+            json!({"type": "content_block_stop", "index": 0}),
+            json!({"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "tu", "name": RECALL_TOOL, "input": {}}}),
+            json!({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{\"key\": \"abcdefg\"}"}}),
+            json!({"type": "content_block_stop", "index": 1}),
+            json!({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}}),
+            json!({"type": "message_stop"}),
+        ];
+        let (d, a) = run(Format::Messages, &events);
+        assert_eq!(d, Decision::Ours);
+        let a = a.unwrap();
+        assert_eq!(a.value["content"][0]["signature"], "sig");
+        assert_eq!(a.ours()[0].argument.as_deref(), Some("abcdefg"));
+        assert_eq!(a.value["usage"]["output_tokens"], 9);
+
+        // After text, the same call is taken out of what the client sees.
+        let mut extra = Sum::default();
+        extra.add(Some(&json!({"input_tokens": 100, "output_tokens": 10})));
+        let mut f = Filter::new(Format::Messages, extra);
+        let mut start = events[0].clone();
+        assert_eq!(f.event(&mut start), Edit::Changed);
+        assert_eq!(start["message"]["usage"]["input_tokens"], 107);
+        let mut tool = events[5].clone();
+        assert_eq!(f.event(&mut tool), Edit::Drop);
+        let mut delta = events[8].clone();
+        assert_eq!(f.event(&mut delta), Edit::Changed);
+        assert_eq!(delta["delta"]["stop_reason"], "end_turn");
+        assert_eq!(delta["usage"]["output_tokens"], 19);
+
+        let added = json!({"type": "response.output_item.added", "output_index": 0,
+            "item": {"type": "function_call", "name": RECALL_TOOL, "call_id": "c"}});
+        assert_eq!(run(Format::Responses, &[added]).0, Decision::Ours);
+        let reasoning = json!({"type": "response.output_item.added", "output_index": 0, "item": {"type": "reasoning"}});
+        assert_eq!(run(Format::Responses, &[reasoning]).0, Decision::Hold);
+    }
+}
