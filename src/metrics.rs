@@ -322,10 +322,10 @@ impl Metrics {
         for kind in crate::error::ProxyError::KINDS {
             proxy_errors_total.with_label_values(&[kind]);
         }
-        for cause in crate::proxy::relay::INTERRUPTION_CAUSES {
+        for cause in crate::proxy::respond::INTERRUPTION_CAUSES {
             stream_interruptions_total.with_label_values(&[cause]);
         }
-        for kind in crate::proxy::relay::ANOMALIES {
+        for kind in crate::proxy::respond::ANOMALIES {
             upstream_invalid_responses_total.with_label_values(&[kind]);
         }
         for format in crate::overflow::formats() {

@@ -13,15 +13,15 @@ use axum::body::Body;
 use axum::response::Response;
 use http::{HeaderValue, Request, header};
 
-use super::body;
 use super::headers;
 use super::learn::{Learner, Sent};
 use super::prepare::Report;
 use super::recall::Again;
 use super::recover::OVERFLOW_STATUSES;
-use super::relay::{InflightGuard, Reply, Tap};
+use super::respond::{InflightGuard, Reply, Tap};
 use super::upstream::Outgoing;
 use super::{Proxy, Timing, X_ACTIONS, X_TOKENS_AFTER, X_TOKENS_BEFORE};
+use super::{read, send};
 use crate::error::ProxyError;
 use crate::wire::Format;
 use crate::wire::tap::{JsonTap, SseTap};
@@ -68,9 +68,9 @@ impl Proxy {
         let url = upstream.url_for(parts.uri.path(), parts.uri.query())?;
         // `held` keeps the body's room in the budget until the response is
         // on its way (or, when it is counted after it, until counted).
-        let (bytes, held) = body::read_request(
+        let (bytes, held) = read::read_request(
             body,
-            body::content_length(&parts.headers),
+            read::content_length(&parts.headers),
             self.max_body_bytes,
             self.body_timeout,
             &self.bodies,
@@ -82,16 +82,7 @@ impl Proxy {
             .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"off"));
         // The same headers are made again for a retry or a follow-up, which
         // few requests need, rather than kept as a copy by every one.
-        let upstream_headers = || {
-            let mut headers = headers::to_upstream(&parts.headers, false);
-            credentials.apply(&mut headers);
-            // The usage tap reads the response, so ask for it uncompressed.
-            headers.insert(
-                header::ACCEPT_ENCODING,
-                HeaderValue::from_static("identity"),
-            );
-            headers
-        };
+        let upstream_headers = || send::upstream_headers(&parts.headers, credentials);
         let headers = upstream_headers();
 
         // Prepare.

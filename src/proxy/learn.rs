@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use tokio::sync::{Notify, OwnedSemaphorePermit};
 
-use super::body::Held;
-use super::relay::UsageCallback;
+use super::read::Held;
+use super::respond::UsageCallback;
 use crate::metrics::Metrics;
 use crate::tokens::TokenService;
 use crate::wire::Format;

@@ -103,5 +103,5 @@ async fn fetch(upstream: &Upstream, request_headers: &HeaderMap) -> Option<bytes
         tracing::debug!(status = %resp.status(), "no /models listing from the upstream");
         return None;
     }
-    super::body::read_upstream_whole(resp, MAX_BYTES).await
+    super::read::read_upstream_whole(resp, MAX_BYTES).await
 }

@@ -1,15 +1,16 @@
 //! The forwarding path: from a client request to the upstream and back.
 //!
-//! `passthrough` streams any request to its upstream and the response back,
-//! untouched. The conversation routes (chat completions, Anthropic
-//! Messages, Responses) go through phases, one file each: `conversation`
-//! reads the request and runs the phases in order, `prepare` measures and
-//! compacts it (and offers condense's tools), `recover` retries once after
-//! a context overflow, `recall` answers the model's calls of condense's
-//! tools, and `respond` (here) relays the answer with the usage tap.
+//! The conversation routes (chat completions, Anthropic Messages,
+//! Responses) go through phases, one file each, run in order by
+//! `conversation`: `read` (the body, bounded), `prepare` (measure, compact,
+//! summarize, offer condense's tools), `send` (the upstream request),
+//! `recover` (one retry after a context overflow), `recall` (the model's
+//! calls of condense's tools answered), `respond` (the answer relayed with
+//! the usage tap). Any other request is streamed upstream and back
+//! untouched (`send.rs`, `passthrough`). What differs between the APIs is
+//! asked of `crate::wire`.
 
 pub mod auth;
-pub mod body;
 mod conversation;
 pub mod headers;
 mod jobs;
@@ -17,18 +18,19 @@ pub mod learn;
 pub mod listing;
 pub mod pool;
 mod prepare;
+pub mod read;
 mod recall;
 mod recover;
-pub mod relay;
+pub mod respond;
+mod send;
 pub mod trust;
 pub mod upstream;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::Body;
 use axum::response::Response;
-use http::{HeaderName, Request};
+use http::HeaderName;
 
 use crate::cache::{Bounded, PreHashed, one};
 use crate::config::CompactionConfig;
@@ -41,11 +43,11 @@ use crate::summary::client::CallError;
 use crate::tokens::TokenService;
 use crate::wire::{Format, Provider};
 use auth::Credentials;
-use body::BodyBudget;
 use learn::Background;
 use listing::ListingFetcher;
-use relay::{InflightGuard, Tap, UsageCallback};
-use upstream::{Outgoing, Upstream, UpstreamError};
+use read::BodyBudget;
+
+use upstream::{Upstream, UpstreamError};
 
 /// Conversation bodies with at least this many bytes of messages not seen
 /// before are measured on the blocking pool.
@@ -193,73 +195,6 @@ impl Proxy {
         }
     }
 
-    /// Any request condense does not handle itself: streamed to the upstream
-    /// and back unchanged (apart from hop-by-hop headers and credentials).
-    /// Anthropic's routes (`/v1/messages/...`, or any request with an
-    /// `anthropic-version` header) go to Anthropic's API.
-    pub async fn passthrough(&self, req: Request<Body>) -> Response {
-        let start = Instant::now();
-        let format = crate::wire::api_of(req.uri().path(), req.headers());
-        self.passthrough_inner(req, format, start)
-            .await
-            .unwrap_or_else(|e| self.fail(ROUTE_PASSTHROUGH, format, e))
-    }
-
-    async fn passthrough_inner(
-        &self,
-        req: Request<Body>,
-        format: Format,
-        start: Instant,
-    ) -> Result<Response, ProxyError> {
-        let (upstream, credentials) = self.endpoint(format);
-        let (parts, body) = req.into_parts();
-        // CONNECT would make the upstream a tunnel; TRACE echoes the request
-        // back, credentials condense added included.
-        if matches!(parts.method, http::Method::CONNECT | http::Method::TRACE) {
-            return Err(ProxyError::MethodNotAllowed(parts.method));
-        }
-        let url = upstream.url_for(parts.uri.path(), parts.uri.query())?;
-        if body::content_length(&parts.headers).is_some_and(|n| n > self.max_body_bytes) {
-            return Err(ProxyError::BodyTooLarge(self.max_body_bytes));
-        }
-        let mut headers = headers::to_upstream(&parts.headers, true);
-        credentials.apply(&mut headers);
-        let (body, upload) = if axum::body::HttpBody::size_hint(&body).exact() == Some(0) {
-            (Outgoing::Empty, None)
-        } else {
-            let (body, upload) =
-                body::streamed_request(body, self.max_body_bytes, self.body_timeout);
-            (body, Some(upload))
-        };
-        let guard = InflightGuard::new(self.metrics.clone());
-        let sent = Instant::now();
-        let body_sent = async {
-            if let Some(upload) = &upload {
-                upload.sent().await;
-            }
-        };
-        let resp = upstream
-            .send_after(parts.method, url, headers, body, body_sent)
-            .await
-            .map_err(|e| match &upload {
-                Some(upload) => upload.or(self.max_body_bytes, self.body_timeout, e),
-                None => e,
-            })?;
-        Ok(self.respond(
-            ROUTE_PASSTHROUGH,
-            upstream,
-            resp.into(),
-            Tap::None,
-            None,
-            guard,
-            Timing {
-                start,
-                sent,
-                upstream_wait: Duration::ZERO,
-            },
-        ))
-    }
-
     /// Runs the preparation of a body of `bytes` off the async workers, in
     /// its lane (see `jobs.rs`). None when it did not run: its lane was
     /// full, or it panicked; the request then goes on without it.
@@ -282,48 +217,6 @@ impl Proxy {
     /// each turn's effect before the next.
     pub async fn settled(&self) {
         self.background.settled().await;
-    }
-
-    /// Turns the upstream's response into the client's: same status, same
-    /// headers (minus hop-by-hop), body relayed as it arrives.
-    #[allow(clippy::too_many_arguments)]
-    fn respond(
-        &self,
-        route: &str,
-        upstream: &Upstream,
-        resp: relay::Reply,
-        tap: Tap,
-        on_usage: Option<UsageCallback>,
-        guard: InflightGuard,
-        timing: Timing,
-    ) -> Response {
-        let headers_at = Instant::now();
-        self.metrics
-            .upstream_seconds
-            .with_label_values(&[route])
-            .observe((headers_at - timing.sent).as_secs_f64());
-        let status = resp.status;
-        let headers = headers::to_client(resp.headers);
-        let body = relay::relay(
-            resp.body,
-            tap,
-            on_usage,
-            upstream.idle_timeout(),
-            self.metrics.clone(),
-            guard,
-            &self.background,
-            &self.streams_end,
-        );
-        let mut response = Response::new(body);
-        *response.status_mut() = status;
-        *response.headers_mut() = headers;
-        let overhead = (timing.sent - timing.start).saturating_sub(timing.upstream_wait)
-            + headers_at.elapsed();
-        self.metrics
-            .overhead_seconds
-            .with_label_values(&[route])
-            .observe(overhead.as_secs_f64());
-        response
     }
 
     fn fail(&self, route: &str, format: Format, e: ProxyError) -> Response {

@@ -19,7 +19,7 @@ use futures_util::StreamExt;
 use http::{HeaderMap, Method};
 
 use super::Proxy;
-use super::relay::{BodyStream, Reply};
+use super::respond::{BodyStream, Reply};
 use super::upstream::{Outgoing, Upstream, UpstreamResponse};
 use crate::error::ProxyError;
 use crate::recall::store::{AgentPoint, Originals, within};

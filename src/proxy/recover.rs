@@ -14,9 +14,9 @@ use futures_util::StreamExt;
 use http::HeaderMap;
 
 use super::prepare::{Own, Prepared};
-use super::relay::Reply;
+use super::respond::Reply;
 use super::upstream::{self, Outgoing, ResponseBody, UpstreamResponse};
-use super::{BLOCKING_PREPARE_BYTES, Proxy, body};
+use super::{BLOCKING_PREPARE_BYTES, Proxy, read};
 use crate::error::ProxyError;
 use crate::overflow;
 use crate::tokens::{ModelInfo, WindowSource, pair_key};
@@ -79,7 +79,7 @@ impl Proxy {
         let version = resp.version();
         let resp_headers = resp.headers().clone();
         let (endpoint, _) = self.endpoint(format);
-        let read = body::read_upstream(resp, MAX_ERROR_BODY, Some(endpoint.idle_timeout()))
+        let read = read::read_upstream(resp, MAX_ERROR_BODY, Some(endpoint.idle_timeout()))
             .await
             .map_err(|e| {
                 ProxyError::UpstreamUnreachable(format!(
@@ -88,10 +88,10 @@ impl Proxy {
                 ))
             })?;
         let body = match read {
-            body::Limited::Whole(b) => b,
+            read::Limited::Whole(b) => b,
             // Too long to be an overflow error (or stalled): passed on as it
             // is, the bytes read first and then the rest as it comes.
-            body::Limited::Over { head, rest } => {
+            read::Limited::Over { head, rest } => {
                 let whole = Reply::prefixed(head, rest).map(|c| c.map(http_body::Frame::data));
                 let mut r =
                     http::Response::new(ResponseBody::new(http_body_util::StreamBody::new(whole)));

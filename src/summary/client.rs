@@ -143,9 +143,9 @@ impl Client {
         // A checkpoint is a few kilobytes; an answer far larger is not one,
         // and reading it whole would let the summarizer fill memory.
         let resp = crate::proxy::upstream::from_reqwest(resp);
-        let bytes = match crate::proxy::body::read_upstream(resp, MAX_ANSWER_BYTES, None).await {
-            Ok(crate::proxy::body::Limited::Whole(b)) => b,
-            Ok(crate::proxy::body::Limited::Over { .. }) => {
+        let bytes = match crate::proxy::read::read_upstream(resp, MAX_ANSWER_BYTES, None).await {
+            Ok(crate::proxy::read::Limited::Whole(b)) => b,
+            Ok(crate::proxy::read::Limited::Over { .. }) => {
                 return Err(CallError::Shape(format!(
                     "the answer is longer than {MAX_ANSWER_BYTES} bytes"
                 )));

@@ -31,7 +31,7 @@ use http_body_util::BodyExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::time::Instant;
 
-use super::relay::BodyStream;
+use super::respond::BodyStream;
 use super::upstream::{self, BoxError, Outgoing, UpstreamResponse};
 use crate::error::ProxyError;
 

@@ -9,15 +9,18 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
+use axum::response::Response;
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use tokio::sync::watch;
 
 use super::learn::Background;
+use super::upstream::Upstream;
 use super::upstream::{self, BoxError, UpstreamResponse};
+use super::{Proxy, Timing, headers};
 use crate::metrics::Metrics;
 use crate::wire::Failure;
 use crate::wire::tap::{JsonTap, SseTap};
@@ -399,4 +402,47 @@ pub fn relay(
         }
     });
     Body::from_stream(stream)
+}
+impl Proxy {
+    /// Turns the upstream's response into the client's: same status, same
+    /// headers (minus hop-by-hop), body relayed as it arrives.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn respond(
+        &self,
+        route: &str,
+        upstream: &Upstream,
+        resp: Reply,
+        tap: Tap,
+        on_usage: Option<UsageCallback>,
+        guard: InflightGuard,
+        timing: Timing,
+    ) -> Response {
+        let headers_at = Instant::now();
+        self.metrics
+            .upstream_seconds
+            .with_label_values(&[route])
+            .observe((headers_at - timing.sent).as_secs_f64());
+        let status = resp.status;
+        let headers = headers::to_client(resp.headers);
+        let body = relay(
+            resp.body,
+            tap,
+            on_usage,
+            upstream.idle_timeout(),
+            self.metrics.clone(),
+            guard,
+            &self.background,
+            &self.streams_end,
+        );
+        let mut response = Response::new(body);
+        *response.status_mut() = status;
+        *response.headers_mut() = headers;
+        let overhead = (timing.sent - timing.start).saturating_sub(timing.upstream_wait)
+            + headers_at.elapsed();
+        self.metrics
+            .overhead_seconds
+            .with_label_values(&[route])
+            .observe(overhead.as_secs_f64());
+        response
+    }
 }
