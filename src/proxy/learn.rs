@@ -21,10 +21,13 @@ use bytes::Bytes;
 use tokio::sync::{Notify, OwnedSemaphorePermit};
 
 use super::read::Held;
-use super::respond::UsageCallback;
 use crate::metrics::Metrics;
 use crate::tokens::TokenService;
 use crate::wire::Format;
+use crate::wire::usage::Usage;
+
+/// Called once with the usage the response reported.
+pub type UsageCallback = Box<dyn FnOnce(Usage) + Send>;
 
 /// Bodies at least this long are counted on the blocking pool (as on the
 /// request path).

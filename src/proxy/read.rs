@@ -31,9 +31,12 @@ use http_body_util::BodyExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::time::Instant;
 
-use super::respond::BodyStream;
 use super::upstream::{self, BoxError, Outgoing, UpstreamResponse};
 use crate::error::ProxyError;
+
+/// A response body on its way from the upstream.
+pub type BodyStream =
+    std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<Bytes, BoxError>> + Send>>;
 
 /// The room for request bodies held in memory at once, counted in KiB.
 #[derive(Clone)]

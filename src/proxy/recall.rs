@@ -19,7 +19,8 @@ use futures_util::StreamExt;
 use http::{HeaderMap, Method};
 
 use super::Proxy;
-use super::respond::{BodyStream, Reply};
+use super::read::BodyStream;
+use super::respond::Reply;
 use super::upstream::{Outgoing, Upstream, UpstreamResponse};
 use crate::error::ProxyError;
 use crate::recall::store::{AgentPoint, Originals, within};

@@ -7,17 +7,18 @@
 //! closes a failed one: an error event in its shape, then the body's proper
 //! end (the chunked terminator), not a cut connection.
 
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
-use futures_util::{Stream, StreamExt};
+use futures_util::StreamExt;
 use tokio::sync::watch;
 
 use super::learn::Background;
+use super::learn::UsageCallback;
+use super::read::BodyStream;
 use super::upstream::Upstream;
 use super::upstream::{self, BoxError, UpstreamResponse};
 use super::{Proxy, Timing, headers};
@@ -107,9 +108,6 @@ impl Tap {
     }
 }
 
-/// Called once with the usage the response reported.
-pub type UsageCallback = Box<dyn FnOnce(Usage) + Send>;
-
 /// Counts a request as in flight for as long as it lives.
 pub struct InflightGuard(Arc<Metrics>);
 
@@ -133,9 +131,6 @@ pub enum RelayError {
     #[error("the upstream connection failed mid-body: {0}")]
     Upstream(#[source] BoxError),
 }
-
-/// A response body on its way from the upstream.
-pub type BodyStream = Pin<Box<dyn Stream<Item = Result<Bytes, BoxError>> + Send>>;
 
 /// An upstream answer to relay: the upstream's response as it came, or one
 /// condense finished reading (the answer after condense's own tool calls).
