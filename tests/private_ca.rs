@@ -241,6 +241,7 @@ async fn the_summarizer_trusts_the_ca_file_too() {
 
     // The summarizer's own client, without the CA: the reason it names.
     let client = condense::summary::client::Client::new(
+        &condense::wire::chat::Chat,
         &upstream.base_url(),
         None,
         &condense::proxy::trust::Trust::builtin(),

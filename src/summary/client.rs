@@ -1,14 +1,17 @@
-//! The summarizer call: one non-streamed chat completion on an
-//! OpenAI-compatible API, and what may authenticate it.
+//! The summarizer call: one non-streamed answer from the summarizer's API
+//! (chat completions on an OpenAI-compatible API; the request and the
+//! answer are the API's own, `wire::Api::summary_call`), and what may
+//! authenticate it.
 
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, HeaderValue, header};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::config::Secret;
 use crate::proxy::auth::bearer;
 use crate::proxy::trust::Trust;
+use crate::wire::Api;
 
 /// Headers that say whose account a call is for; with the client's keys
 /// (`proxy::auth::CREDENTIAL_HEADERS`) they go to the summarizer only when
@@ -36,17 +39,14 @@ pub enum CallError {
 }
 
 /// A summarizer's answer.
-#[derive(Debug, Clone)]
-pub struct Answer {
-    pub content: String,
-    pub finish_reason: Option<String>,
-    pub prompt_tokens: Option<u64>,
-    pub completion_tokens: Option<u64>,
-}
+pub type Answer = crate::wire::Summarized;
 
 pub struct Client {
     http: reqwest::Client,
-    url: String,
+    /// The API it speaks.
+    api: &'static dyn Api,
+    /// Its base URL, without a trailing `/`.
+    base_url: String,
     /// scheme://host:port of the summarizer.
     origin: String,
     api_key: Option<HeaderValue>,
@@ -55,6 +55,7 @@ pub struct Client {
 impl Client {
     /// A client for the API at `base_url`, trusting `trust`'s roots.
     pub fn new(
+        api: &'static dyn Api,
         base_url: &str,
         api_key: Option<&Secret>,
         trust: &Trust,
@@ -69,7 +70,8 @@ impl Client {
         let api_key = api_key.and_then(bearer);
         Ok(Client {
             http,
-            url: format!("{}/chat/completions", base_url.trim_end_matches('/')),
+            api,
+            base_url: base_url.trim_end_matches('/').to_string(),
             origin: origin(base_url).unwrap_or_default(),
             api_key,
         })
@@ -114,12 +116,7 @@ impl Client {
         max_tokens: u64,
         max_field: &str,
     ) -> Result<Answer, CallError> {
-        let mut body = json!({
-            "model": model,
-            "messages": [{"role": "user", "content": prompt}],
-            "stream": false,
-        });
-        body[max_field] = json!(max_tokens);
+        let (path, body) = self.api.summary_call(model, prompt, max_tokens, max_field);
         let secrets: Vec<String> = headers
             .iter()
             .filter(|(name, _)| client_credentials().any(|c| c == *name))
@@ -129,7 +126,7 @@ impl Client {
             .collect();
         let resp = self
             .http
-            .post(&self.url)
+            .post(format!("{}{path}", self.base_url))
             .headers(headers)
             .body(body.to_string())
             .send()
@@ -168,25 +165,7 @@ impl Client {
         }
         let v: Value =
             serde_json::from_slice(&bytes).map_err(|e| CallError::Shape(e.to_string()))?;
-        let choice = v
-            .pointer("/choices/0")
-            .ok_or_else(|| CallError::Shape("no choices".to_string()))?;
-        let content = choice
-            .pointer("/message/content")
-            .and_then(Value::as_str)
-            .ok_or_else(|| CallError::Shape("no message content".to_string()))?
-            .to_string();
-        Ok(Answer {
-            content,
-            finish_reason: choice
-                .get("finish_reason")
-                .and_then(Value::as_str)
-                .map(str::to_string),
-            prompt_tokens: v.pointer("/usage/prompt_tokens").and_then(Value::as_u64),
-            completion_tokens: v
-                .pointer("/usage/completion_tokens")
-                .and_then(Value::as_u64),
-        })
+        self.api.summary_answer(&v).map_err(CallError::Shape)
     }
 }
 
@@ -210,7 +189,13 @@ mod tests {
 
     #[test]
     fn client_credentials_go_only_to_the_upstreams_own_host() {
-        let c = Client::new("https://api.openai.com/v1", None, &Trust::builtin()).unwrap();
+        let c = Client::new(
+            &crate::wire::chat::Chat,
+            "https://api.openai.com/v1",
+            None,
+            &Trust::builtin(),
+        )
+        .unwrap();
         assert!(c.same_origin("https://API.openai.com:443/v1/"));
         assert!(!c.same_origin("http://api.openai.com/v1"));
         assert!(!c.same_origin("https://api.openai.com.evil.example/v1"));
@@ -230,6 +215,7 @@ mod tests {
         );
 
         let keyed = Client::new(
+            &crate::wire::chat::Chat,
             "http://127.0.0.1:1/v1",
             Some(&Secret::new("sk-sum")),
             &Trust::builtin(),

@@ -145,7 +145,14 @@ impl Summarizer {
         Ok(Summarizer {
             inner: Arc::new(Inner {
                 config: config.clone(),
-                client: Client::new(base, config.api_key.as_ref(), trust)?,
+                // It speaks chat completions, on the upstream or its own
+                // `summary.base_url`.
+                client: Client::new(
+                    &crate::wire::chat::Chat,
+                    base,
+                    config.api_key.as_ref(),
+                    trust,
+                )?,
                 store,
                 metrics,
             }),

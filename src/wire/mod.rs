@@ -92,6 +92,30 @@ pub trait Api: Sync {
 
     /// Edits one streamed event the client gets.
     fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit;
+
+    /// A summarizer call in this API: the path under the API's base URL
+    /// and the body asking `model` for at most `max_tokens` tokens in
+    /// answer to `prompt` (`max_field`: the name chat gives that limit).
+    fn summary_call(
+        &self,
+        model: &str,
+        prompt: &str,
+        max_tokens: u64,
+        max_field: &str,
+    ) -> (&'static str, Value);
+
+    /// The summarizer's answer, or what is wrong with its shape.
+    fn summary_answer(&self, answer: &Value) -> Result<Summarized, String>;
+}
+
+/// A summarizer's answer, in chat's words whatever API gave it.
+#[derive(Debug, Clone)]
+pub struct Summarized {
+    pub content: String,
+    /// `length` when the answer was cut at its token limit.
+    pub finish_reason: Option<String>,
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
 }
 
 /// Who serves an API.
@@ -482,5 +506,63 @@ mod tests {
         let tools = br#"{"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"a","content":"x"}]}]}"#;
         assert_eq!(Format::detect(tools), Format::Messages);
         assert_eq!(Format::detect(b"nonsense"), Format::Chat);
+    }
+
+    #[test]
+    fn each_api_makes_a_summarizer_call_and_reads_its_answer() {
+        use serde_json::json;
+        let (path, body) =
+            Format::Chat
+                .api()
+                .summary_call("m", "sum up", 500, "max_completion_tokens");
+        assert_eq!(path, "/chat/completions");
+        assert_eq!(
+            body,
+            json!({"model": "m", "messages": [{"role": "user", "content": "sum up"}],
+                "stream": false, "max_completion_tokens": 500})
+        );
+        let (path, body) = Format::Messages
+            .api()
+            .summary_call("c", "sum up", 500, "max_tokens");
+        assert_eq!(path, "/messages");
+        assert_eq!(body["max_tokens"], 500);
+        assert_eq!(body["messages"][0]["content"], "sum up");
+        let (path, body) = Format::Responses
+            .api()
+            .summary_call("g", "sum up", 500, "max_tokens");
+        assert_eq!(path, "/responses");
+        assert_eq!(
+            (body["max_output_tokens"].as_u64(), body["store"].as_bool()),
+            (Some(500), Some(false))
+        );
+
+        let chat = json!({"choices": [{"message": {"content": "S"}, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 2}});
+        let messages = json!({"content": [{"type": "thinking", "thinking": "t"}, {"type": "text", "text": "S"}],
+            "stop_reason": "max_tokens", "usage": {"input_tokens": 4, "cache_read_input_tokens": 5, "output_tokens": 2}});
+        let responses = json!({"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
+            "output": [{"type": "reasoning", "summary": []}, {"type": "message", "content": [{"type": "output_text", "text": "S"}]}],
+            "usage": {"input_tokens": 9, "output_tokens": 2}});
+        for (format, answer) in [
+            (Format::Chat, chat),
+            (Format::Messages, messages),
+            (Format::Responses, responses),
+        ] {
+            let s = format.api().summary_answer(&answer).unwrap();
+            assert_eq!(
+                (
+                    s.content.as_str(),
+                    s.finish_reason.as_deref(),
+                    s.prompt_tokens,
+                    s.completion_tokens
+                ),
+                ("S", Some("length"), Some(9), Some(2)),
+                "{format:?}"
+            );
+            assert!(
+                format.api().summary_answer(&json!({})).is_err(),
+                "{format:?}"
+            );
+        }
     }
 }

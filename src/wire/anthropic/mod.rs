@@ -15,7 +15,7 @@ use super::stream::{Decision, Edit, Filter, Gather};
 use super::tap::SseTap;
 use super::tools::{Call, append, names_own};
 use super::usage::Usage;
-use super::{Api, Failure, NotUnderstood, Parsed, Provider, Writer};
+use super::{Api, Failure, NotUnderstood, Parsed, Provider, Summarized, Writer};
 
 /// The Messages API.
 pub struct Messages;
@@ -162,5 +162,48 @@ impl Api for Messages {
 
     fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit {
         stream::filter(f, data)
+    }
+
+    fn summary_call(
+        &self,
+        model: &str,
+        prompt: &str,
+        max_tokens: u64,
+        _max_field: &str,
+    ) -> (&'static str, Value) {
+        let body = json!({
+            "model": model,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": prompt}],
+        });
+        ("/messages", body)
+    }
+
+    /// The text blocks joined; `max_tokens` as the stop reason is chat's
+    /// `length`.
+    fn summary_answer(&self, v: &Value) -> Result<Summarized, String> {
+        if !v.get("content").is_some_and(Value::is_array) {
+            return Err("no content".to_string());
+        }
+        let content: Vec<&str> = blocks(v)
+            .filter(|b| b.get("type").and_then(Value::as_str) == Some("text"))
+            .filter_map(|b| b.get("text").and_then(Value::as_str))
+            .collect();
+        let finish_reason = v.get("stop_reason").and_then(Value::as_str).map(|r| {
+            match r {
+                "max_tokens" => "length",
+                other => other,
+            }
+            .to_string()
+        });
+        let u = v
+            .get("usage")
+            .and_then(|u| serde_json::from_value::<AnthropicUsage>(u.clone()).ok());
+        Ok(Summarized {
+            content: content.join(""),
+            finish_reason,
+            prompt_tokens: u.as_ref().and_then(AnthropicUsage::prompt),
+            completion_tokens: u.and_then(|u| u.output_tokens),
+        })
     }
 }

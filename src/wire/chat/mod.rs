@@ -12,7 +12,7 @@ use super::stream::{Decision, Edit, Filter, Gather};
 use super::tap::SseTap;
 use super::tools::{Call, append, names_own};
 use super::usage::Usage;
-use super::{Api, Failure, NotUnderstood, Parsed, Provider, Writer};
+use super::{Api, Failure, NotUnderstood, Parsed, Provider, Summarized, Writer};
 use crate::chat::ChatRequest;
 
 /// Fields of a chat assistant message that hold its reasoning.
@@ -154,5 +154,41 @@ impl Api for Chat {
 
     fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit {
         stream::filter(f, data)
+    }
+
+    fn summary_call(
+        &self,
+        model: &str,
+        prompt: &str,
+        max_tokens: u64,
+        max_field: &str,
+    ) -> (&'static str, Value) {
+        let mut body = json!({
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "stream": false,
+        });
+        body[max_field] = json!(max_tokens);
+        ("/chat/completions", body)
+    }
+
+    fn summary_answer(&self, v: &Value) -> Result<Summarized, String> {
+        let choice = v.pointer("/choices/0").ok_or("no choices")?;
+        let content = choice
+            .pointer("/message/content")
+            .and_then(Value::as_str)
+            .ok_or("no message content")?
+            .to_string();
+        Ok(Summarized {
+            content,
+            finish_reason: choice
+                .get("finish_reason")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            prompt_tokens: v.pointer("/usage/prompt_tokens").and_then(Value::as_u64),
+            completion_tokens: v
+                .pointer("/usage/completion_tokens")
+                .and_then(Value::as_u64),
+        })
     }
 }

@@ -15,7 +15,7 @@ use super::stream::{Decision, Edit, Filter, Gather};
 use super::tap::SseTap;
 use super::tools::{Call, append, names_own, text};
 use super::usage::Usage;
-use super::{Api, Failure, NotUnderstood, Parsed, Provider, Writer};
+use super::{Api, Failure, NotUnderstood, Parsed, Provider, Summarized, Writer};
 
 /// The Responses API.
 pub struct Responses;
@@ -161,5 +161,48 @@ impl Api for Responses {
 
     fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit {
         stream::filter(f, data)
+    }
+
+    fn summary_call(
+        &self,
+        model: &str,
+        prompt: &str,
+        max_tokens: u64,
+        _max_field: &str,
+    ) -> (&'static str, Value) {
+        let body = json!({
+            "model": model,
+            "input": [{"role": "user", "content": prompt}],
+            "max_output_tokens": max_tokens,
+            "store": false,
+        });
+        ("/responses", body)
+    }
+
+    /// The output text of its messages joined; an answer left incomplete
+    /// at `max_output_tokens` is chat's `length`.
+    fn summary_answer(&self, v: &Value) -> Result<Summarized, String> {
+        let output = v
+            .get("output")
+            .and_then(Value::as_array)
+            .ok_or("no output")?;
+        let content: Vec<&str> = output
+            .iter()
+            .filter(|i| i.get("type").and_then(Value::as_str) == Some("message"))
+            .filter_map(|i| i.get("content").and_then(Value::as_array))
+            .flatten()
+            .filter(|c| c.get("type").and_then(Value::as_str) == Some("output_text"))
+            .filter_map(|c| c.get("text").and_then(Value::as_str))
+            .collect();
+        let cut = v
+            .pointer("/incomplete_details/reason")
+            .and_then(Value::as_str)
+            == Some("max_output_tokens");
+        Ok(Summarized {
+            content: content.join(""),
+            finish_reason: cut.then(|| "length".to_string()),
+            prompt_tokens: v.pointer("/usage/input_tokens").and_then(Value::as_u64),
+            completion_tokens: v.pointer("/usage/output_tokens").and_then(Value::as_u64),
+        })
     }
 }
