@@ -243,7 +243,7 @@ async fn the_summarizer_trusts_the_ca_file_too() {
     let client = condense::summary::client::Client::new(
         &upstream.base_url(),
         None,
-        &condense::proxy::trust::Trust::builtin(),
+        &condense::upstream::trust::Trust::builtin(),
     )
     .unwrap();
     let err = client

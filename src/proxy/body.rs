@@ -32,8 +32,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::time::Instant;
 
 use super::relay::BodyStream;
-use super::upstream::{self, BoxError, Outgoing, UpstreamResponse};
 use crate::error::ProxyError;
+use crate::upstream::{self, BoxError, Outgoing, UpstreamResponse};
 
 /// The room for request bodies held in memory at once, counted in KiB.
 #[derive(Clone)]

@@ -20,10 +20,10 @@ use super::prepare::Report;
 use super::recall::Again;
 use super::recover::OVERFLOW_STATUSES;
 use super::relay::{InflightGuard, Reply, Tap};
-use super::upstream::Outgoing;
 use super::usage::{JsonTap, SseTap};
 use super::{Proxy, Timing, X_ACTIONS, X_TOKENS_AFTER, X_TOKENS_BEFORE};
 use crate::error::ProxyError;
+use crate::upstream::Outgoing;
 use crate::wire::Format;
 
 impl Proxy {

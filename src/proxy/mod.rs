@@ -15,13 +15,10 @@ pub mod headers;
 mod jobs;
 pub mod learn;
 pub mod listing;
-pub mod pool;
 mod prepare;
 mod recall;
 mod recover;
 pub mod relay;
-pub mod trust;
-pub mod upstream;
 pub mod usage;
 
 use std::sync::Arc;
@@ -40,13 +37,13 @@ use crate::state::{StateError, StateStore};
 use crate::summary::Summarizer;
 use crate::summary::client::CallError;
 use crate::tokens::TokenService;
+use crate::upstream::{Outgoing, Upstream, UpstreamError};
 use crate::wire::Format;
 use auth::Credentials;
 use body::BodyBudget;
 use learn::Background;
 use listing::ListingFetcher;
 use relay::{InflightGuard, Tap, UsageCallback};
-use upstream::{Outgoing, Upstream, UpstreamError};
 
 /// Conversation bodies with at least this many bytes of messages not seen
 /// before are measured on the blocking pool.

@@ -21,13 +21,13 @@ use serde_json::Value;
 
 use super::Proxy;
 use super::relay::{BodyStream, Reply};
-use super::upstream::{Outgoing, Upstream, UpstreamResponse};
 use super::usage::{self, JsonTap, SseTap};
 use crate::error::ProxyError;
 use crate::recall::store::{AgentPoint, Originals, within};
 use crate::recall::stream::{Decision, Edit, Filter, Gather};
 use crate::recall::tools::{Answer, Call, Usage};
 use crate::recall::{COMPRESS_TOOL, RECALL_TOOL};
+use crate::upstream::{Outgoing, Upstream, UpstreamResponse};
 use crate::wire::Format;
 
 /// Largest answer read for condense's calls (a larger one is relayed as it

@@ -17,9 +17,9 @@ use futures_util::{Stream, StreamExt};
 use tokio::sync::watch;
 
 use super::learn::Background;
-use super::upstream::{self, BoxError, UpstreamResponse};
 use super::usage::{JsonTap, SseTap, Usage};
 use crate::metrics::Metrics;
+use crate::upstream::{self, BoxError, UpstreamResponse};
 use crate::wire::Format;
 
 /// Time between a stream's error event and the body failing.

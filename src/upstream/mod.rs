@@ -7,15 +7,18 @@
 //! `base_url`'s: with a base of `https://gw/tenant-a/v1`, no client reaches
 //! `/tenant-b/...` with the upstream key condense adds.
 //!
-//! Requests go out on condense's connection pools ([`super::pool`]:
+//! Requests go out on condense's connection pools ([`pool`]:
 //! HTTP/1.1, or HTTP/2 where TLS negotiates it; rustls with the Mozilla
-//! roots and any private CA, see [`super::trust`]). When the environment
+//! roots and any private CA, see [`trust`]). When the environment
 //! names a proxy for the upstream (`HTTPS_PROXY`, `HTTP_PROXY`,
 //! `ALL_PROXY`, minus `NO_PROXY`), they go through reqwest instead, which
 //! speaks the proxy protocol (absolute-form requests, `CONNECT` tunnels,
 //! proxy credentials from the proxy URL), trusting the same roots.
 //! reqwest costs about 22 µs more CPU a request (it parses the URL three
 //! times over), so it is kept off the direct path.
+
+mod pool;
+pub mod trust;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,12 +29,12 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Either, Full};
 use url::Url;
 
-use super::pool::{self, Connector, Pool, PooledBody, RequestBody};
-use super::trust::{Trust, TrustError};
 use crate::cache::Bounded;
 use crate::config::UpstreamConfig;
 use crate::error::ProxyError;
 use crate::server::workers;
+use pool::{Connector, Pool, PooledBody, RequestBody};
+use trust::{Trust, TrustError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
