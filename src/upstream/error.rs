@@ -19,6 +19,27 @@ pub enum UpstreamError {
     BaseUri(#[from] http::uri::InvalidUri),
 }
 
+/// Why a request got no answer from the upstream. The proxy answers its
+/// client for these (502, 504); it never rewraps what the upstream said.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// No connection within the connect timeout, or no response headers
+    /// within the first-byte timeout: that timeout, in seconds.
+    #[error("the upstream did not answer within {0} seconds")]
+    Timeout(f64),
+    /// The request could not be sent, [`describe`]d (reqwest's errors
+    /// without the URL: it may carry credentials, and this reaches the
+    /// client).
+    #[error("the upstream could not be reached: {0}")]
+    Unreachable(String),
+}
+
+/// A client path that maps to no URL under the upstream's base URL; the
+/// reason ends the sentence "the request path ...".
+#[derive(Debug, thiserror::Error)]
+#[error("the request path {0}")]
+pub struct InvalidPath(pub &'static str);
+
 /// An error of either client, or of a body on its way.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

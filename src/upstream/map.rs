@@ -11,9 +11,8 @@
 use http::{HeaderMap, HeaderValue, Uri};
 use url::Url;
 
-use super::error::UpstreamError;
+use super::error::{InvalidPath, UpstreamError};
 use crate::cache::Bounded;
-use crate::error::ProxyError;
 
 /// `upstream.base_url`, parsed once, and the client paths mapped under it.
 pub(super) struct BaseUrl {
@@ -80,7 +79,7 @@ impl BaseUrl {
 
     /// The upstream URL for a client path and query: `/v1/<rest>` and
     /// `/<rest>` both map to `<base_url>/<rest>`.
-    pub(super) fn url_for(&self, path: &str, query: Option<&str>) -> Result<Uri, ProxyError> {
+    pub(super) fn url_for(&self, path: &str, query: Option<&str>) -> Result<Uri, InvalidPath> {
         if query.is_some() || path.len() > MAPPED_PATH_BYTES {
             return self.map_url(path, query);
         }
@@ -92,7 +91,7 @@ impl BaseUrl {
         Ok(uri)
     }
 
-    fn map_url(&self, path: &str, query: Option<&str>) -> Result<Uri, ProxyError> {
+    fn map_url(&self, path: &str, query: Option<&str>) -> Result<Uri, InvalidPath> {
         let rest = match path.strip_prefix("/v1") {
             Some(r) if r.is_empty() || r.starts_with('/') => r,
             _ => path,
@@ -102,11 +101,11 @@ impl BaseUrl {
         // or `..%2f` itself (twice, behind another proxy: `%252e`) and walk
         // out of the base path, and Tomcat, Jetty and Spring read `..;x`
         // (a segment with parameters) as `..`.
-        let decoded = decoded_fully(rest)
-            .ok_or(ProxyError::InvalidPath("is percent-encoded too many times"))?;
+        let decoded =
+            decoded_fully(rest).ok_or(InvalidPath("is percent-encoded too many times"))?;
         let dot = |seg: &str| matches!(seg.split(';').next(), Some("." | ".."));
         if decoded.contains('\\') || decoded.split('/').any(dot) {
-            return Err(ProxyError::InvalidPath("may not contain dot segments"));
+            return Err(InvalidPath("may not contain dot segments"));
         }
         let mut s = String::with_capacity(self.base.len() + rest.len() + 32);
         s.push_str(&self.base);
@@ -115,8 +114,7 @@ impl BaseUrl {
             s.push('?');
             s.push_str(q);
         }
-        let mut url =
-            Url::parse(&s).map_err(|_| ProxyError::InvalidPath("is not a valid URL path"))?;
+        let mut url = Url::parse(&s).map_err(|_| InvalidPath("is not a valid URL path"))?;
         // Defence in depth: whatever the path held, the host stays ours and
         // the path stays under the base path.
         let under_base = url
@@ -127,7 +125,7 @@ impl BaseUrl {
             || url.port_or_known_default() != self.port
             || !under_base
         {
-            return Err(ProxyError::InvalidPath("leaves the upstream's base path"));
+            return Err(InvalidPath("leaves the upstream's base path"));
         }
         // Credentials in the base go as a header (see `basic`): HTTP/1.1
         // would drop them, and HTTP/2 would send them in `:authority`.
@@ -136,7 +134,7 @@ impl BaseUrl {
         // `Url` escapes what `Uri` refuses, as reqwest relies on too.
         url.as_str()
             .parse()
-            .map_err(|_| ProxyError::InvalidPath("is not a valid URL path"))
+            .map_err(|_| InvalidPath("is not a valid URL path"))
     }
 }
 
@@ -225,7 +223,7 @@ mod tests {
             "/v1/%2525252e%2525252e/x",
         ] {
             let e = u.url_for(p, None).unwrap_err();
-            assert!(matches!(e, ProxyError::InvalidPath(_)), "{p}: {e}");
+            assert!(matches!(e, InvalidPath(_)), "{p}: {e}");
         }
         assert_eq!(
             u.url_for("/v1/models/gpt-4o%2Fmini", None).unwrap().path(),

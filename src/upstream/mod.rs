@@ -26,13 +26,12 @@ use bytes::Bytes;
 use http::{HeaderMap, Method, Uri};
 
 use crate::config::UpstreamConfig;
-use crate::error::ProxyError;
 use map::BaseUrl;
 use transport::{Pools, Transport};
 use trust::Trust;
 
 pub use body::{Outgoing, ResponseBody, UpstreamResponse, content_length, whole_body};
-pub use error::{BoxError, UpstreamError, describe};
+pub use error::{BoxError, InvalidPath, SendError, UpstreamError, describe};
 pub use transport::from_reqwest;
 
 #[derive(Clone, Copy)]
@@ -124,7 +123,7 @@ impl Upstream {
 
     /// The upstream URL for a client path and query: `/v1/<rest>` and
     /// `/<rest>` both map to `<base_url>/<rest>`.
-    pub fn url_for(&self, path: &str, query: Option<&str>) -> Result<Uri, ProxyError> {
+    pub fn url_for(&self, path: &str, query: Option<&str>) -> Result<Uri, InvalidPath> {
         self.base.url_for(path, query)
     }
 
@@ -136,7 +135,7 @@ impl Upstream {
         uri: Uri,
         headers: HeaderMap,
         body: Outgoing,
-    ) -> Result<UpstreamResponse, ProxyError> {
+    ) -> Result<UpstreamResponse, SendError> {
         self.send_after(method, uri, headers, body, std::future::ready(()))
             .await
     }
@@ -153,7 +152,7 @@ impl Upstream {
         headers: HeaderMap,
         body: Outgoing,
         sent: impl Future<Output = ()>,
-    ) -> Result<UpstreamResponse, ProxyError> {
+    ) -> Result<UpstreamResponse, SendError> {
         if let Some(sim) = &self.simulator {
             let bytes = match body {
                 Outgoing::Whole(b) => b,
@@ -172,16 +171,16 @@ impl Upstream {
         let answer = tokio::select! {
             biased;
             answer = sending => answer,
-            () = waited_out => return Err(ProxyError::UpstreamTimeout(t.first_byte.as_secs_f64())),
+            () = waited_out => return Err(SendError::Timeout(t.first_byte.as_secs_f64())),
         };
         match answer {
             Ok(resp) => Ok(resp),
             Err(e) if error::timed_out(e.as_ref()) => {
-                Err(ProxyError::UpstreamTimeout(t.connect.as_secs_f64()))
+                Err(SendError::Timeout(t.connect.as_secs_f64()))
             }
             // reqwest's errors were stripped of the URL: it may carry
             // credentials, and the message reaches the client.
-            Err(e) => Err(ProxyError::UpstreamUnreachable(describe(e.as_ref()))),
+            Err(e) => Err(SendError::Unreachable(describe(e.as_ref()))),
         }
     }
 }
@@ -486,7 +485,7 @@ mod tests {
             .send(Method::GET, uri, HeaderMap::new(), Outgoing::Empty)
             .await;
         match sent {
-            Err(ProxyError::UpstreamTimeout(s)) => assert_eq!(s, 0.2),
+            Err(SendError::Timeout(s)) => assert_eq!(s, 0.2),
             Err(e) => panic!("{e}"),
             Ok(r) => panic!("answered {}", r.status()),
         }
@@ -511,7 +510,7 @@ mod tests {
             )
             .await;
         match sent {
-            Err(ProxyError::UpstreamUnreachable(why)) => {
+            Err(SendError::Unreachable(why)) => {
                 assert!(why.contains("certificate"), "{why}")
             }
             Err(e) => panic!("{e}"),
