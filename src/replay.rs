@@ -461,7 +461,7 @@ async fn run(
     simulator.lists_window = provider.lists_window;
     let simulator = Arc::new(simulator);
     let metrics = Arc::new(Metrics::new().map_err(OfflineError::from)?);
-    let upstream = Upstream::simulated(&proxied.upstream, simulator.clone())?;
+    let upstream = Upstream::in_process(&proxied.upstream, simulator.clone())?;
     let proxy = Arc::new(Proxy::with_upstream(
         Arc::new(proxied),
         metrics.clone(),

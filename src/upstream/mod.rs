@@ -20,6 +20,7 @@ mod pool;
 mod transport;
 pub mod trust;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -41,10 +42,19 @@ struct Timeouts {
     idle: Duration,
 }
 
+/// Something that answers the upstream's requests in process, in place of
+/// the network: `condense replay` sends every turn through the real proxy to
+/// a provider of its own this way, and tests and benches may too. It gets
+/// the method, the path and a body condense holds whole (empty when it was
+/// streamed); no timeout, credential or connection applies.
+pub trait InProcess: Send + Sync {
+    fn respond(&self, method: &Method, path: &str, body: &Bytes) -> http::Response<Bytes>;
+}
+
 pub struct Upstream {
     transport: Transport,
-    /// Set for `condense replay`: requests are answered in process.
-    simulator: Option<std::sync::Arc<crate::simulate::Simulator>>,
+    /// Answers requests in place of the network, when set.
+    in_process: Option<Arc<dyn InProcess>>,
     base: BaseUrl,
     timeouts: Timeouts,
     /// The roots TLS connections are verified against (kept for
@@ -77,32 +87,33 @@ impl Upstream {
         let base = BaseUrl::new(base_url)?;
         Ok(Upstream {
             transport: Transport::for_base(base.uri(), t.connect, direct, &trust)?,
-            simulator: None,
+            in_process: None,
             base,
             timeouts: t,
             trust,
         })
     }
 
-    /// An upstream whose requests `simulator` answers in process (for
-    /// `condense replay`); everything else as [`Upstream::new`].
-    pub fn simulated(
+    /// An upstream whose requests `responder` answers in process;
+    /// everything else as [`Upstream::new`].
+    pub fn in_process(
         config: &UpstreamConfig,
-        simulator: std::sync::Arc<crate::simulate::Simulator>,
+        responder: Arc<dyn InProcess>,
     ) -> Result<Upstream, UpstreamError> {
         let mut u = Upstream::new(config)?;
-        u.simulator = Some(simulator);
+        u.in_process = Some(responder);
         Ok(u)
     }
 
-    /// The same client (and simulator) in front of another base URL.
+    /// The same client (and in-process responder) in front of another base
+    /// URL.
     pub fn rebased(&self, base_url: &str) -> Result<Upstream, UpstreamError> {
         let direct = match &self.transport {
             Transport::Direct(c) => Some(c),
             Transport::Proxied(_) => None,
         };
         let mut u = Upstream::with(base_url, self.timeouts, direct, self.trust.clone())?;
-        u.simulator = self.simulator.clone();
+        u.in_process = self.in_process.clone();
         Ok(u)
     }
 
@@ -153,12 +164,14 @@ impl Upstream {
         body: Outgoing,
         sent: impl Future<Output = ()>,
     ) -> Result<UpstreamResponse, SendError> {
-        if let Some(sim) = &self.simulator {
+        if let Some(responder) = &self.in_process {
             let bytes = match body {
                 Outgoing::Whole(b) => b,
                 Outgoing::Empty | Outgoing::Streamed(_) => Bytes::new(),
             };
-            return Ok(sim.respond(&method, uri.path(), &bytes).map(whole_body));
+            return Ok(responder
+                .respond(&method, uri.path(), &bytes)
+                .map(whole_body));
         }
         let mut headers = headers;
         self.base.authorize(&mut headers);
