@@ -1,6 +1,7 @@
-//! The one HTTP client condense's outgoing requests go through: the
-//! upstream's and Anthropic's (and the `/models` listing), each a
-//! [`Upstream`] at its base URL, sharing connections.
+//! The HTTP client of condense's forwarded requests: the upstream's and
+//! Anthropic's (and the `/models` listing), each an [`Upstream`] at its
+//! base URL, sharing connections. The summarizer's own reqwest client takes
+//! its TLS roots and its error descriptions from here.
 //!
 //! - `map.rs`: where a request goes: the client's path under the base URL,
 //!   confined to it; credentials in the base URL sent as a header.
