@@ -446,7 +446,7 @@ pub struct UpstreamConfig {
     /// every TLS connection condense opens (the upstreams, the summarizer,
     /// through an outbound proxy): a private CA, such as a TLS-inspecting
     /// proxy's. When unset, the file `SSL_CERT_FILE` names, if any. Read
-    /// at start-up (see `proxy::trust`).
+    /// at start-up (see `upstream::trust`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
 }

@@ -23,4 +23,5 @@ pub mod simulate;
 pub mod state;
 pub mod summary;
 pub mod tokens;
+pub mod upstream;
 pub mod wire;

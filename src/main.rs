@@ -122,7 +122,7 @@ fn main() -> ExitCode {
             }
             // The CA file (upstream.ca_file, or SSL_CERT_FILE's) is read as
             // `serve` would read it.
-            if let Err(e) = condense::proxy::trust::Trust::from_config(&config.upstream) {
+            if let Err(e) = condense::upstream::trust::Trust::from_config(&config.upstream) {
                 eprintln!("condense: {e}");
                 return ExitCode::FAILURE;
             }

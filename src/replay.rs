@@ -29,11 +29,11 @@ use crate::config::{Config, ConfigError};
 use crate::metrics::Metrics;
 use crate::offline::{self, CompactOptions, OfflineError};
 use crate::pipeline::CachedCounter;
-use crate::proxy::upstream::{Upstream, UpstreamError};
 use crate::proxy::{Proxy, SetupError};
 use crate::recall::store::Originals;
 use crate::simulate::{CountRule, OverflowStyle, Simulator};
 use crate::tokens::Budget;
+use crate::upstream::{Upstream, UpstreamError};
 use crate::wire::Format;
 use crate::wire::anthropic::MessagesRequest;
 use crate::wire::responses::ResponsesRequest;
@@ -463,7 +463,7 @@ async fn run(
     simulator.lists_window = provider.lists_window;
     let simulator = Arc::new(simulator);
     let metrics = Arc::new(Metrics::new().map_err(OfflineError::from)?);
-    let upstream = Upstream::simulated(&proxied.upstream, simulator.clone())?;
+    let upstream = Upstream::in_process(&proxied.upstream, simulator.clone())?;
     let proxy = Arc::new(Proxy::with_upstream(
         Arc::new(proxied),
         metrics.clone(),

@@ -37,6 +37,7 @@ use serde_json::{Value, json};
 use crate::cache::{Bounded, PreHashed, one};
 use crate::chat::ChatRequest;
 use crate::tokens::encoding::Encoding;
+use crate::upstream::InProcess;
 use crate::wire::anthropic::MessagesRequest;
 use crate::wire::responses::ResponsesRequest;
 
@@ -560,6 +561,14 @@ fn stream_response(model: &str, usage: &Value, include_usage: bool) -> http::Res
         http::HeaderValue::from_static("text/event-stream"),
     );
     r
+}
+
+/// `condense replay` (and a test or bench) puts the simulator in place of
+/// the network.
+impl InProcess for Simulator {
+    fn respond(&self, method: &Method, path: &str, body: &Bytes) -> http::Response<Bytes> {
+        Simulator::respond(self, method, path, body)
+    }
 }
 
 #[cfg(test)]

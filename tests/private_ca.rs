@@ -244,7 +244,7 @@ async fn the_summarizer_trusts_the_ca_file_too() {
         &condense::wire::chat::Chat,
         &upstream.base_url(),
         None,
-        &condense::proxy::trust::Trust::builtin(),
+        &condense::upstream::trust::Trust::builtin(),
     )
     .unwrap();
     let err = client

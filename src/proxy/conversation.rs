@@ -19,10 +19,10 @@ use super::prepare::Report;
 use super::recall::Again;
 use super::recover::OVERFLOW_STATUSES;
 use super::respond::{InflightGuard, Reply, Tap};
-use super::upstream::Outgoing;
 use super::{Proxy, Timing, X_ACTIONS, X_TOKENS_AFTER, X_TOKENS_BEFORE};
 use super::{read, send};
 use crate::error::ProxyError;
+use crate::upstream::Outgoing;
 use crate::wire::Format;
 use crate::wire::tap::{JsonTap, SseTap};
 

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use http::{HeaderMap, HeaderValue, Method, header};
 use tokio::sync::Mutex;
 
-use super::upstream::{Outgoing, Upstream};
 use crate::tokens::models::Listings;
+use crate::upstream::{Outgoing, Upstream};
 
 const REFRESH: Duration = Duration::from_secs(600);
 const TIMEOUT: Duration = Duration::from_secs(3);

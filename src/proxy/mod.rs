@@ -16,15 +16,12 @@ pub mod headers;
 mod jobs;
 pub mod learn;
 pub mod listing;
-pub mod pool;
 mod prepare;
 pub mod read;
 mod recall;
 mod recover;
 pub mod respond;
 mod send;
-pub mod trust;
-pub mod upstream;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -41,13 +38,12 @@ use crate::state::{StateError, StateStore};
 use crate::summary::Summarizer;
 use crate::summary::client::CallError;
 use crate::tokens::TokenService;
+use crate::upstream::{InvalidPath, SendError, Upstream, UpstreamError};
 use crate::wire::{Format, Provider};
 use auth::Credentials;
 use learn::Background;
 use listing::ListingFetcher;
 use read::BodyBudget;
-
-use upstream::{Upstream, UpstreamError};
 
 /// Conversation bodies with at least this many bytes of messages not seen
 /// before are measured on the blocking pool.
@@ -112,6 +108,24 @@ pub enum SetupError {
     State(#[from] StateError),
     #[error("cannot set up the summarizer: {0}")]
     Summarizer(#[from] CallError),
+}
+
+/// The client is answered for a request the upstream never answered: 504
+/// for a timeout, 502 otherwise.
+impl From<SendError> for ProxyError {
+    fn from(e: SendError) -> ProxyError {
+        match e {
+            SendError::Timeout(seconds) => ProxyError::UpstreamTimeout(seconds),
+            SendError::Unreachable(why) => ProxyError::UpstreamUnreachable(why),
+        }
+    }
+}
+
+/// A path that would leave the upstream's base URL is the client's error.
+impl From<InvalidPath> for ProxyError {
+    fn from(InvalidPath(why): InvalidPath) -> ProxyError {
+        ProxyError::InvalidPath(why)
+    }
 }
 
 /// Timestamps that split a request's time between condense and the upstream.
@@ -226,5 +240,40 @@ impl Proxy {
             .inc();
         tracing::warn!(route, error = %e, "request failed in condense");
         e.response_for(format)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_the_upstream_client_fails_at_reads_the_same_as_condense_s_error() {
+        for (e, status, text) in [
+            (
+                ProxyError::from(SendError::Timeout(0.2)),
+                504,
+                "the upstream did not answer within 0.2 seconds",
+            ),
+            (
+                ProxyError::from(SendError::Unreachable("refused".into())),
+                502,
+                "the upstream could not be reached: refused",
+            ),
+            (
+                ProxyError::from(InvalidPath("may not contain dot segments")),
+                400,
+                "the request path may not contain dot segments",
+            ),
+        ] {
+            assert_eq!(
+                (e.status().as_u16(), e.to_string().as_str()),
+                (status, text)
+            );
+        }
+        assert_eq!(
+            SendError::Unreachable("refused".into()).to_string(),
+            "the upstream could not be reached: refused"
+        );
     }
 }

@@ -31,8 +31,8 @@ use http_body_util::BodyExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::time::Instant;
 
-use super::upstream::{self, BoxError, Outgoing, UpstreamResponse};
 use crate::error::ProxyError;
+use crate::upstream::{self, BoxError, Outgoing, UpstreamResponse};
 
 /// A response body on its way from the upstream.
 pub type BodyStream =

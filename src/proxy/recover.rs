@@ -15,11 +15,11 @@ use http::HeaderMap;
 
 use super::prepare::{Own, Prepared};
 use super::respond::Reply;
-use super::upstream::{self, Outgoing, ResponseBody, UpstreamResponse};
 use super::{BLOCKING_PREPARE_BYTES, Proxy, read};
 use crate::error::ProxyError;
 use crate::overflow;
 use crate::tokens::{ModelInfo, WindowSource, pair_key};
+use crate::upstream::{self, Outgoing, ResponseBody, UpstreamResponse};
 use crate::wire::{Format, Parsed};
 
 /// Statuses an overflow error can come with.

@@ -13,9 +13,9 @@ use http::{HeaderMap, Request};
 
 use super::auth::Credentials;
 use super::respond::{InflightGuard, Tap};
-use super::upstream::Outgoing;
 use super::{Proxy, ROUTE_PASSTHROUGH, Timing, headers, read};
 use crate::error::ProxyError;
+use crate::upstream::Outgoing;
 use crate::wire::Format;
 
 /// The headers a conversation request goes upstream with.
@@ -80,8 +80,8 @@ impl Proxy {
             .send_after(parts.method, url, headers, body, body_sent)
             .await
             .map_err(|e| match &upload {
-                Some(upload) => upload.or(self.max_body_bytes, self.body_timeout, e),
-                None => e,
+                Some(upload) => upload.or(self.max_body_bytes, self.body_timeout, e.into()),
+                None => e.into(),
             })?;
         Ok(self.respond(
             ROUTE_PASSTHROUGH,

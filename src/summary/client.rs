@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::config::Secret;
 use crate::proxy::auth::bearer;
-use crate::proxy::trust::Trust;
+use crate::upstream::trust::Trust;
 use crate::wire::Api;
 
 /// Headers that say whose account a call is for; with the client's keys
@@ -134,12 +134,12 @@ impl Client {
             .map_err(|e| {
                 // With its causes (a TLS failure says `UnknownIssuer`
                 // there), without the URL.
-                CallError::Transport(crate::proxy::upstream::describe(&e.without_url()))
+                CallError::Transport(crate::upstream::describe(&e.without_url()))
             })?;
         let status = resp.status();
         // A checkpoint is a few kilobytes; an answer far larger is not one,
         // and reading it whole would let the summarizer fill memory.
-        let resp = crate::proxy::upstream::from_reqwest(resp);
+        let resp = crate::upstream::from_reqwest(resp);
         let bytes = match crate::proxy::read::read_upstream(resp, MAX_ANSWER_BYTES, None).await {
             Ok(crate::proxy::read::Limited::Whole(b)) => b,
             Ok(crate::proxy::read::Limited::Over { .. }) => {

@@ -38,7 +38,7 @@ use hyper::client::conn::{http1, http2};
 use hyper_util::client::legacy::connect::{Connection, HttpConnector};
 use hyper_util::rt::TokioExecutor;
 
-use super::upstream::BoxError;
+use super::error::BoxError;
 
 /// How long an unused connection is kept.
 pub const IDLE: Duration = Duration::from_secs(90);
