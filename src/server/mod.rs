@@ -5,6 +5,7 @@
 
 pub mod connections;
 pub mod front;
+mod refused;
 pub mod workers;
 
 use std::net::SocketAddr;
