@@ -1,6 +1,10 @@
 //! The metric registry. Every metric condense exports is declared here, so
 //! the names (the contract Prometheus dashboards rely on) live in one file.
 //!
+//! This module is at the bottom of the house: it imports nothing from the
+//! rest of condense. The label values that are fixed sets live in [`labels`],
+//! and the modules that count use them from there.
+//!
 //! Labels have few values: `route` and `status_class` are fixed sets, and the
 //! client-chosen `model` label is capped (see [`Metrics::model_label`]) so a
 //! client cannot blow up the series count by inventing model names.
@@ -14,17 +18,84 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-/// The compaction stages, the `stage` label's values.
-pub const STAGES: &[&str] = &["fit", "mask", "summarize", "prune", "fade", "emergency"];
+/// The label values that are known in advance. A metric's series for these
+/// start at zero, so dashboards show 0 rather than "no data" until the first
+/// event.
+pub mod labels {
+    /// The compaction stages, the `stage` label's values.
+    pub const STAGES: &[&str] = &["fit", "mask", "summarize", "prune", "fade", "emergency"];
 
-/// The `outcome` label of `condense_recalls_total`.
-pub const RECALL_OUTCOMES: &[&str] = &[
-    "answered",
-    "unknown_key",
-    "limit_reached",
-    "stripped",
-    "failed",
-];
+    /// The `outcome` label of `condense_recalls_total`.
+    pub const RECALL_OUTCOMES: &[&str] = &[
+        "answered",
+        "unknown_key",
+        "limit_reached",
+        "stripped",
+        "failed",
+    ];
+
+    /// Every value of `ProxyError::metric_label`, the `kind` label of
+    /// `condense_proxy_errors_total`.
+    pub const PROXY_ERROR_KINDS: &[&str] = &[
+        "upstream_unreachable",
+        "upstream_timeout",
+        "request_too_large",
+        "invalid_body",
+        "request_timeout",
+        "invalid_path",
+        "method_not_allowed",
+        "overloaded",
+        "invalid_api_key",
+        "shutting_down",
+    ];
+
+    /// The `cause` label of `condense_stream_interruptions_total`.
+    pub const INTERRUPTION_CAUSES: &[&str] = &["idle_timeout", "upstream_error", "shutdown"];
+
+    /// The `kind` label of `condense_upstream_invalid_responses_total`.
+    pub const ANOMALIES: &[&str] = &["invalid_json", "sse_without_done", "sse_event_too_long"];
+
+    /// The `provider_format` label of `condense_context_overflow_total`: the
+    /// provider wordings the overflow table recognises, each once.
+    pub const OVERFLOW_FORMATS: &[&str] = &[
+        "llamacpp",
+        "openai_tpm",
+        "openrouter",
+        "vllm",
+        "openai",
+        "anthropic",
+        "mistral",
+        "xai",
+        "gemini",
+    ];
+
+    /// The `outcome` label of `condense_context_overflow_total`.
+    pub const OVERFLOW_OUTCOMES: &[&str] = &["recovered", "failed", "not_recoverable"];
+
+    /// The state store's operations, the `op` label of
+    /// `condense_state_errors_total`.
+    pub const STATE_OPS: &[&str] = &["get", "put", "lease", "release"];
+
+    /// The `reason` label of `condense_connections_closed_total`.
+    pub const CLOSE_REASONS: &[&str] = &["idle_timeout", "write_stalled", "evicted", "refused"];
+
+    /// The `outcome` label of `condense_summarizer_calls_total`.
+    pub const SUMMARIZER_OUTCOMES: &[&str] = &["ok", "reused", "error", "timeout"];
+
+    /// The `reason` label of `condense_summary_fallbacks_total`.
+    pub const FALLBACK_REASONS: &[&str] = &["failed", "cooldown"];
+
+    /// The `outcome` label of `condense_prepare_jobs_total`.
+    pub const JOB_OUTCOMES: &[&str] = &["run", "busy", "abandoned"];
+
+    /// The `reason` label of `condense_stateful_requests_total`.
+    pub const STATEFUL_REASONS: &[&str] = &["previous_response_id", "conversation"];
+
+    /// The `outcome` label of `condense_agent_compactions_total`.
+    pub const AGENT_COMPACTION_OUTCOMES: &[&str] = &["requested", "applied"];
+}
+
+use labels::*;
 
 /// Distinct model label values kept before new ones are folded into "other".
 const MAX_MODEL_LABELS: usize = 64;
@@ -151,7 +222,7 @@ impl Metrics {
             ),
             &["reason"],
         )?;
-        for reason in ["idle_timeout", "write_stalled", "evicted", "refused"] {
+        for reason in CLOSE_REASONS {
             connections_closed_total.with_label_values(&[reason]);
         }
         let token_cache_hits_total = IntCounter::new(
@@ -253,10 +324,10 @@ impl Metrics {
             &["op"],
         )?;
         // Known label values start at zero, so dashboards see the series.
-        for outcome in ["ok", "reused", "error", "timeout"] {
+        for outcome in SUMMARIZER_OUTCOMES {
             summarizer_calls_total.with_label_values(&[outcome]);
         }
-        for reason in ["failed", "cooldown"] {
+        for reason in FALLBACK_REASONS {
             summary_fallbacks_total.with_label_values(&[reason]);
         }
         let context_overflow_total = IntCounterVec::new(
@@ -273,7 +344,7 @@ impl Metrics {
             ),
             &["outcome"],
         )?;
-        for outcome in ["run", "busy", "abandoned"] {
+        for outcome in JOB_OUTCOMES {
             prepare_jobs_total.with_label_values(&[outcome]);
         }
         let stateful_requests_total = IntCounterVec::new(
@@ -283,7 +354,7 @@ impl Metrics {
             ),
             &["reason"],
         )?;
-        for reason in ["previous_response_id", "conversation"] {
+        for reason in STATEFUL_REASONS {
             stateful_requests_total.with_label_values(&[reason]);
         }
         let recalls_total = IntCounterVec::new(
@@ -307,7 +378,7 @@ impl Metrics {
             ),
             &["outcome"],
         )?;
-        for outcome in ["requested", "applied"] {
+        for outcome in AGENT_COMPACTION_OUTCOMES {
             agent_compactions_total.with_label_values(&[outcome]);
         }
         let upstream_invalid_responses_total = IntCounterVec::new(
@@ -319,21 +390,21 @@ impl Metrics {
         )?;
         // Known label values start at zero, so dashboards show 0 rather
         // than "no data" until the first event.
-        for kind in crate::error::ProxyError::KINDS {
+        for kind in PROXY_ERROR_KINDS {
             proxy_errors_total.with_label_values(&[kind]);
         }
-        for cause in crate::proxy::relay::INTERRUPTION_CAUSES {
+        for cause in INTERRUPTION_CAUSES {
             stream_interruptions_total.with_label_values(&[cause]);
         }
-        for kind in crate::proxy::relay::ANOMALIES {
+        for kind in ANOMALIES {
             upstream_invalid_responses_total.with_label_values(&[kind]);
         }
-        for format in crate::overflow::formats() {
-            for outcome in crate::overflow::OUTCOMES {
+        for format in OVERFLOW_FORMATS {
+            for outcome in OVERFLOW_OUTCOMES {
                 context_overflow_total.with_label_values(&[format, outcome]);
             }
         }
-        for op in crate::state::OPS {
+        for op in STATE_OPS {
             state_errors_total.with_label_values(&[op]);
         }
         let mut names = Vec::new();
