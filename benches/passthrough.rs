@@ -31,9 +31,11 @@
 //! requests/s, default 50), `BENCH_SECONDS` (per fixed-rate phase, default
 //! 30), `BENCH_SATURATION_SECONDS` (default 10), `BENCH_CONCURRENCY`
 //! (default 16), `BENCH_SLOW_STREAMS` (default 1000), `BENCH_SLOW_SECONDS`
-//! (default 60; 0 skips the phase). condense runs as its own process (the
-//! release binary), so its memory is measured alone; the mock upstream and
-//! the load generator share this process. On a 2-core machine all three
+//! (default 60; 0 skips the phase), `BENCH_ACCESS_LOG=1` (condense and
+//! the baseline write their access lines, as by default; off otherwise).
+//! condense runs as its own process (the release binary), so its memory is
+//! measured alone; the mock upstream and the load generator share this
+//! process. On a 2-core machine all three
 //! compete for the CPU: compare the two columns, not absolute numbers.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
@@ -124,6 +126,15 @@ fn start_condense(upstream: SocketAddr) -> (Child, SocketAddr) {
     start_condense_from(env!("CARGO_BIN_EXE_condense"), upstream)
 }
 
+/// condense's log filter: access lines off, unless `BENCH_ACCESS_LOG=1`.
+fn rust_log() -> &'static str {
+    if std::env::var("BENCH_ACCESS_LOG").is_ok_and(|v| v == "1") {
+        "warn,condense=info"
+    } else {
+        "warn,condense::server=warn,condense=info"
+    }
+}
+
 /// condense built from `binary` (this build's, or a baseline's).
 fn start_condense_from(binary: &str, upstream: SocketAddr) -> (Child, SocketAddr) {
     let mut child = Command::new(binary)
@@ -140,7 +151,7 @@ fn start_condense_from(binary: &str, upstream: SocketAddr) -> (Child, SocketAddr
         // The agent conversation's model is unknown: this window applies.
         .env("CONDENSE_DEFAULT_CONTEXT_WINDOW", "32768")
         .env("CONDENSE_UPSTREAM__LEARN_WINDOWS", "false")
-        .env("RUST_LOG", "warn,condense::server=warn,condense=info")
+        .env("RUST_LOG", rust_log())
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()

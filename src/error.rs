@@ -64,22 +64,8 @@ impl ProxyError {
         }
     }
 
-    /// Every value of [`ProxyError::metric_label`], so the metric can show 0
-    /// for each from the start.
-    pub const KINDS: &'static [&'static str] = &[
-        "upstream_unreachable",
-        "upstream_timeout",
-        "request_too_large",
-        "invalid_body",
-        "request_timeout",
-        "invalid_path",
-        "method_not_allowed",
-        "overloaded",
-        "invalid_api_key",
-        "shutting_down",
-    ];
-
-    /// A short label for the `condense_proxy_errors_total{kind}` metric.
+    /// A short label for the `condense_proxy_errors_total{kind}` metric, one
+    /// of [`crate::metrics::labels::PROXY_ERROR_KINDS`].
     pub fn metric_label(&self) -> &'static str {
         self.kind().1
     }
@@ -153,6 +139,7 @@ impl IntoResponse for ProxyError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metrics::labels::PROXY_ERROR_KINDS;
 
     #[test]
     fn every_kind_is_listed() {
@@ -168,8 +155,8 @@ mod tests {
             ProxyError::Unauthorized,
             ProxyError::ShuttingDown,
         ] {
-            assert!(ProxyError::KINDS.contains(&e.metric_label()), "{e}");
+            assert!(PROXY_ERROR_KINDS.contains(&e.metric_label()), "{e}");
         }
-        assert_eq!(ProxyError::KINDS.len(), 10);
+        assert_eq!(PROXY_ERROR_KINDS.len(), 10);
     }
 }

@@ -1,5 +1,10 @@
-//! The metric registry. Every metric condense exports is declared here, so
-//! the names (the contract Prometheus dashboards rely on) live in one file.
+//! The metric registry. Every metric condense exports is declared here, once,
+//! in the `metrics!` table, so the names (the contract Prometheus dashboards
+//! rely on) live in one file and adding a metric is one entry.
+//!
+//! This module is at the bottom of the house: it imports nothing from the
+//! rest of condense. The label values that are fixed sets live in [`labels`],
+//! and the modules that count use them from there.
 //!
 //! Labels have few values: `route` and `status_class` are fixed sets, and the
 //! client-chosen `model` label is capped (see [`Metrics::model_label`]) so a
@@ -8,23 +13,94 @@
 use std::collections::HashSet;
 use std::sync::Mutex;
 
-use prometheus::core::Collector;
+use prometheus::core::{Collector, MetricVec, MetricVecBuilder};
 use prometheus::{
     Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-/// The compaction stages, the `stage` label's values.
-pub const STAGES: &[&str] = &["fit", "mask", "summarize", "prune", "fade", "emergency"];
+/// The label values that are known in advance. A metric's series for these
+/// start at zero, so dashboards show 0 rather than "no data" until the first
+/// event.
+pub mod labels {
+    /// A label whose values are not known in advance (route, model, ...):
+    /// none of its series is pre-created.
+    pub const OPEN: &[&str] = &[];
 
-/// The `outcome` label of `condense_recalls_total`.
-pub const RECALL_OUTCOMES: &[&str] = &[
-    "answered",
-    "unknown_key",
-    "limit_reached",
-    "stripped",
-    "failed",
-];
+    /// The compaction stages, the `stage` label's values.
+    pub const STAGES: &[&str] = &["fit", "mask", "summarize", "prune", "fade", "emergency"];
+
+    /// The `outcome` label of `condense_recalls_total`.
+    pub const RECALL_OUTCOMES: &[&str] = &[
+        "answered",
+        "unknown_key",
+        "limit_reached",
+        "stripped",
+        "failed",
+    ];
+
+    /// Every value of `ProxyError::metric_label`, the `kind` label of
+    /// `condense_proxy_errors_total`.
+    pub const PROXY_ERROR_KINDS: &[&str] = &[
+        "upstream_unreachable",
+        "upstream_timeout",
+        "request_too_large",
+        "invalid_body",
+        "request_timeout",
+        "invalid_path",
+        "method_not_allowed",
+        "overloaded",
+        "invalid_api_key",
+        "shutting_down",
+    ];
+
+    /// The `cause` label of `condense_stream_interruptions_total`.
+    pub const INTERRUPTION_CAUSES: &[&str] = &["idle_timeout", "upstream_error", "shutdown"];
+
+    /// The `kind` label of `condense_upstream_invalid_responses_total`.
+    pub const ANOMALIES: &[&str] = &["invalid_json", "sse_without_done", "sse_event_too_long"];
+
+    /// The `provider_format` label of `condense_context_overflow_total`: the
+    /// provider wordings the overflow table recognises, each once.
+    pub const OVERFLOW_FORMATS: &[&str] = &[
+        "llamacpp",
+        "openai_tpm",
+        "openrouter",
+        "vllm",
+        "openai",
+        "anthropic",
+        "mistral",
+        "xai",
+        "gemini",
+    ];
+
+    /// The `outcome` label of `condense_context_overflow_total`.
+    pub const OVERFLOW_OUTCOMES: &[&str] = &["recovered", "failed", "not_recoverable"];
+
+    /// The state store's operations, the `op` label of
+    /// `condense_state_errors_total`.
+    pub const STATE_OPS: &[&str] = &["get", "put", "lease", "release"];
+
+    /// The `reason` label of `condense_connections_closed_total`.
+    pub const CLOSE_REASONS: &[&str] = &["idle_timeout", "write_stalled", "evicted", "refused"];
+
+    /// The `outcome` label of `condense_summarizer_calls_total`.
+    pub const SUMMARIZER_OUTCOMES: &[&str] = &["ok", "reused", "error", "timeout"];
+
+    /// The `reason` label of `condense_summary_fallbacks_total`.
+    pub const FALLBACK_REASONS: &[&str] = &["failed", "cooldown"];
+
+    /// The `outcome` label of `condense_prepare_jobs_total`.
+    pub const JOB_OUTCOMES: &[&str] = &["run", "busy", "abandoned"];
+
+    /// The `reason` label of `condense_stateful_requests_total`.
+    pub const STATEFUL_REASONS: &[&str] = &["previous_response_id", "conversation"];
+
+    /// The `outcome` label of `condense_agent_compactions_total`.
+    pub const AGENT_COMPACTION_OUTCOMES: &[&str] = &["requested", "applied"];
+}
+
+use labels::*;
 
 /// Distinct model label values kept before new ones are folded into "other".
 const MAX_MODEL_LABELS: usize = 64;
@@ -37,387 +113,374 @@ const OVERHEAD_BUCKETS: &[f64] = &[
 const UPSTREAM_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 ];
+/// Buckets for a prompt's size against its budget.
+const PRESSURE_BUCKETS: &[f64] = &[
+    0.1, 0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0,
+];
+/// Buckets for a checkpoint's size in tokens.
+const SUMMARY_BUCKETS: &[f64] = &[
+    100.0, 250.0, 500.0, 750.0, 1000.0, 1500.0, 2000.0, 4000.0, 8000.0,
+];
 
-pub struct Metrics {
-    registry: Registry,
-    pub requests_total: IntCounterVec,
-    pub upstream_seconds: HistogramVec,
-    pub overhead_seconds: HistogramVec,
-    pub upstream_prompt_tokens_total: IntCounterVec,
-    pub upstream_completion_tokens_total: IntCounterVec,
-    pub proxy_errors_total: IntCounterVec,
-    pub stream_interruptions_total: IntCounterVec,
-    pub inflight_requests: IntGauge,
-    pub open_connections: IntGauge,
-    pub connections_closed_total: IntCounterVec,
-    pub token_cache_hits_total: IntCounter,
-    pub token_cache_misses_total: IntCounter,
-    pub calibration_ratio: GaugeVec,
-    pub context_window_tokens: IntGaugeVec,
-    pub pressure_ratio: Histogram,
-    pub compaction_failures_total: IntCounter,
-    pub compactions_total: IntCounterVec,
-    pub tokens_saved_total: IntCounterVec,
-    pub prompt_tokens_received_total: IntCounter,
-    pub prompt_tokens_forwarded_total: IntCounter,
-    pub summarizer_calls_total: IntCounterVec,
-    pub summarizer_seconds: Histogram,
-    pub summary_tokens: Histogram,
-    pub summarizer_prompt_tokens_total: IntCounter,
-    pub summary_fallbacks_total: IntCounterVec,
-    pub state_errors_total: IntCounterVec,
-    pub context_overflow_total: IntCounterVec,
-    pub upstream_invalid_responses_total: IntCounterVec,
-    pub stateful_requests_total: IntCounterVec,
-    pub prepare_jobs_total: IntCounterVec,
-    pub recalls_total: IntCounterVec,
-    pub recalled_bytes_total: IntCounter,
-    pub agent_compactions_total: IntCounterVec,
-    /// Every metric name this registry exports.
-    names: Vec<String>,
-    /// Names are the client's, but the set is bounded: a cheap hash
-    /// (SipHash took about 350 instructions a request) risks nothing.
-    models_seen: Mutex<HashSet<String, xxhash_rust::xxh3::Xxh3Builder>>,
+/// Declares [`Metrics`]: one public field per entry, built from its name,
+/// help, labels (each with the values whose series start at zero; the
+/// series pre-created are every combination of them) and, for histograms,
+/// buckets, and registered.
+macro_rules! metrics {
+    (@buckets) => { &[] };
+    (@buckets $buckets:expr) => { $buckets };
+    ($(
+        $field:ident: $ty:ident {
+            name: $name:literal,
+            help: $help:literal
+            $(, labels: [$(($label:literal, $values:expr)),+ $(,)?])?
+            $(, buckets: $buckets:expr)?
+            $(,)?
+        }
+    ),+ $(,)?) => {
+        pub struct Metrics {
+            registry: Registry,
+            $(pub $field: $ty,)+
+            /// Every metric name this registry exports.
+            names: Vec<String>,
+            /// Names are the client's, but the set is bounded: a cheap hash
+            /// (SipHash took about 350 instructions a request) risks nothing.
+            models_seen: Mutex<HashSet<String, xxhash_rust::xxh3::Xxh3Builder>>,
+        }
+
+        impl Metrics {
+            pub fn new() -> Result<Metrics, MetricsError> {
+                let registry = Registry::new();
+                let mut names = Vec::new();
+                $(
+                    let $field: $ty = declare(
+                        &Spec {
+                            name: $name,
+                            help: $help,
+                            labels: &[$($(($label, $values)),+)?],
+                            buckets: metrics!(@buckets $($buckets)?),
+                        },
+                        &registry,
+                        &mut names,
+                    )?;
+                )+
+                Ok(Metrics {
+                    registry,
+                    $($field,)+
+                    names,
+                    models_seen: Mutex::new(HashSet::default()),
+                })
+            }
+
+            /// Every metric, to read their descriptions in tests.
+            #[cfg(test)]
+            fn collectors(&self) -> Vec<Box<dyn Collector>> {
+                vec![$(Box::new(self.$field.clone())),+]
+            }
+        }
+    };
+}
+
+metrics! {
+    requests_total: IntCounterVec {
+        name: "condense_requests_total",
+        help: "Requests answered, by route and status class of the response.",
+        labels: [("route", OPEN), ("status_class", OPEN)],
+    },
+    upstream_seconds: HistogramVec {
+        name: "condense_upstream_seconds",
+        help: "Upstream time to first byte: from sending the request to its response headers.",
+        labels: [("route", OPEN)],
+        buckets: UPSTREAM_BUCKETS,
+    },
+    overhead_seconds: HistogramVec {
+        name: "condense_overhead_seconds",
+        help: "Time spent inside condense for a request, excluding the wait for the upstream.",
+        labels: [("route", OPEN)],
+        buckets: OVERHEAD_BUCKETS,
+    },
+    upstream_prompt_tokens_total: IntCounterVec {
+        name: "condense_upstream_prompt_tokens_total",
+        help: "Prompt tokens the upstream reported in usage, by requested model.",
+        labels: [("model", OPEN)],
+    },
+    upstream_completion_tokens_total: IntCounterVec {
+        name: "condense_upstream_completion_tokens_total",
+        help: "Completion tokens the upstream reported in usage, by requested model.",
+        labels: [("model", OPEN)],
+    },
+    proxy_errors_total: IntCounterVec {
+        name: "condense_proxy_errors_total",
+        help: "Errors condense itself answered with (upstream unreachable, timeout, body too large, ...).",
+        labels: [("kind", PROXY_ERROR_KINDS)],
+    },
+    stream_interruptions_total: IntCounterVec {
+        name: "condense_stream_interruptions_total",
+        help: "Response bodies cut off after the headers were sent, by cause.",
+        labels: [("cause", INTERRUPTION_CAUSES)],
+    },
+    inflight_requests: IntGauge {
+        name: "condense_inflight_requests",
+        help: "Proxied requests currently in flight, streams included.",
+    },
+    open_connections: IntGauge {
+        name: "condense_open_connections",
+        help: "Client connections open now.",
+    },
+    connections_closed_total: IntCounterVec {
+        name: "condense_connections_closed_total",
+        help: "Client connections condense closed itself, by reason: idle_timeout (no request in flight for server.idle_timeout_seconds), write_stalled (the client stopped reading its response for that long), evicted (idle, to make room at server.max_connections), refused (over the cap with every connection busy; answered 503).",
+        labels: [("reason", CLOSE_REASONS)],
+    },
+    token_cache_hits_total: IntCounter {
+        name: "condense_token_cache_hits_total",
+        help: "Message token counts served from the per-message cache.",
+    },
+    token_cache_misses_total: IntCounter {
+        name: "condense_token_cache_misses_total",
+        help: "Messages (and tool lists) tokenized because their count was not cached.",
+    },
+    calibration_ratio: GaugeVec {
+        name: "condense_calibration_ratio",
+        help: "Upstream-reported prompt tokens / condense's raw estimate, per model (1.0 until observed).",
+        labels: [("model", OPEN)],
+    },
+    context_window_tokens: IntGaugeVec {
+        name: "condense_context_window_tokens",
+        help: "Context window condense applies to a model (profile, listing or default).",
+        labels: [("model", OPEN)],
+    },
+    pressure_ratio: Histogram {
+        name: "condense_pressure_ratio",
+        help: "Calibrated prompt estimate / prompt budget of chat requests as received.",
+        buckets: PRESSURE_BUCKETS,
+    },
+    compaction_failures_total: IntCounter {
+        name: "condense_compaction_failures_total",
+        help: "Chat requests forwarded unchanged because measuring or compacting them failed inside condense.",
+    },
+    compactions_total: IntCounterVec {
+        name: "condense_compactions_total",
+        help: "Chat requests a compaction stage changed, by stage.",
+        labels: [("stage", STAGES)],
+    },
+    tokens_saved_total: IntCounterVec {
+        name: "condense_tokens_saved_total",
+        help: "Prompt tokens (calibrated estimate) removed by each compaction stage.",
+        labels: [("stage", STAGES)],
+    },
+    prompt_tokens_received_total: IntCounter {
+        name: "condense_prompt_tokens_received_total",
+        help: "Prompt tokens (calibrated estimate) of chat requests as clients sent them.",
+    },
+    prompt_tokens_forwarded_total: IntCounter {
+        name: "condense_prompt_tokens_forwarded_total",
+        help: "Prompt tokens (calibrated estimate) of chat requests as condense forwarded them.",
+    },
+    summarizer_calls_total: IntCounterVec {
+        name: "condense_summarizer_calls_total",
+        help: "Checkpoints needed, by outcome: ok (written), reused (found stored or shared with a concurrent request), error (failed or unusable answer), timeout.",
+        labels: [("outcome", SUMMARIZER_OUTCOMES)],
+    },
+    summarizer_seconds: Histogram {
+        name: "condense_summarizer_seconds",
+        help: "Duration of summarizer calls, failed ones included.",
+        buckets: UPSTREAM_BUCKETS,
+    },
+    summary_tokens: Histogram {
+        name: "condense_summary_tokens",
+        help: "Size of the checkpoints written, in tokens (the summarizer's completion tokens when reported).",
+        buckets: SUMMARY_BUCKETS,
+    },
+    summarizer_prompt_tokens_total: IntCounter {
+        name: "condense_summarizer_prompt_tokens_total",
+        help: "Prompt tokens of the summarizer calls that wrote a checkpoint (as the summarizer reported them).",
+    },
+    summary_fallbacks_total: IntCounterVec {
+        name: "condense_summary_fallbacks_total",
+        help: "Requests that needed a checkpoint and dropped old turns mechanically instead, by reason (failed, cooldown).",
+        labels: [("reason", FALLBACK_REASONS)],
+    },
+    state_errors_total: IntCounterVec {
+        name: "condense_state_errors_total",
+        help: "State store (Redis) operations that failed or timed out and were treated as misses, by operation.",
+        labels: [("op", STATE_OPS)],
+    },
+    context_overflow_total: IntCounterVec {
+        name: "condense_context_overflow_total",
+        help: "Upstream context-overflow errors, by provider wording and outcome: recovered (the retry succeeded), failed (the retry was rejected too), not_recoverable (no smaller request could be made).",
+        labels: [("provider_format", OVERFLOW_FORMATS), ("outcome", OVERFLOW_OUTCOMES)],
+    },
+    upstream_invalid_responses_total: IntCounterVec {
+        name: "condense_upstream_invalid_responses_total",
+        help: "Successful chat responses that ended malformed and were passed on as they were, by kind (invalid_json: not UTF-8 or not a JSON object by its structure; sse_without_done, sse_event_too_long).",
+        labels: [("kind", ANOMALIES)],
+    },
+    stateful_requests_total: IntCounterVec {
+        name: "condense_stateful_requests_total",
+        help: "Responses requests whose history is on the server, forwarded unchanged because there is nothing to compact, by what holds it: previous_response_id, conversation.",
+        labels: [("reason", STATEFUL_REASONS)],
+    },
+    prepare_jobs_total: IntCounterVec {
+        name: "condense_prepare_jobs_total",
+        help: "Jobs that prepare a body of 128 KB or more off the async workers (parsing one, or counting and compacting it), by outcome: run; busy (the lane's queue was full, so the request went upstream as it came); abandoned (the client went away while the job waited, so it never ran).",
+        labels: [("outcome", JOB_OUTCOMES)],
+    },
+    recalls_total: IntCounterVec {
+        name: "condense_recalls_total",
+        help: "Calls of condense_recall, by outcome: answered (the original went back to the model), unknown_key (no original under that key, or it expired), limit_reached (compaction.max_recalls answered already; taken out of the answer), stripped (made after text was streamed to the client; taken out), failed (the request carrying the result failed; the answer went to the client without the call).",
+        labels: [("outcome", RECALL_OUTCOMES)],
+    },
+    recalled_bytes_total: IntCounter {
+        name: "condense_recalled_bytes_total",
+        help: "Bytes of originals condense gave back to models through condense_recall.",
+    },
+    agent_compactions_total: IntCounterVec {
+        name: "condense_agent_compactions_total",
+        help: "compress_context (compaction.agent_tool) by outcome: requested (the model called it; the point was recorded), applied (a later request was compacted up to a recorded point).",
+        labels: [("outcome", AGENT_COMPACTION_OUTCOMES)],
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
 #[error("metric registration failed: {0}")]
 pub struct MetricsError(#[from] prometheus::Error);
 
-impl Metrics {
-    pub fn new() -> Result<Metrics, MetricsError> {
-        let registry = Registry::new();
-        let requests_total = IntCounterVec::new(
-            Opts::new(
-                "condense_requests_total",
-                "Requests answered, by route and status class of the response.",
-            ),
-            &["route", "status_class"],
-        )?;
-        let upstream_seconds = HistogramVec::new(
-            HistogramOpts::new(
-                "condense_upstream_seconds",
-                "Upstream time to first byte: from sending the request to its response headers.",
-            )
-            .buckets(UPSTREAM_BUCKETS.to_vec()),
-            &["route"],
-        )?;
-        let overhead_seconds = HistogramVec::new(
-            HistogramOpts::new(
-                "condense_overhead_seconds",
-                "Time spent inside condense for a request, excluding the wait for the upstream.",
-            )
-            .buckets(OVERHEAD_BUCKETS.to_vec()),
-            &["route"],
-        )?;
-        let upstream_prompt_tokens_total = IntCounterVec::new(
-            Opts::new(
-                "condense_upstream_prompt_tokens_total",
-                "Prompt tokens the upstream reported in usage, by requested model.",
-            ),
-            &["model"],
-        )?;
-        let upstream_completion_tokens_total = IntCounterVec::new(
-            Opts::new(
-                "condense_upstream_completion_tokens_total",
-                "Completion tokens the upstream reported in usage, by requested model.",
-            ),
-            &["model"],
-        )?;
-        let proxy_errors_total = IntCounterVec::new(
-            Opts::new(
-                "condense_proxy_errors_total",
-                "Errors condense itself answered with (upstream unreachable, timeout, body too large, ...).",
-            ),
-            &["kind"],
-        )?;
-        let stream_interruptions_total = IntCounterVec::new(
-            Opts::new(
-                "condense_stream_interruptions_total",
-                "Response bodies cut off after the headers were sent, by cause.",
-            ),
-            &["cause"],
-        )?;
-        let inflight_requests = IntGauge::new(
-            "condense_inflight_requests",
-            "Proxied requests currently in flight, streams included.",
-        )?;
-        let open_connections =
-            IntGauge::new("condense_open_connections", "Client connections open now.")?;
-        let connections_closed_total = IntCounterVec::new(
-            Opts::new(
-                "condense_connections_closed_total",
-                "Client connections condense closed itself, by reason: idle_timeout (no request in flight for server.idle_timeout_seconds), write_stalled (the client stopped reading its response for that long), evicted (idle, to make room at server.max_connections), refused (over the cap with every connection busy; answered 503).",
-            ),
-            &["reason"],
-        )?;
-        for reason in ["idle_timeout", "write_stalled", "evicted", "refused"] {
-            connections_closed_total.with_label_values(&[reason]);
-        }
-        let token_cache_hits_total = IntCounter::new(
-            "condense_token_cache_hits_total",
-            "Message token counts served from the per-message cache.",
-        )?;
-        let token_cache_misses_total = IntCounter::new(
-            "condense_token_cache_misses_total",
-            "Messages (and tool lists) tokenized because their count was not cached.",
-        )?;
-        let calibration_ratio = GaugeVec::new(
-            Opts::new(
-                "condense_calibration_ratio",
-                "Upstream-reported prompt tokens / condense's raw estimate, per model (1.0 until observed).",
-            ),
-            &["model"],
-        )?;
-        let context_window_tokens = IntGaugeVec::new(
-            Opts::new(
-                "condense_context_window_tokens",
-                "Context window condense applies to a model (profile, listing or default).",
-            ),
-            &["model"],
-        )?;
-        let pressure_ratio = Histogram::with_opts(
-            HistogramOpts::new(
-                "condense_pressure_ratio",
-                "Calibrated prompt estimate / prompt budget of chat requests as received.",
-            )
-            .buckets(vec![
-                0.1, 0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0,
-            ]),
-        )?;
-        let compaction_failures_total = IntCounter::new(
-            "condense_compaction_failures_total",
-            "Chat requests forwarded unchanged because measuring or compacting them failed inside condense.",
-        )?;
-        let compactions_total = IntCounterVec::new(
-            Opts::new(
-                "condense_compactions_total",
-                "Chat requests a compaction stage changed, by stage.",
-            ),
-            &["stage"],
-        )?;
-        let tokens_saved_total = IntCounterVec::new(
-            Opts::new(
-                "condense_tokens_saved_total",
-                "Prompt tokens (calibrated estimate) removed by each compaction stage.",
-            ),
-            &["stage"],
-        )?;
-        let prompt_tokens_received_total = IntCounter::new(
-            "condense_prompt_tokens_received_total",
-            "Prompt tokens (calibrated estimate) of chat requests as clients sent them.",
-        )?;
-        let prompt_tokens_forwarded_total = IntCounter::new(
-            "condense_prompt_tokens_forwarded_total",
-            "Prompt tokens (calibrated estimate) of chat requests as condense forwarded them.",
-        )?;
-        let summarizer_calls_total = IntCounterVec::new(
-            Opts::new(
-                "condense_summarizer_calls_total",
-                "Checkpoints needed, by outcome: ok (written), reused (found stored or shared with a concurrent request), error (failed or unusable answer), timeout.",
-            ),
-            &["outcome"],
-        )?;
-        let summarizer_seconds = Histogram::with_opts(
-            HistogramOpts::new(
-                "condense_summarizer_seconds",
-                "Duration of summarizer calls, failed ones included.",
-            )
-            .buckets(UPSTREAM_BUCKETS.to_vec()),
-        )?;
-        let summary_tokens = Histogram::with_opts(
-            HistogramOpts::new(
-                "condense_summary_tokens",
-                "Size of the checkpoints written, in tokens (the summarizer's completion tokens when reported).",
-            )
-            .buckets(vec![
-                100.0, 250.0, 500.0, 750.0, 1000.0, 1500.0, 2000.0, 4000.0, 8000.0,
-            ]),
-        )?;
-        let summarizer_prompt_tokens_total = IntCounter::new(
-            "condense_summarizer_prompt_tokens_total",
-            "Prompt tokens of the summarizer calls that wrote a checkpoint (as the summarizer reported them).",
-        )?;
-        let summary_fallbacks_total = IntCounterVec::new(
-            Opts::new(
-                "condense_summary_fallbacks_total",
-                "Requests that needed a checkpoint and dropped old turns mechanically instead, by reason (failed, cooldown).",
-            ),
-            &["reason"],
-        )?;
-        let state_errors_total = IntCounterVec::new(
-            Opts::new(
-                "condense_state_errors_total",
-                "State store (Redis) operations that failed or timed out and were treated as misses, by operation.",
-            ),
-            &["op"],
-        )?;
-        // Known label values start at zero, so dashboards see the series.
-        for outcome in ["ok", "reused", "error", "timeout"] {
-            summarizer_calls_total.with_label_values(&[outcome]);
-        }
-        for reason in ["failed", "cooldown"] {
-            summary_fallbacks_total.with_label_values(&[reason]);
-        }
-        let context_overflow_total = IntCounterVec::new(
-            Opts::new(
-                "condense_context_overflow_total",
-                "Upstream context-overflow errors, by provider wording and outcome: recovered (the retry succeeded), failed (the retry was rejected too), not_recoverable (no smaller request could be made).",
-            ),
-            &["provider_format", "outcome"],
-        )?;
-        let prepare_jobs_total = IntCounterVec::new(
-            Opts::new(
-                "condense_prepare_jobs_total",
-                "Jobs that prepare a body of 128 KB or more off the async workers (parsing one, or counting and compacting it), by outcome: run; busy (the lane's queue was full, so the request went upstream as it came); abandoned (the client went away while the job waited, so it never ran).",
-            ),
-            &["outcome"],
-        )?;
-        for outcome in ["run", "busy", "abandoned"] {
-            prepare_jobs_total.with_label_values(&[outcome]);
-        }
-        let stateful_requests_total = IntCounterVec::new(
-            Opts::new(
-                "condense_stateful_requests_total",
-                "Responses requests whose history is on the server, forwarded unchanged because there is nothing to compact, by what holds it: previous_response_id, conversation.",
-            ),
-            &["reason"],
-        )?;
-        for reason in ["previous_response_id", "conversation"] {
-            stateful_requests_total.with_label_values(&[reason]);
-        }
-        let recalls_total = IntCounterVec::new(
-            Opts::new(
-                "condense_recalls_total",
-                "Calls of condense_recall, by outcome: answered (the original went back to the model), unknown_key (no original under that key, or it expired), limit_reached (compaction.max_recalls answered already; taken out of the answer), stripped (made after text was streamed to the client; taken out), failed (the request carrying the result failed; the answer went to the client without the call).",
-            ),
-            &["outcome"],
-        )?;
-        for outcome in RECALL_OUTCOMES {
-            recalls_total.with_label_values(&[outcome]);
-        }
-        let recalled_bytes_total = IntCounter::new(
-            "condense_recalled_bytes_total",
-            "Bytes of originals condense gave back to models through condense_recall.",
-        )?;
-        let agent_compactions_total = IntCounterVec::new(
-            Opts::new(
-                "condense_agent_compactions_total",
-                "compress_context (compaction.agent_tool) by outcome: requested (the model called it; the point was recorded), applied (a later request was compacted up to a recorded point).",
-            ),
-            &["outcome"],
-        )?;
-        for outcome in ["requested", "applied"] {
-            agent_compactions_total.with_label_values(&[outcome]);
-        }
-        let upstream_invalid_responses_total = IntCounterVec::new(
-            Opts::new(
-                "condense_upstream_invalid_responses_total",
-                "Successful chat responses that ended malformed and were passed on as they were, by kind (invalid_json: not UTF-8 or not a JSON object by its structure; sse_without_done, sse_event_too_long).",
-            ),
-            &["kind"],
-        )?;
-        // Known label values start at zero, so dashboards show 0 rather
-        // than "no data" until the first event.
-        for kind in crate::error::ProxyError::KINDS {
-            proxy_errors_total.with_label_values(&[kind]);
-        }
-        for cause in crate::proxy::respond::INTERRUPTION_CAUSES {
-            stream_interruptions_total.with_label_values(&[cause]);
-        }
-        for kind in crate::proxy::respond::ANOMALIES {
-            upstream_invalid_responses_total.with_label_values(&[kind]);
-        }
-        for format in crate::overflow::formats() {
-            for outcome in crate::overflow::OUTCOMES {
-                context_overflow_total.with_label_values(&[format, outcome]);
-            }
-        }
-        for op in crate::state::OPS {
-            state_errors_total.with_label_values(&[op]);
-        }
-        let mut names = Vec::new();
-        let mut register = |c: Box<dyn Collector>| {
-            names.extend(c.desc().iter().map(|d| d.fq_name.clone()));
-            registry.register(c)
-        };
-        for stage in STAGES {
-            compactions_total.with_label_values(&[stage]);
-            tokens_saved_total.with_label_values(&[stage]);
-        }
-        register(Box::new(context_overflow_total.clone()))?;
-        register(Box::new(upstream_invalid_responses_total.clone()))?;
-        register(Box::new(stateful_requests_total.clone()))?;
-        register(Box::new(prepare_jobs_total.clone()))?;
-        register(Box::new(recalls_total.clone()))?;
-        register(Box::new(recalled_bytes_total.clone()))?;
-        register(Box::new(agent_compactions_total.clone()))?;
-        register(Box::new(summarizer_calls_total.clone()))?;
-        register(Box::new(summarizer_seconds.clone()))?;
-        register(Box::new(summary_tokens.clone()))?;
-        register(Box::new(summarizer_prompt_tokens_total.clone()))?;
-        register(Box::new(summary_fallbacks_total.clone()))?;
-        register(Box::new(state_errors_total.clone()))?;
-        register(Box::new(compactions_total.clone()))?;
-        register(Box::new(tokens_saved_total.clone()))?;
-        register(Box::new(prompt_tokens_received_total.clone()))?;
-        register(Box::new(prompt_tokens_forwarded_total.clone()))?;
-        register(Box::new(compaction_failures_total.clone()))?;
-        register(Box::new(token_cache_hits_total.clone()))?;
-        register(Box::new(token_cache_misses_total.clone()))?;
-        register(Box::new(calibration_ratio.clone()))?;
-        register(Box::new(context_window_tokens.clone()))?;
-        register(Box::new(pressure_ratio.clone()))?;
-        register(Box::new(requests_total.clone()))?;
-        register(Box::new(upstream_seconds.clone()))?;
-        register(Box::new(overhead_seconds.clone()))?;
-        register(Box::new(upstream_prompt_tokens_total.clone()))?;
-        register(Box::new(upstream_completion_tokens_total.clone()))?;
-        register(Box::new(proxy_errors_total.clone()))?;
-        register(Box::new(stream_interruptions_total.clone()))?;
-        register(Box::new(inflight_requests.clone()))?;
-        register(Box::new(open_connections.clone()))?;
-        register(Box::new(connections_closed_total.clone()))?;
-        Ok(Metrics {
-            registry,
-            requests_total,
-            upstream_seconds,
-            overhead_seconds,
-            upstream_prompt_tokens_total,
-            upstream_completion_tokens_total,
-            proxy_errors_total,
-            stream_interruptions_total,
-            inflight_requests,
-            open_connections,
-            connections_closed_total,
-            token_cache_hits_total,
-            token_cache_misses_total,
-            calibration_ratio,
-            context_window_tokens,
-            pressure_ratio,
-            compaction_failures_total,
-            compactions_total,
-            tokens_saved_total,
-            prompt_tokens_received_total,
-            prompt_tokens_forwarded_total,
-            summarizer_calls_total,
-            summarizer_seconds,
-            summary_tokens,
-            summarizer_prompt_tokens_total,
-            summary_fallbacks_total,
-            state_errors_total,
-            context_overflow_total,
-            upstream_invalid_responses_total,
-            stateful_requests_total,
-            prepare_jobs_total,
-            recalls_total,
-            recalled_bytes_total,
-            agent_compactions_total,
-            names,
-            models_seen: Mutex::new(HashSet::default()),
-        })
+/// One entry of the `metrics!` table.
+struct Spec {
+    name: &'static str,
+    help: &'static str,
+    /// Each label's name and the values whose series start at zero.
+    labels: &'static [(&'static str, &'static [&'static str])],
+    /// Histograms only (prometheus's default buckets when empty).
+    buckets: &'static [f64],
+}
+
+impl Spec {
+    fn opts(&self) -> Opts {
+        Opts::new(self.name, self.help)
     }
 
+    fn histogram_opts(&self) -> HistogramOpts {
+        HistogramOpts::new(self.name, self.help).buckets(self.buckets.to_vec())
+    }
+
+    fn label_names(&self) -> Vec<&'static str> {
+        self.labels.iter().map(|(name, _)| *name).collect()
+    }
+
+    /// Every combination of the labels' known values: none when a label is
+    /// open (or there are no labels).
+    fn known_series(&self) -> Vec<Vec<&'static str>> {
+        if self.labels.is_empty() {
+            return Vec::new();
+        }
+        let mut series = vec![Vec::new()];
+        for (_, values) in self.labels {
+            series = series
+                .iter()
+                .flat_map(|prefix| {
+                    values.iter().map(move |v| {
+                        let mut s = prefix.clone();
+                        s.push(*v);
+                        s
+                    })
+                })
+                .collect();
+        }
+        series
+    }
+}
+
+/// A metric type the `metrics!` table can declare.
+trait Declare: Collector + Clone + Sized + 'static {
+    fn build(spec: &Spec) -> prometheus::Result<Self>;
+
+    /// Creates the series of the labels' known values.
+    fn start_known_series(&self, _spec: &Spec) -> prometheus::Result<()> {
+        Ok(())
+    }
+}
+
+/// Builds one metric, starts its known series at zero and registers it.
+fn declare<M: Declare>(
+    spec: &Spec,
+    registry: &Registry,
+    names: &mut Vec<String>,
+) -> prometheus::Result<M> {
+    let metric = M::build(spec)?;
+    metric.start_known_series(spec)?;
+    names.extend(metric.desc().iter().map(|d| d.fq_name.clone()));
+    registry.register(Box::new(metric.clone()))?;
+    Ok(metric)
+}
+
+fn start_series<T: MetricVecBuilder>(vec: &MetricVec<T>, spec: &Spec) -> prometheus::Result<()> {
+    for values in spec.known_series() {
+        vec.get_metric_with_label_values(&values)?;
+    }
+    Ok(())
+}
+
+impl Declare for IntCounter {
+    fn build(spec: &Spec) -> prometheus::Result<Self> {
+        IntCounter::with_opts(spec.opts())
+    }
+}
+
+impl Declare for IntGauge {
+    fn build(spec: &Spec) -> prometheus::Result<Self> {
+        IntGauge::with_opts(spec.opts())
+    }
+}
+
+impl Declare for Histogram {
+    fn build(spec: &Spec) -> prometheus::Result<Self> {
+        Histogram::with_opts(spec.histogram_opts())
+    }
+}
+
+impl Declare for IntCounterVec {
+    fn build(spec: &Spec) -> prometheus::Result<Self> {
+        IntCounterVec::new(spec.opts(), &spec.label_names())
+    }
+
+    fn start_known_series(&self, spec: &Spec) -> prometheus::Result<()> {
+        start_series(self, spec)
+    }
+}
+
+impl Declare for IntGaugeVec {
+    fn build(spec: &Spec) -> prometheus::Result<Self> {
+        IntGaugeVec::new(spec.opts(), &spec.label_names())
+    }
+
+    fn start_known_series(&self, spec: &Spec) -> prometheus::Result<()> {
+        start_series(self, spec)
+    }
+}
+
+impl Declare for GaugeVec {
+    fn build(spec: &Spec) -> prometheus::Result<Self> {
+        GaugeVec::new(spec.opts(), &spec.label_names())
+    }
+
+    fn start_known_series(&self, spec: &Spec) -> prometheus::Result<()> {
+        start_series(self, spec)
+    }
+}
+
+impl Declare for HistogramVec {
+    fn build(spec: &Spec) -> prometheus::Result<Self> {
+        HistogramVec::new(spec.histogram_opts(), &spec.label_names())
+    }
+
+    fn start_known_series(&self, spec: &Spec) -> prometheus::Result<()> {
+        start_series(self, spec)
+    }
+}
+
+impl Metrics {
     /// The name of every metric condense exports (each also appears in
     /// [`Metrics::render`] once it has a value).
     pub fn names(&self) -> &[String] {
@@ -457,5 +520,223 @@ pub fn status_class(status: u16) -> &'static str {
         300..=399 => "3xx",
         400..=499 => "4xx",
         _ => "5xx",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The names, label names and help texts: the contract dashboards and
+    /// the README rely on, so a change here is a deliberate one.
+    #[test]
+    fn every_metric_is_exported_with_its_labels_and_help() {
+        let metrics = Metrics::new().unwrap();
+        let mut exported: Vec<(String, Vec<String>, String)> = metrics
+            .collectors()
+            .iter()
+            .flat_map(|c| c.desc().into_iter().cloned().collect::<Vec<_>>())
+            .map(|d| (d.fq_name, d.variable_labels, d.help))
+            .collect();
+        exported.sort();
+        let expected: &[(&str, &[&str], &str)] = &[
+            (
+                "condense_agent_compactions_total",
+                &["outcome"],
+                "compress_context (compaction.agent_tool) by outcome: requested (the model called it; the point was recorded), applied (a later request was compacted up to a recorded point).",
+            ),
+            (
+                "condense_calibration_ratio",
+                &["model"],
+                "Upstream-reported prompt tokens / condense's raw estimate, per model (1.0 until observed).",
+            ),
+            (
+                "condense_compaction_failures_total",
+                &[],
+                "Chat requests forwarded unchanged because measuring or compacting them failed inside condense.",
+            ),
+            (
+                "condense_compactions_total",
+                &["stage"],
+                "Chat requests a compaction stage changed, by stage.",
+            ),
+            (
+                "condense_connections_closed_total",
+                &["reason"],
+                "Client connections condense closed itself, by reason: idle_timeout (no request in flight for server.idle_timeout_seconds), write_stalled (the client stopped reading its response for that long), evicted (idle, to make room at server.max_connections), refused (over the cap with every connection busy; answered 503).",
+            ),
+            (
+                "condense_context_overflow_total",
+                &["provider_format", "outcome"],
+                "Upstream context-overflow errors, by provider wording and outcome: recovered (the retry succeeded), failed (the retry was rejected too), not_recoverable (no smaller request could be made).",
+            ),
+            (
+                "condense_context_window_tokens",
+                &["model"],
+                "Context window condense applies to a model (profile, listing or default).",
+            ),
+            (
+                "condense_inflight_requests",
+                &[],
+                "Proxied requests currently in flight, streams included.",
+            ),
+            (
+                "condense_open_connections",
+                &[],
+                "Client connections open now.",
+            ),
+            (
+                "condense_overhead_seconds",
+                &["route"],
+                "Time spent inside condense for a request, excluding the wait for the upstream.",
+            ),
+            (
+                "condense_prepare_jobs_total",
+                &["outcome"],
+                "Jobs that prepare a body of 128 KB or more off the async workers (parsing one, or counting and compacting it), by outcome: run; busy (the lane's queue was full, so the request went upstream as it came); abandoned (the client went away while the job waited, so it never ran).",
+            ),
+            (
+                "condense_pressure_ratio",
+                &[],
+                "Calibrated prompt estimate / prompt budget of chat requests as received.",
+            ),
+            (
+                "condense_prompt_tokens_forwarded_total",
+                &[],
+                "Prompt tokens (calibrated estimate) of chat requests as condense forwarded them.",
+            ),
+            (
+                "condense_prompt_tokens_received_total",
+                &[],
+                "Prompt tokens (calibrated estimate) of chat requests as clients sent them.",
+            ),
+            (
+                "condense_proxy_errors_total",
+                &["kind"],
+                "Errors condense itself answered with (upstream unreachable, timeout, body too large, ...).",
+            ),
+            (
+                "condense_recalled_bytes_total",
+                &[],
+                "Bytes of originals condense gave back to models through condense_recall.",
+            ),
+            (
+                "condense_recalls_total",
+                &["outcome"],
+                "Calls of condense_recall, by outcome: answered (the original went back to the model), unknown_key (no original under that key, or it expired), limit_reached (compaction.max_recalls answered already; taken out of the answer), stripped (made after text was streamed to the client; taken out), failed (the request carrying the result failed; the answer went to the client without the call).",
+            ),
+            (
+                "condense_requests_total",
+                &["route", "status_class"],
+                "Requests answered, by route and status class of the response.",
+            ),
+            (
+                "condense_state_errors_total",
+                &["op"],
+                "State store (Redis) operations that failed or timed out and were treated as misses, by operation.",
+            ),
+            (
+                "condense_stateful_requests_total",
+                &["reason"],
+                "Responses requests whose history is on the server, forwarded unchanged because there is nothing to compact, by what holds it: previous_response_id, conversation.",
+            ),
+            (
+                "condense_stream_interruptions_total",
+                &["cause"],
+                "Response bodies cut off after the headers were sent, by cause.",
+            ),
+            (
+                "condense_summarizer_calls_total",
+                &["outcome"],
+                "Checkpoints needed, by outcome: ok (written), reused (found stored or shared with a concurrent request), error (failed or unusable answer), timeout.",
+            ),
+            (
+                "condense_summarizer_prompt_tokens_total",
+                &[],
+                "Prompt tokens of the summarizer calls that wrote a checkpoint (as the summarizer reported them).",
+            ),
+            (
+                "condense_summarizer_seconds",
+                &[],
+                "Duration of summarizer calls, failed ones included.",
+            ),
+            (
+                "condense_summary_fallbacks_total",
+                &["reason"],
+                "Requests that needed a checkpoint and dropped old turns mechanically instead, by reason (failed, cooldown).",
+            ),
+            (
+                "condense_summary_tokens",
+                &[],
+                "Size of the checkpoints written, in tokens (the summarizer's completion tokens when reported).",
+            ),
+            (
+                "condense_token_cache_hits_total",
+                &[],
+                "Message token counts served from the per-message cache.",
+            ),
+            (
+                "condense_token_cache_misses_total",
+                &[],
+                "Messages (and tool lists) tokenized because their count was not cached.",
+            ),
+            (
+                "condense_tokens_saved_total",
+                &["stage"],
+                "Prompt tokens (calibrated estimate) removed by each compaction stage.",
+            ),
+            (
+                "condense_upstream_completion_tokens_total",
+                &["model"],
+                "Completion tokens the upstream reported in usage, by requested model.",
+            ),
+            (
+                "condense_upstream_invalid_responses_total",
+                &["kind"],
+                "Successful chat responses that ended malformed and were passed on as they were, by kind (invalid_json: not UTF-8 or not a JSON object by its structure; sse_without_done, sse_event_too_long).",
+            ),
+            (
+                "condense_upstream_prompt_tokens_total",
+                &["model"],
+                "Prompt tokens the upstream reported in usage, by requested model.",
+            ),
+            (
+                "condense_upstream_seconds",
+                &["route"],
+                "Upstream time to first byte: from sending the request to its response headers.",
+            ),
+        ];
+        assert_eq!(exported.len(), expected.len());
+        for ((name, labels, help), (want_name, want_labels, want_help)) in
+            exported.iter().zip(expected)
+        {
+            assert_eq!(name, want_name);
+            assert_eq!(labels, want_labels, "{name}");
+            assert_eq!(help, want_help, "{name}");
+        }
+        let mut names = metrics.names().to_vec();
+        names.sort();
+        assert_eq!(names, expected.iter().map(|e| e.0).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn known_series_are_every_combination_of_known_values() {
+        let spec = |labels| Spec {
+            name: "x",
+            help: "x",
+            labels,
+            buckets: &[],
+        };
+        assert!(spec(&[]).known_series().is_empty());
+        assert!(spec(&[("route", OPEN)]).known_series().is_empty());
+        assert!(
+            spec(&[("a", &["1", "2"]), ("b", OPEN)])
+                .known_series()
+                .is_empty()
+        );
+        assert_eq!(
+            spec(&[("a", &["1", "2"]), ("b", &["x", "y"])]).known_series(),
+            [["1", "x"], ["1", "y"], ["2", "x"], ["2", "y"]]
+        );
     }
 }

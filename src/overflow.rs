@@ -34,7 +34,8 @@ use crate::tokens::calibration::{MAX_RATIO, MIN_RATIO};
 /// What an overflow error says.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Overflow {
-    /// The `provider_format` label: which wording matched.
+    /// The `provider_format` label: which wording matched (one of
+    /// [`crate::metrics::labels::OVERFLOW_FORMATS`]).
     pub format: &'static str,
     /// The ceiling: the context window (or request limit) in the provider's
     /// tokens. Never 0.
@@ -339,20 +340,6 @@ impl Row {
         (self.read)(rest, message, fields)
     }
 }
-
-/// Every `provider_format` label, each once.
-pub fn formats() -> Vec<&'static str> {
-    let mut out: Vec<&'static str> = Vec::new();
-    for row in TABLE {
-        if !out.contains(&row.format) {
-            out.push(row.format);
-        }
-    }
-    out
-}
-
-/// The `outcome` label of `condense_context_overflow_total`.
-pub const OUTCOMES: &[&str] = &["recovered", "failed", "not_recoverable"];
 
 /// Recognises an overflow error response.
 pub fn detect(status: u16, body: &[u8]) -> Option<Overflow> {

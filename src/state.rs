@@ -19,9 +19,6 @@ use crate::cache::Bounded;
 use crate::config::StateConfig;
 use crate::metrics::Metrics;
 
-/// The operations, the `op` label of `condense_state_errors_total`.
-pub const OPS: &[&str] = &["get", "put", "lease", "release"];
-
 /// All keys condense writes start with this.
 const PREFIX: &str = "condense:";
 
@@ -184,7 +181,8 @@ impl StateStore {
     }
 
     /// One Redis operation within `timeout`; an error or a timeout is
-    /// logged, counted and None.
+    /// logged, counted (`op` is one of [`crate::metrics::labels::STATE_OPS`])
+    /// and None.
     async fn redis<T>(
         &self,
         op: &'static str,

@@ -1,6 +1,17 @@
 use super::*;
 
 #[test]
+fn the_metric_starts_a_series_for_each_wording_in_the_table() {
+    let mut formats: Vec<&str> = Vec::new();
+    for row in TABLE {
+        if !formats.contains(&row.format) {
+            formats.push(row.format);
+        }
+    }
+    assert_eq!(formats, crate::metrics::labels::OVERFLOW_FORMATS);
+}
+
+#[test]
 fn the_retry_budget_follows_what_the_error_says() {
     let o = |limit, prompt, completion| Overflow {
         format: "openai",

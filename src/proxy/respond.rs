@@ -29,11 +29,6 @@ use crate::wire::usage::Usage;
 /// Time between a stream's error event and the body failing.
 const FLUSH_BEFORE_ABORT: Duration = Duration::from_millis(20);
 
-/// The `cause` label of `condense_stream_interruptions_total`.
-pub const INTERRUPTION_CAUSES: &[&str] = &["idle_timeout", "upstream_error", "shutdown"];
-/// The `kind` label of `condense_upstream_invalid_responses_total`.
-pub const ANOMALIES: &[&str] = &["invalid_json", "sse_without_done", "sse_event_too_long"];
-
 /// How a response body is inspected on its way through.
 pub enum Tap {
     /// Bytes pass untouched and unread.
@@ -68,7 +63,7 @@ impl Tap {
     }
 
     /// What is wrong with the response so far (`ended`: the upstream
-    /// finished it), if anything.
+    /// finished it), if anything: one of [`crate::metrics::labels::ANOMALIES`].
     fn anomaly(&self, ended: bool) -> Option<&'static str> {
         match self {
             Tap::Json(t) if t.invalid() => Some("invalid_json"),
@@ -260,6 +255,7 @@ impl Settle {
 }
 
 impl State {
+    /// `cause` is one of [`crate::metrics::labels::INTERRUPTION_CAUSES`].
     fn interrupted(&mut self, cause: &str) {
         self.done = true;
         self.settle

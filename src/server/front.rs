@@ -102,8 +102,8 @@ async fn serve(app: Arc<AppState>, mut req: Request, saturated: bool) -> Respons
             request_id: request_id.clone(),
             headers_ms: start.elapsed().as_secs_f64() * 1000.0,
         };
-        // Written by another thread, or once the response is on its way:
-        // the client does not wait for it.
+        // Formatted here, written by the log's writer thread: the client
+        // does not wait for the write.
         line.log();
     }
     if !resp.headers().contains_key(&X_REQUEST_ID) {
