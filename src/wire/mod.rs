@@ -20,6 +20,9 @@ pub mod tap;
 pub mod tools;
 pub mod usage;
 
+#[cfg(test)]
+pub(crate) mod testing;
+
 use bytes::{Bytes, BytesMut};
 use serde_json::Value;
 
@@ -433,34 +436,6 @@ pub(crate) fn raw_list<'a>(raws: impl Iterator<Item = &'a Bytes>) -> Bytes {
     }
     out.push(b']');
     Bytes::from(out)
-}
-
-/// The pipeline's decisions on a format's view, for the format modules'
-/// tests: `view` measured for `model` in a `window`, compacted with
-/// digests.
-#[cfg(test)]
-pub(crate) fn decide(view: ChatRequest, body: &Bytes, model: &str, window: u64) -> Fates {
-    use std::sync::Arc;
-    let config = crate::config::Config::default();
-    let metrics = crate::metrics::Metrics::new().expect("metrics");
-    let tokens = crate::tokens::TokenService::new(Arc::new(config.clone()), &metrics);
-    let mut info = tokens.model_info("", model);
-    info.window = window;
-    let p = crate::pipeline::process(
-        &tokens,
-        &config.compaction,
-        crate::pipeline::Subject {
-            upstream: "",
-            model,
-            info,
-            due: None,
-        },
-        view,
-        body,
-        false,
-        &crate::compaction::Replacement::Digest,
-    );
-    p.outcome.and_then(|o| o.fates).expect("compacted")
 }
 
 /// A format's decisions could not be written back.

@@ -94,7 +94,7 @@ fn compacted(body: &Value, window: u64) -> (Bytes, Value) {
     let req = MessagesRequest::parse(&bytes).unwrap();
     assert!(req.well_formed());
     let (view, origins) = req.view();
-    let fates = crate::wire::decide(view, &bytes, "claude-sonnet-4-5", window);
+    let fates = crate::wire::testing::decide(view, &bytes, "claude-sonnet-4-5", window);
     let out = req.write_back(&origins, &fates).unwrap();
     let v = serde_json::from_slice(&out).unwrap();
     (out, v)

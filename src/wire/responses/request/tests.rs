@@ -97,7 +97,7 @@ fn compacted(body: &Value, window: u64) -> Value {
     let req = ResponsesRequest::parse(&bytes).unwrap();
     assert!(req.well_formed());
     let (view, origins) = req.view();
-    let fates = crate::wire::decide(view, &bytes, "gpt-4o", window);
+    let fates = crate::wire::testing::decide(view, &bytes, "gpt-4o", window);
     serde_json::from_slice(&req.write_back(&origins, &fates).unwrap()).unwrap()
 }
 
