@@ -96,7 +96,7 @@ fn benches(c: &mut Criterion) {
     let mut group = c.benchmark_group("stream tap, per event");
     for (name, format, strip, events) in streams {
         // Each event is checked once: the tap must read the usage.
-        let mut tap = SseTap::new(format, strip);
+        let mut tap = SseTap::new(format.api(), strip);
         for e in &events {
             tap.push(e.clone());
         }
@@ -105,7 +105,7 @@ fn benches(c: &mut Criterion) {
         group.throughput(Throughput::Elements(events.len() as u64));
         group.bench_function(name, |b| {
             b.iter_batched(
-                || SseTap::new(format, strip),
+                || SseTap::new(format.api(), strip),
                 |mut tap| {
                     let mut n = 0;
                     for e in &events {

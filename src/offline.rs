@@ -111,7 +111,7 @@ pub fn compact(
     let Parsed {
         conversation: req,
         writer,
-    } = Parsed::parse(Format::detect(&body), &body)?;
+    } = Format::detect(&body).api().parse(&body)?;
     let tokens = token_service(config)?;
     let (model, info) = model_and_info(&tokens, &req, options);
     let p = process(

@@ -77,7 +77,7 @@ fuzz_target!(|data: &[u8]| {
     extra.add(Some(&json!({"input_tokens": 3, "prompt_tokens": 3})));
     if mode & 0x80 == 0 {
         // A JSON answer.
-        let Some(answer) = Answer::parse(format, rest) else {
+        let Some(answer) = Answer::parse(format.api(), rest) else {
             return;
         };
         let ours = answer.ours();
@@ -112,7 +112,7 @@ fuzz_target!(|data: &[u8]| {
             serde_json::from_str(&data).ok()
         })
         .collect();
-    let mut gather = Gather::new(format);
+    let mut gather = Gather::new(format.api());
     for e in &events {
         gather.event(e);
     }
@@ -120,7 +120,7 @@ fuzz_target!(|data: &[u8]| {
         let _ = answer.ours();
         let _ = answer.follow_up(&sent(format), &[]);
     }
-    let mut filter = Filter::new(format, extra);
+    let mut filter = Filter::new(format.api(), extra);
     for mut e in events {
         // Only the first choice of a chat stream is edited: condense offers
         // no tools to a request that asks for several.

@@ -62,7 +62,7 @@ impl Proxy {
         start: Instant,
         report: &mut Option<Report>,
     ) -> Result<Response, ProxyError> {
-        let (upstream, credentials) = self.endpoint(format);
+        let (upstream, credentials) = self.endpoint(format.api());
         // Read.
         let (parts, body) = req.into_parts();
         let url = upstream.url_for(parts.uri.path(), parts.uri.query())?;
@@ -155,8 +155,8 @@ impl Proxy {
         // Respond.
         let tap = match (resp.status.is_success(), resp.is_sse()) {
             (false, _) => Tap::None,
-            (true, true) => Tap::Sse(SseTap::new(format, prepared.strip_usage)),
-            (true, false) => Tap::Json(JsonTap::new(format, resp.content_length)),
+            (true, true) => Tap::Sse(SseTap::new(format.api(), prepared.strip_usage)),
+            (true, false) => Tap::Json(JsonTap::new(format.api(), resp.content_length)),
         };
         let learner = prepared.model.map(|model| Learner {
             metrics: self.metrics.clone(),

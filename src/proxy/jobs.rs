@@ -2,7 +2,7 @@
 //! run on the blocking pool, under a bound, so that no client can make
 //! another wait on its work:
 //!
-//! - Bodies under [`super::BLOCKING_PREPARE_BYTES`] are prepared on the
+//! - Bodies under [`BLOCKING_PREPARE_BYTES`] are prepared on the
 //!   async workers and never queue.
 //! - Medium bodies (under [`LARGE_BYTES`]) and large ones have a lane each,
 //!   with slots of their own: a burst of 16 MB bodies fills the large lane
@@ -22,6 +22,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use prometheus::IntCounterVec;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Conversation bodies with at least this many bytes of messages not seen
+/// before are measured on the blocking pool.
+pub(super) const BLOCKING_PREPARE_BYTES: usize = 128 * 1024;
 
 /// Bodies of at least this many bytes take the large lane.
 pub const LARGE_BYTES: usize = 2 * 1024 * 1024;

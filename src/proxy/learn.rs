@@ -31,7 +31,7 @@ pub type UsageCallback = Box<dyn FnOnce(Usage) + Send>;
 
 /// Bodies at least this long are counted on the blocking pool (as on the
 /// request path).
-const BLOCKING_BYTES: usize = super::BLOCKING_PREPARE_BYTES;
+const BLOCKING_BYTES: usize = super::jobs::BLOCKING_PREPARE_BYTES;
 
 /// Where a response's usage is learned for.
 #[derive(Clone)]

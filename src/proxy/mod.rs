@@ -39,15 +39,11 @@ use crate::summary::Summarizer;
 use crate::summary::client::CallError;
 use crate::tokens::TokenService;
 use crate::upstream::{InvalidPath, SendError, Upstream, UpstreamError};
-use crate::wire::{Format, Provider};
+use crate::wire::{Api, Format, Provider};
 use auth::Credentials;
 use learn::Background;
 use listing::ListingFetcher;
 use read::BodyBudget;
-
-/// Conversation bodies with at least this many bytes of messages not seen
-/// before are measured on the blocking pool.
-const BLOCKING_PREPARE_BYTES: usize = 128 * 1024;
 
 /// The route label, for metrics and logs, of requests condense relays
 /// without reading (a conversation's is its API's, `Format::route`).
@@ -201,9 +197,9 @@ impl Proxy {
         })
     }
 
-    /// The upstream and credentials for requests of `format`.
-    fn endpoint(&self, format: Format) -> (&Upstream, &Credentials) {
-        match format.api().provider() {
+    /// The upstream and credentials for requests of `api`.
+    fn endpoint(&self, api: &dyn Api) -> (&Upstream, &Credentials) {
+        match api.provider() {
             Provider::OpenAi => (&self.upstream, &self.credentials),
             Provider::Anthropic => (&self.anthropic.upstream, &self.anthropic.credentials),
         }

@@ -12,8 +12,9 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http::HeaderMap;
 
+use super::Proxy;
+use super::jobs::BLOCKING_PREPARE_BYTES;
 use super::recall::Offer;
-use super::{BLOCKING_PREPARE_BYTES, Proxy};
 use crate::compaction::Replacement;
 use crate::pipeline;
 use crate::recall::{self, store::AgentPoint, store::Originals};
@@ -88,10 +89,10 @@ impl Proxy {
         // is work for the blocking pool, as counting is.
         let parsed = if format.api().parses_into_a_view() && bytes.len() >= BLOCKING_PREPARE_BYTES {
             let body = bytes.clone();
-            self.off_workers(body.len(), move || Parsed::parse(format, &body))
+            self.off_workers(body.len(), move || format.api().parse(&body))
                 .await
         } else {
-            Some(Parsed::parse(format, bytes))
+            Some(format.api().parse(bytes))
         };
         let parsed = match parsed {
             Some(Ok(p)) => p,
@@ -116,7 +117,7 @@ impl Proxy {
                 Duration::ZERO,
             );
         }
-        let (upstream, _) = self.endpoint(format);
+        let (upstream, _) = self.endpoint(format.api());
         let mut waited = Duration::ZERO;
         // Anthropic's listing names no windows; Responses shares chat's.
         if self.learn_windows && format.api().provider() == Provider::OpenAi && !model.is_empty() {
@@ -205,7 +206,7 @@ impl Proxy {
             .summarizer
             .as_ref()
             .map_or(Replacement::Digest, Summarizer::replacement);
-        let (upstream, _) = self.endpoint(format);
+        let (upstream, _) = self.endpoint(format.api());
         let subject = pipeline::Subject {
             upstream: upstream.base_url(),
             model,
@@ -290,7 +291,7 @@ impl Proxy {
             (None, _) => Some(p),
             (Some(_), None) => Some(pipeline::finish(&self.tokens, p, None)),
             (Some(_), Some(summarizer)) => {
-                let (upstream, _) = self.endpoint(format);
+                let (upstream, _) = self.endpoint(format.api());
                 // Responses shares the chat upstream, so the key fits.
                 let client_headers =
                     (format.api().provider() == Provider::OpenAi).then_some(headers);
@@ -325,11 +326,12 @@ impl Proxy {
     ) -> Option<Prepared> {
         // Another format writes the decisions back into its own body first:
         // when that fails, nothing was done.
-        let written = match writer {
-            Writer::Chat => None,
-            other => {
+        let written = match writer.api().parses_into_a_view() {
+            // The conversation is the body.
+            false => None,
+            true => {
                 let fates = p.outcome.as_ref().and_then(|o| o.fates.as_ref());
-                match other.body(&p.request, fates) {
+                match writer.body(&p.request, fates) {
                     Ok(b) => Some(b),
                     Err(e) => {
                         tracing::error!(error = %e, "writing the compacted request back failed");
@@ -394,12 +396,12 @@ impl Proxy {
         {
             names.push(crate::wire::tools::RECALL_TOOL);
         }
-        let format = writer.format();
+        let api = writer.api();
         // The tool lists before and after, when they were added.
         let mut tools = None;
         let (body, strip_usage) = match written {
             Some(body) if !names.is_empty() => {
-                match crate::wire::tools::offer(format, &body, &names) {
+                match crate::wire::tools::offer(api, &body, &names) {
                     Some(o) => {
                         tools = Some((o.before, o.after));
                         (o.body, false)
@@ -418,7 +420,7 @@ impl Proxy {
                 // In place: the body is written once.
                 if !names.is_empty()
                     && let Some(before) = chat.field("tools").map(Bytes::copy_from_slice)
-                    && let Some(after) = crate::wire::tools::extended(format, &before, &names)
+                    && let Some(after) = crate::wire::tools::extended(api, &before, &names)
                 {
                     chat.set_field("tools", after.clone());
                     tools = Some((before, after));
@@ -436,7 +438,7 @@ impl Proxy {
         if let Some((before, after)) = tools {
             // What the tools add is part of what is sent (and of what the
             // upstream reports, which calibration compares it with).
-            let (upstream, _) = self.endpoint(format);
+            let (upstream, _) = self.endpoint(api);
             let enc = self.tokens.model_info(upstream.base_url(), model).encoding;
             let added = self
                 .tokens

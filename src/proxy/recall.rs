@@ -310,7 +310,7 @@ impl Proxy {
         }
         let mut buf = BytesMut::new();
         let mut scanned = 0;
-        let mut gather = Gather::new(format).with_client_tools(client_tools.to_vec());
+        let mut gather = Gather::new(format.api()).with_client_tools(client_tools.to_vec());
         let mut decision = Decision::Hold;
         let hold_until = Instant::now() + MAX_HOLD;
         loop {
@@ -374,7 +374,7 @@ impl Proxy {
         let state = Edited {
             body,
             events: sse::Reader::default(),
-            filter: Filter::new(format, extra).with_client_tools(client_tools.to_vec()),
+            filter: Filter::new(format.api(), extra).with_client_tools(client_tools.to_vec()),
             raw: false,
             done: false,
             metrics: self.metrics.clone(),
@@ -482,7 +482,7 @@ async fn read_json(
         }
     }
     let raw = buf.freeze();
-    let answer = Answer::parse(format, &raw);
+    let answer = Answer::parse(format.api(), &raw);
     match answer {
         Some(answer) if !answer.ours().is_empty() => Ok(Step::Ours {
             answer,
@@ -503,9 +503,9 @@ async fn read_json(
 /// The usage an answer reports, as the calibration reads it.
 fn usage_of(format: Format, raw: &Bytes, sse: bool) -> Option<Usage> {
     if sse {
-        SseTap::usage_of_stream(format, raw)
+        SseTap::usage_of_stream(format.api(), raw)
     } else {
-        JsonTap::usage_of_body(format, raw)
+        JsonTap::usage_of_body(format.api(), raw)
     }
 }
 

@@ -13,14 +13,15 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use http::HeaderMap;
 
+use super::jobs::BLOCKING_PREPARE_BYTES;
 use super::prepare::{Own, Prepared};
 use super::respond::Reply;
-use super::{BLOCKING_PREPARE_BYTES, Proxy, read};
+use super::{Proxy, read};
 use crate::error::ProxyError;
 use crate::overflow;
 use crate::tokens::{ModelInfo, WindowSource, pair_key};
 use crate::upstream::{self, Outgoing, ResponseBody, UpstreamResponse};
-use crate::wire::{Format, Parsed};
+use crate::wire::Format;
 
 /// Statuses an overflow error can come with.
 pub(super) const OVERFLOW_STATUSES: &[u16] = &[400, 413, 429];
@@ -78,7 +79,7 @@ impl Proxy {
         let status = resp.status();
         let version = resp.version();
         let resp_headers = resp.headers().clone();
-        let (endpoint, _) = self.endpoint(format);
+        let (endpoint, _) = self.endpoint(format.api());
         let read = read::read_upstream(resp, MAX_ERROR_BODY, Some(endpoint.idle_timeout()))
             .await
             .map_err(|e| {
@@ -255,7 +256,7 @@ impl Proxy {
         info: ModelInfo,
         headers: &HeaderMap,
     ) -> Option<Prepared> {
-        let parsed = Parsed::parse(format, original).ok()?;
+        let parsed = format.api().parse(original).ok()?;
         let completion = info
             .correction
             .as_ref()

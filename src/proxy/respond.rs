@@ -88,7 +88,7 @@ impl Tap {
             code,
             message,
         };
-        let event = format!("{lead}{}", t.format().api().stream_error(&failure));
+        let event = format!("{lead}{}", t.api().stream_error(&failure));
         out.extend_from_slice(event.as_bytes());
         Some(Bytes::from(out))
     }

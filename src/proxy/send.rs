@@ -49,7 +49,7 @@ impl Proxy {
         format: Format,
         start: Instant,
     ) -> Result<Response, ProxyError> {
-        let (upstream, credentials) = self.endpoint(format);
+        let (upstream, credentials) = self.endpoint(format.api());
         let (parts, body) = req.into_parts();
         // CONNECT would make the upstream a tunnel; TRACE echoes the request
         // back, credentials condense added included.

@@ -1,6 +1,9 @@
 //! The two common strategies a replay compares condense with.
 
-use super::*;
+use crate::chat::Message;
+use crate::compaction::Counter;
+use crate::compaction::conversation::Analysis;
+use crate::compaction::text::with_string_field;
 
 /// Baseline: drop the oldest units (a call with its results) after the
 /// system messages until the request fits; the last user message stays.

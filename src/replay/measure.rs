@@ -1,7 +1,14 @@
 //! The figures of one turn: tokens, prefix stability, uncached tokens,
 //! probe retention (present, or recallable by a key the request holds).
 
-use super::*;
+use bytes::Bytes;
+
+use super::report::{Probe, Strategy, Totals};
+use crate::chat::Message;
+use crate::compaction::Counter;
+use crate::compaction::text::message_text;
+use crate::proxy::Proxy;
+use crate::recall::store::Originals;
 
 /// One strategy's running state across turns.
 #[derive(Default)]

@@ -17,58 +17,32 @@
 //! one's totals and the means over all of them.
 
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
 
 use std::sync::Arc;
 
-use crate::chat::{ChatRequest, Message, ParseError};
+use crate::chat::{ChatRequest, Message};
 use crate::compaction::Counter;
-use crate::compaction::conversation::Analysis;
-use crate::compaction::text::{message_text, with_string_field};
-use crate::config::{Config, ConfigError};
+use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::offline::{self, CompactOptions, OfflineError};
 use crate::pipeline::CachedCounter;
-use crate::proxy::{Proxy, SetupError};
-use crate::recall::store::Originals;
+use crate::proxy::Proxy;
 use crate::simulate::{CountRule, OverflowStyle, Simulator};
 use crate::tokens::Budget;
-use crate::upstream::{Upstream, UpstreamError};
+use crate::upstream::Upstream;
 use crate::wire::Format;
-use crate::wire::anthropic::MessagesRequest;
-use crate::wire::responses::ResponsesRequest;
 
 mod baselines;
+mod error;
 mod measure;
 mod report;
 mod turns;
 
 use baselines::{drop_oldest, last_10_results};
+pub use error::ReplayError;
 use measure::{Track, haystack, recallable};
 pub use report::*;
 use turns::Source;
-
-#[derive(Debug, thiserror::Error)]
-pub enum ReplayError {
-    #[error(transparent)]
-    Offline(#[from] OfflineError),
-    #[error("not a chat completions request: {0}")]
-    NotChat(#[from] ParseError),
-    #[error(transparent)]
-    NotUnderstood(crate::wire::NotUnderstood),
-    #[error("not an Anthropic Messages request: {0}")]
-    NotMessages(#[from] crate::wire::anthropic::ParseError),
-    #[error("not a stateless Responses request: {0}")]
-    NotResponses(#[from] crate::wire::responses::ParseError),
-    #[error("cannot start the runtime: {0}")]
-    Runtime(std::io::Error),
-    #[error(transparent)]
-    Config(ConfigError),
-    #[error("cannot set up the proxy: {0}")]
-    Setup(#[from] SetupError),
-    #[error("cannot set up the simulated provider: {0}")]
-    Upstream(#[from] UpstreamError),
-}
 
 /// The provider a replay sends its turns to: it counts prompt tokens by
 /// its own rule and enforces its window with its own overflow errors.

@@ -1,7 +1,7 @@
 //! What a replay reports: per turn, per strategy, per conversation and
 //! over a suite, and its rendering as text.
 
-use super::*;
+use serde::{Deserialize, Serialize};
 
 /// A fact an agent needs later: its exact text and where it first appears.
 #[derive(Debug, Clone, Deserialize)]

@@ -1,23 +1,15 @@
 //! A recorded conversation in its wire format, cut into the requests its
 //! agent sent (each prefix that ends before an assistant message).
 
-use super::*;
+use bytes::Bytes;
+
+use super::error::ReplayError;
+use crate::chat::{ChatRequest, Message};
+use crate::wire::anthropic::MessagesRequest;
+use crate::wire::responses::ResponsesRequest;
 
 /// The conversation replayed, in its wire format.
 pub(super) use crate::wire::Request as Source;
-
-impl From<crate::wire::NotUnderstood> for ReplayError {
-    /// A body that is not its API's request, said as it always was.
-    fn from(e: crate::wire::NotUnderstood) -> ReplayError {
-        use crate::wire::NotUnderstood;
-        match e {
-            NotUnderstood::Chat(e) => ReplayError::NotChat(e),
-            NotUnderstood::Messages(e) => ReplayError::NotMessages(e),
-            NotUnderstood::Responses(e) => ReplayError::NotResponses(e),
-            other => ReplayError::NotUnderstood(other),
-        }
-    }
-}
 
 impl Source {
     /// The whole conversation as the pipeline sees it.

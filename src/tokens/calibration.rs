@@ -30,8 +30,8 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
+use super::key::pair_key;
 use crate::cache::{Bounded, PreHashed, one};
-use crate::tokens::pair_key;
 
 /// Ratios outside this range are taken as the nearest bound.
 pub const MIN_RATIO: f64 = 0.5;

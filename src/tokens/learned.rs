@@ -19,7 +19,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::pair_key;
+use super::key::pair_key;
 use crate::cache::{Bounded, PreHashed, one};
 
 /// How long a bound from an overflow error that names no window lasts.

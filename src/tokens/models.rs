@@ -24,7 +24,7 @@
 use serde_json::Value;
 
 use super::encoding::Encoding;
-use super::pair_key;
+use super::key::{key_of, pair_key};
 use crate::cache::{Bounded, PreHashed, one};
 use crate::config::ModelProfile;
 
@@ -202,7 +202,7 @@ const WINDOW_FIELDS: &[&str] = &[
 fn only_model_key(upstream: &str) -> u64 {
     // As `pair_key(upstream + "\u{1}", "only")`, no model's key, without
     // building that string on every lookup.
-    crate::tokens::key_of(&[upstream.as_bytes(), &[1, 0], b"only"])
+    key_of(&[upstream.as_bytes(), &[1, 0], b"only"])
 }
 
 /// (model id, context window) for every model of a `/models` response that

@@ -9,9 +9,21 @@
 
 use serde_json::{Value, json};
 
-use super::Format;
-use super::tools::{Answer, COMPRESS_TOOL, RECALL_TOOL, is_own_tool};
+use super::tools::{Answer, COMPRESS_TOOL, OwnTools, RECALL_TOOL, is_own_tool};
 use super::usage::Sum;
+
+/// What a streamed answer asks of an API: what its events mean for
+/// condense's tools.
+pub trait StreamEdit: OwnTools {
+    /// Reads one streamed event's data into a gathered answer.
+    fn gather(&self, g: &mut Gather, data: &Value) -> Decision;
+
+    /// Finishes a gathered answer.
+    fn gathered(&self, _g: &mut Gather) {}
+
+    /// Edits one streamed event the client gets.
+    fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit;
+}
 
 /// Whether a tool name is one of condense's.
 pub(super) fn ours(name: Option<&str>) -> bool {
@@ -62,7 +74,7 @@ pub enum Decision {
 
 /// One streamed answer, gathered.
 pub struct Gather {
-    format: Format,
+    api: &'static dyn StreamEdit,
     /// The answer so far, in its API's JSON shape.
     pub(super) value: Value,
     /// Chat: the tool calls by index.
@@ -75,9 +87,9 @@ pub struct Gather {
 }
 
 impl Gather {
-    pub fn new(format: Format) -> Gather {
+    pub fn new(api: &'static dyn StreamEdit) -> Gather {
         Gather {
-            format,
+            api,
             value: Value::Null,
             calls: Vec::new(),
             partial: Vec::new(),
@@ -96,7 +108,7 @@ impl Gather {
     /// Reads one event's data; returns what can be told once it is read
     /// (once told, it stays).
     pub fn event(&mut self, data: &Value) -> Decision {
-        let now = self.format.api().gather(self, data);
+        let now = self.api.gather(self, data);
         if self.decision == Decision::Hold {
             self.decision = now;
         }
@@ -105,9 +117,9 @@ impl Gather {
 
     /// The gathered answer (None when the stream gave none).
     pub fn answer(mut self) -> Option<Answer> {
-        self.format.api().gathered(&mut self);
+        self.api.gathered(&mut self);
         self.value.is_object().then_some(Answer {
-            format: self.format,
+            api: self.api,
             value: self.value,
         })
     }
@@ -123,7 +135,7 @@ pub enum Edit {
 
 /// Edits the events of the answer the client gets.
 pub struct Filter {
-    format: Format,
+    api: &'static dyn StreamEdit,
     /// The usage of the rounds condense answered.
     pub(super) extra: Sum,
     /// Indices (tool call, content block or output item) of condense's
@@ -140,9 +152,9 @@ pub struct Filter {
 }
 
 impl Filter {
-    pub fn new(format: Format, extra: Sum) -> Filter {
+    pub fn new(api: &'static dyn StreamEdit, extra: Sum) -> Filter {
         Filter {
-            format,
+            api,
             extra,
             dropped: Vec::new(),
             client_calls: false,
@@ -195,7 +207,7 @@ impl Filter {
     }
 
     pub fn event(&mut self, data: &mut Value) -> Edit {
-        self.format.api().filter(self, data)
+        self.api.filter(self, data)
     }
 
     /// Adds the usage of the rounds condense answered to a `usage`
@@ -208,9 +220,10 @@ impl Filter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::Format;
 
-    fn run(format: Format, events: &[Value]) -> (Decision, Option<Answer>) {
-        let mut g = Gather::new(format);
+    fn run(api: &'static dyn StreamEdit, events: &[Value]) -> (Decision, Option<Answer>) {
+        let mut g = Gather::new(api);
         let mut d = Decision::Hold;
         for e in events {
             d = g.event(e);
@@ -229,7 +242,7 @@ mod tests {
             json!({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
                 "function": {"arguments": "defg\"}"}}]}, "finish_reason": "tool_calls"}]}),
         ];
-        let mut g = Gather::new(Format::Chat);
+        let mut g = Gather::new(Format::Chat.api());
         assert_eq!(g.event(&events[0]), Decision::Hold);
         assert_eq!(g.event(&events[1]), Decision::Ours);
         g.event(&events[2]);
@@ -241,27 +254,27 @@ mod tests {
         assert_eq!(ours[0].argument.as_deref(), Some("abcdefg"));
 
         let text = [json!({"choices": [{"index": 0, "delta": {"content": "Hi"}}]})];
-        assert_eq!(run(Format::Chat, &text).0, Decision::Pass);
+        assert_eq!(run(Format::Chat.api(), &text).0, Decision::Pass);
         // A name in pieces: told at once when only condense's tools start
         // that way, else once it can no longer be one of them.
         let piece = |name: &str| {
             json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
                 "function": {"name": name}}]}}]})
         };
-        let mut g = Gather::new(Format::Chat);
+        let mut g = Gather::new(Format::Chat.api());
         assert_eq!(g.event(&piece("condense_")), Decision::Ours);
         let client = || vec!["condense_logs".to_string()];
-        let mut g = Gather::new(Format::Chat).with_client_tools(client());
+        let mut g = Gather::new(Format::Chat.api()).with_client_tools(client());
         assert_eq!(g.event(&piece("condense_")), Decision::Hold);
         assert_eq!(g.event(&piece("recall")), Decision::Ours);
-        let mut g = Gather::new(Format::Chat).with_client_tools(client());
+        let mut g = Gather::new(Format::Chat.api()).with_client_tools(client());
         assert_eq!(g.event(&piece("condense_")), Decision::Hold);
         assert_eq!(g.event(&piece("x")), Decision::Pass);
     }
 
     #[test]
     fn a_late_chat_recall_is_taken_out_and_indices_close_up() {
-        let mut f = Filter::new(Format::Chat, Sum::default());
+        let mut f = Filter::new(Format::Chat.api(), Sum::default());
         let mut start = json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "x",
             "function": {"name": RECALL_TOOL, "arguments": ""}}]}}]});
         assert_eq!(f.event(&mut start), Edit::Drop);
@@ -284,12 +297,12 @@ mod tests {
                 "function": {"name": name}}]}}]})
         };
         let mut f =
-            Filter::new(Format::Chat, Sum::default()).with_client_tools(vec!["read".into()]);
+            Filter::new(Format::Chat.api(), Sum::default()).with_client_tools(vec!["read".into()]);
         assert_eq!(f.event(&mut piece(0, "condense_")), Edit::Drop);
         assert_eq!(f.event(&mut piece(0, "recall")), Edit::Drop);
         assert_eq!(f.event(&mut piece(1, "re")), Edit::Changed);
         assert_eq!(f.stripped, 1);
-        let mut g = Gather::new(Format::Chat).with_client_tools(vec!["condense_logs".into()]);
+        let mut g = Gather::new(Format::Chat.api()).with_client_tools(vec!["condense_logs".into()]);
         assert_eq!(g.event(&piece(0, "condense_")), Decision::Hold);
         assert_eq!(g.event(&piece(0, "logs")), Decision::Pass);
     }
@@ -298,13 +311,13 @@ mod tests {
     fn malformed_events_neither_panic_nor_let_a_call_through() {
         // Found by the fuzz target: a block that is not an object, a
         // message that is not one, calls in events of unknown types.
-        let mut g = Gather::new(Format::Messages);
+        let mut g = Gather::new(Format::Messages.api());
         g.event(&json!({"type": "message_start", "message": 7}));
         g.event(&json!({"type": "message_start", "message": {"content": [3]}}));
         g.event(&json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "x"}}));
         g.event(&json!({"type": "content_block_stop", "index": 0}));
         assert!(g.answer().is_some());
-        let mut f = Filter::new(Format::Responses, Sum::default());
+        let mut f = Filter::new(Format::Responses.api(), Sum::default());
         let mut odd = json!({"type": "response.output_item.idded",
             "item": {"type": "function_call", "name": RECALL_TOOL}});
         assert_eq!(f.event(&mut odd), Edit::Drop);
@@ -312,7 +325,7 @@ mod tests {
             {"type": "function_call", "name": RECALL_TOOL}]}});
         assert_eq!(f.event(&mut whole), Edit::Changed);
         assert_eq!(whole["response"]["output"], json!([]));
-        let mut f = Filter::new(Format::Messages, Sum::default());
+        let mut f = Filter::new(Format::Messages.api(), Sum::default());
         let mut delta = json!({"type": "message_delta", "delta": {},
             "content_block": {"type": "tool_use", "name": RECALL_TOOL}});
         assert_eq!(f.event(&mut delta), Edit::Drop);
@@ -333,7 +346,7 @@ mod tests {
             json!({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}}),
             json!({"type": "message_stop"}),
         ];
-        let (d, a) = run(Format::Messages, &events);
+        let (d, a) = run(Format::Messages.api(), &events);
         assert_eq!(d, Decision::Ours);
         let a = a.unwrap();
         assert_eq!(a.value["content"][0]["signature"], "sig");
@@ -343,7 +356,7 @@ mod tests {
         // After text, the same call is taken out of what the client sees.
         let mut extra = Sum::default();
         extra.add(Some(&json!({"input_tokens": 100, "output_tokens": 10})));
-        let mut f = Filter::new(Format::Messages, extra);
+        let mut f = Filter::new(Format::Messages.api(), extra);
         let mut start = events[0].clone();
         assert_eq!(f.event(&mut start), Edit::Changed);
         assert_eq!(start["message"]["usage"]["input_tokens"], 107);
@@ -356,8 +369,8 @@ mod tests {
 
         let added = json!({"type": "response.output_item.added", "output_index": 0,
             "item": {"type": "function_call", "name": RECALL_TOOL, "call_id": "c"}});
-        assert_eq!(run(Format::Responses, &[added]).0, Decision::Ours);
+        assert_eq!(run(Format::Responses.api(), &[added]).0, Decision::Ours);
         let reasoning = json!({"type": "response.output_item.added", "output_index": 0, "item": {"type": "reasoning"}});
-        assert_eq!(run(Format::Responses, &[reasoning]).0, Decision::Hold);
+        assert_eq!(run(Format::Responses.api(), &[reasoning]).0, Decision::Hold);
     }
 }

@@ -11,10 +11,22 @@
 
 use bytes::{Bytes, BytesMut};
 
-use super::Format;
+use super::failure::Errors;
 use super::sse::Reader;
 use super::usage::Usage;
 use crate::chat::object::members;
+
+/// What the tap asks of an API: where its responses say their usage, and
+/// what it strips from its streams (and, for the relay, how its errors
+/// look).
+pub trait TapRead: Errors {
+    /// A `usage` value of this API's responses.
+    fn usage(&self, raw: &[u8]) -> Option<Usage>;
+
+    /// Reads one whole stream event on its way through the usage tap,
+    /// appending to `out` what the client gets for it when the tap strips.
+    fn tap_event(&self, tap: &mut SseTap, event: &[u8], out: &mut BytesMut);
+}
 
 /// Splits a Server-Sent-Events byte stream into events, reads usage from them
 /// and, when `strip` is set, removes what the client did not ask for.
@@ -24,7 +36,7 @@ use crate::chat::object::members;
 /// ends the tap. What it holds is passed on, the rest of the stream is
 /// relayed untouched, and its usage goes unread.
 pub struct SseTap {
-    format: Format,
+    api: &'static dyn TapRead,
     pub(super) strip: bool,
     reader: Reader,
     pub(super) usage: Option<Usage>,
@@ -44,9 +56,9 @@ pub const MAX_EVENT_BYTES: usize = 4 << 20;
 impl SseTap {
     /// A stream's tap; with `strip`, the usage condense asked for is taken
     /// out again.
-    pub fn new(format: Format, strip: bool) -> SseTap {
+    pub fn new(api: &'static dyn TapRead, strip: bool) -> SseTap {
         SseTap {
-            format,
+            api,
             strip,
             reader: Reader::default(),
             usage: None,
@@ -56,8 +68,9 @@ impl SseTap {
         }
     }
 
-    pub fn format(&self) -> Format {
-        self.format
+    /// The API of the stream.
+    pub fn api(&self) -> &'static dyn TapRead {
+        self.api
     }
 
     /// Whether the stream ended properly, with `data: [DONE]` (Anthropic:
@@ -91,7 +104,7 @@ impl SseTap {
         } else {
             BytesMut::new()
         };
-        let api = self.format.api();
+        let api = self.api;
         while let Some(event) = self.reader.next_event() {
             api.tap_event(self, &event, &mut out);
         }
@@ -151,8 +164,8 @@ impl SseTap {
 
     /// The usage of a whole stream already read (a round condense answered
     /// itself).
-    pub fn usage_of_stream(format: Format, stream: &Bytes) -> Option<Usage> {
-        let mut tap = SseTap::new(format, false);
+    pub fn usage_of_stream(api: &'static dyn TapRead, stream: &Bytes) -> Option<Usage> {
+        let mut tap = SseTap::new(api, false);
         tap.push(stream.clone());
         tap.finish();
         tap.usage()
@@ -175,7 +188,7 @@ pub(super) fn member<'a>(raw: &'a [u8], key: &str) -> Option<Option<&'a [u8]>> {
 
 /// Keeps a bounded copy of a JSON response body to read its usage at the end.
 pub struct JsonTap {
-    format: Format,
+    api: &'static dyn TapRead,
     /// The body so far, when it came in several chunks.
     buf: BytesMut,
     /// The body, when it came in one chunk (the usual small answer): kept,
@@ -197,9 +210,9 @@ impl JsonTap {
     /// Bodies larger than this are not inspected (usage is then unknown).
     const MAX_BYTES: usize = 8 * 1024 * 1024;
 
-    pub fn new(format: Format, expected_len: Option<u64>) -> JsonTap {
+    pub fn new(api: &'static dyn TapRead, expected_len: Option<u64>) -> JsonTap {
         JsonTap {
-            format,
+            api,
             buf: BytesMut::new(),
             whole: None,
             overflowed: false,
@@ -212,8 +225,8 @@ impl JsonTap {
     }
 
     /// The usage of a whole JSON body already read.
-    pub fn usage_of_body(format: Format, body: &Bytes) -> Option<Usage> {
-        let mut tap = JsonTap::new(format, Some(body.len() as u64));
+    pub fn usage_of_body(api: &'static dyn TapRead, body: &Bytes) -> Option<Usage> {
+        let mut tap = JsonTap::new(api, Some(body.len() as u64));
         tap.push(body);
         tap.finish();
         tap.usage()
@@ -269,7 +282,7 @@ impl JsonTap {
             .ok()
             .and_then(|_| member(body, "usage"))
         {
-            Some(usage) => self.usage = usage.and_then(|u| self.format.api().usage(u)),
+            Some(usage) => self.usage = usage.and_then(|u| self.api.usage(u)),
             None => self.invalid = true,
         }
     }

@@ -11,7 +11,6 @@
 use bytes::Bytes;
 use serde_json::{Value, json};
 
-use super::Format;
 use super::usage::Sum;
 use crate::chat::{ChatRequest, RawObject};
 
@@ -25,13 +24,35 @@ pub fn is_own_tool(name: &str) -> bool {
     name == RECALL_TOOL || name == COMPRESS_TOOL
 }
 
-/// Fields of a chat assistant message that hold its reasoning.
-pub const REASONING_FIELDS: &[&str] = &["reasoning_content", "reasoning"];
-
 const RECALL_DESCRIPTION: &str = "Returns the original text of something condense shortened or removed to fit the context window: a tool output, call arguments or earlier turns. Pass the key shown as `recall key: K` next to what was cut. Call it alone, when you need the exact text again.";
 const KEY_DESCRIPTION: &str = "The recall key, as shown after `recall key:`.";
 const COMPRESS_DESCRIPTION: &str = "Tells condense that a task or subtask is finished: the conversation up to here may then be compacted (older tool output shortened or summarized) from the next request on. Call it alone, at a task boundary, when the details so far will not be needed verbatim.";
 const REASON_DESCRIPTION: &str = "What was finished, in a few words.";
+
+/// What condense's tools ask of an API: their definitions in its shape,
+/// their calls read from its answers, and its turn that answers them.
+pub trait OwnTools: Sync + std::fmt::Debug {
+    /// One of condense's tools in this API's shape.
+    fn tool(&self, name: &str, description: &str, schema: Value) -> Value;
+
+    /// The tool calls of an answer, with whether each is condense's own.
+    fn calls(&self, answer: &Value) -> Vec<(Call, bool)>;
+
+    /// The request that carries the results of condense's calls `ours`:
+    /// `sent` with the answer's turn appended (the client's own calls left
+    /// out) and one result per call.
+    fn follow_up(
+        &self,
+        answer: &Value,
+        ours: &[Call],
+        sent: &Bytes,
+        results: &[(String, String)],
+    ) -> Option<Bytes>;
+
+    /// Takes condense's calls out of an answer (the stop reason says
+    /// "done" when no call of the client's is left).
+    fn strip_own_calls(&self, answer: &mut Value);
+}
 
 /// A field of a format's view: the server keeps the request and its answer
 /// (a Responses request with `store` not false).
@@ -66,8 +87,8 @@ fn non_empty_list(raw: &[u8]) -> bool {
     t.first() == Some(&b'[') && t[1..].trim_ascii() != b"]"
 }
 
-/// One of condense's tools in `format`'s shape.
-pub fn definition(format: Format, name: &str) -> Value {
+/// One of condense's tools in `api`'s shape.
+pub fn definition(api: &dyn OwnTools, name: &str) -> Value {
     let (description, param, param_description) = match name {
         COMPRESS_TOOL => (COMPRESS_DESCRIPTION, "reason", REASON_DESCRIPTION),
         _ => (RECALL_DESCRIPTION, "key", KEY_DESCRIPTION),
@@ -78,7 +99,7 @@ pub fn definition(format: Format, name: &str) -> Value {
         "required": [param],
         "additionalProperties": false,
     });
-    format.api().tool(name, description, schema)
+    api.tool(name, description, schema)
 }
 
 /// A body with condense's tools added.
@@ -92,10 +113,10 @@ pub struct Offered {
 /// `body` with `names` added to its `tools` (after the client's, so the
 /// client's tool definitions keep their bytes and their cached prefix).
 /// None when the body has no tool list, or already names one of them.
-pub fn offer(format: Format, body: &Bytes, names: &[&str]) -> Option<Offered> {
+pub fn offer(api: &dyn OwnTools, body: &Bytes, names: &[&str]) -> Option<Offered> {
     let mut obj = RawObject::parse(body).ok()?;
     let before = Bytes::copy_from_slice(obj.get("tools")?);
-    let after = extended(format, &before, names)?;
+    let after = extended(api, &before, names)?;
     obj.set("tools", after.clone());
     Some(Offered {
         body: Bytes::from(obj.to_vec()),
@@ -106,7 +127,7 @@ pub fn offer(format: Format, body: &Bytes, names: &[&str]) -> Option<Offered> {
 
 /// A `tools` list with `names` added after the client's; None when it is
 /// empty or not a list, or already names one of them.
-pub fn extended(format: Format, tools: &[u8], names: &[&str]) -> Option<Bytes> {
+pub fn extended(api: &dyn OwnTools, tools: &[u8], names: &[&str]) -> Option<Bytes> {
     let tools = tools.trim_ascii();
     if !non_empty_list(tools) || names.iter().any(|n| contains(tools, n)) {
         return None;
@@ -114,7 +135,7 @@ pub fn extended(format: Format, tools: &[u8], names: &[&str]) -> Option<Bytes> {
     let mut out = tools[..tools.len() - 1].to_vec();
     for name in names {
         out.push(b',');
-        out.extend_from_slice(definition(format, name).to_string().as_bytes());
+        out.extend_from_slice(definition(api, name).to_string().as_bytes());
     }
     out.push(b']');
     Some(Bytes::from(out))
@@ -201,19 +222,19 @@ pub(super) fn names_own(v: &Value, name_at: &str) -> bool {
 /// read for condense's own tool calls.
 #[derive(Debug, Clone)]
 pub struct Answer {
-    pub format: Format,
+    pub api: &'static dyn OwnTools,
     pub value: Value,
 }
 
 impl Answer {
-    pub fn parse(format: Format, body: &[u8]) -> Option<Answer> {
+    pub fn parse(api: &'static dyn OwnTools, body: &[u8]) -> Option<Answer> {
         let value: Value = serde_json::from_slice(body).ok()?;
-        value.is_object().then_some(Answer { format, value })
+        value.is_object().then_some(Answer { api, value })
     }
 
     /// The answer's tool calls, with whether each is condense's own.
     fn calls(&self) -> Vec<(Call, bool)> {
-        self.format.api().calls(&self.value)
+        self.api.calls(&self.value)
     }
 
     /// condense's own calls in the answer.
@@ -242,9 +263,7 @@ impl Answer {
     /// the model decides on them again once it has the results) and one
     /// result per call. None when `sent` cannot take it.
     pub fn follow_up(&self, sent: &Bytes, results: &[(String, String)]) -> Option<Bytes> {
-        self.format
-            .api()
-            .follow_up(&self.value, &self.ours(), sent, results)
+        self.api.follow_up(&self.value, &self.ours(), sent, results)
     }
 
     /// The answer as the client sees it: condense's calls taken out (the
@@ -252,7 +271,7 @@ impl Answer {
     /// `extra` (the usage of the rounds condense answered) added to its
     /// usage.
     pub fn for_client(mut self, extra: &Sum) -> Bytes {
-        self.format.api().strip_own_calls(&mut self.value);
+        self.api.strip_own_calls(&mut self.value);
         extra.add_to(&mut self.value);
         Bytes::from(self.value.to_string())
     }
@@ -276,6 +295,7 @@ pub(super) fn append(sent: &Bytes, key: &str, items: &[Value]) -> Option<Bytes> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::Format;
 
     fn body(v: Value) -> Bytes {
         Bytes::from(v.to_string())
@@ -287,7 +307,9 @@ mod tests {
             json!({"model": "m", "messages": [], "tools": [{"type": "function",
             "function": {"name": "read", "parameters": {}}}]}),
         );
-        let out = offer(Format::Chat, &sent, &[RECALL_TOOL]).unwrap().body;
+        let out = offer(Format::Chat.api(), &sent, &[RECALL_TOOL])
+            .unwrap()
+            .body;
         let v: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["tools"][0]["function"]["name"], "read");
         assert_eq!(v["tools"][1]["function"]["name"], RECALL_TOOL);
@@ -295,15 +317,19 @@ mod tests {
             v["tools"][1]["function"]["parameters"]["required"],
             json!(["key"])
         );
-        assert!(offer(Format::Chat, &out, &[RECALL_TOOL]).is_none());
+        assert!(offer(Format::Chat.api(), &out, &[RECALL_TOOL]).is_none());
         let none = body(json!({"model": "m", "messages": [], "tools": []}));
-        assert!(offer(Format::Chat, &none, &[RECALL_TOOL]).is_none());
+        assert!(offer(Format::Chat.api(), &none, &[RECALL_TOOL]).is_none());
         let anthropic = body(
             json!({"model": "m", "messages": [], "tools": [{"name": "read", "input_schema": {}}]}),
         );
-        let out = offer(Format::Messages, &anthropic, &[RECALL_TOOL, COMPRESS_TOOL])
-            .unwrap()
-            .body;
+        let out = offer(
+            Format::Messages.api(),
+            &anthropic,
+            &[RECALL_TOOL, COMPRESS_TOOL],
+        )
+        .unwrap()
+        .body;
         let v: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(
             v["tools"][1]["input_schema"]["properties"]["key"]["type"],
@@ -355,7 +381,7 @@ mod tests {
                 {"id": "a", "type": "function", "function": {"name": RECALL_TOOL, "arguments": "{\"key\":\"abcdefgh\"}"}},
                 {"id": "b", "type": "function", "function": {"name": "read", "arguments": "{}"}}]}}],
             "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}});
-        let a = Answer::parse(Format::Chat, answer.to_string().as_bytes()).unwrap();
+        let a = Answer::parse(Format::Chat.api(), answer.to_string().as_bytes()).unwrap();
         assert_eq!(
             a.ours(),
             vec![Call {
@@ -396,7 +422,7 @@ mod tests {
             {"type": "thinking", "thinking": "t", "signature": "s"},
             {"type": "tool_use", "id": "tu1", "name": RECALL_TOOL, "input": {"key": "abcdefgh"}}],
             "usage": {"input_tokens": 5, "output_tokens": 1}});
-        let a = Answer::parse(Format::Messages, answer.to_string().as_bytes()).unwrap();
+        let a = Answer::parse(Format::Messages.api(), answer.to_string().as_bytes()).unwrap();
         let sent = body(
             json!({"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]}),
         );
@@ -416,7 +442,7 @@ mod tests {
             {"type": "reasoning", "id": "rs_1", "summary": []},
             {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": "e"},
             {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": RECALL_TOOL, "arguments": "{\"key\":\"abcdefgh\"}", "status": "completed"}]});
-        let a = Answer::parse(Format::Responses, answer.to_string().as_bytes()).unwrap();
+        let a = Answer::parse(Format::Responses.api(), answer.to_string().as_bytes()).unwrap();
         let sent = body(json!({"model": "m", "input": "hi"}));
         let v: Value =
             serde_json::from_slice(&a.follow_up(&sent, &[("c1".into(), "orig".into())]).unwrap())

@@ -4,56 +4,27 @@
 
 mod request;
 mod stream;
+mod usage;
 
 pub use request::{MessagesRequest, Origins, ParseError, WriteError};
 
 use bytes::{Bytes, BytesMut};
-use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::stream::{Decision, Edit, Filter, Gather};
-use super::tap::SseTap;
-use super::tools::{Call, append, names_own};
+use super::api::{Api, NotUnderstood, Parsed, Provider, WriteBack};
+use super::failure::{Errors, Failure};
+use super::stream::{Decision, Edit, Filter, Gather, StreamEdit};
+use super::summarize::{Summarize, Summarized};
+use super::tap::{SseTap, TapRead};
+use super::tools::{Call, OwnTools, append, names_own};
 use super::usage::Usage;
-use super::{Api, Failure, NotUnderstood, Parsed, Provider, Summarized, Writer};
+use crate::chat::ChatRequest;
+use crate::compaction::Fates;
+use usage::{AnthropicUsage, usage};
 
 /// The Messages API.
+#[derive(Debug)]
 pub struct Messages;
-
-/// Anthropic's usage object: the prompt is split into uncached, cache-read
-/// and cache-written parts, which together are what the window holds.
-#[derive(Debug, Default, Deserialize)]
-struct AnthropicUsage {
-    #[serde(default)]
-    input_tokens: Option<u64>,
-    #[serde(default)]
-    cache_creation_input_tokens: Option<u64>,
-    #[serde(default)]
-    cache_read_input_tokens: Option<u64>,
-    #[serde(default)]
-    output_tokens: Option<u64>,
-}
-
-impl AnthropicUsage {
-    fn prompt(&self) -> Option<u64> {
-        let parts = [
-            self.input_tokens,
-            self.cache_creation_input_tokens,
-            self.cache_read_input_tokens,
-        ];
-        parts
-            .iter()
-            .any(Option::is_some)
-            .then(|| parts.iter().flatten().sum())
-    }
-}
-
-/// An Anthropic `usage` value.
-fn usage(raw: &[u8]) -> Option<Usage> {
-    let u: AnthropicUsage = serde_json::from_slice(raw).ok()?;
-    let prompt = u.prompt()?;
-    Some(Usage::of(prompt, u.output_tokens.unwrap_or(0)))
-}
 
 /// Anthropic's error object (the body's and the stream event's data).
 fn error_value(f: &Failure) -> Value {
@@ -69,55 +40,35 @@ fn blocks(value: &Value) -> impl Iterator<Item = &Value> {
         .flatten()
 }
 
-impl Api for Messages {
-    fn parse(&self, body: &Bytes) -> Result<Parsed, NotUnderstood> {
-        let req = MessagesRequest::parse(body)?;
-        if !req.well_formed() {
-            return Err(NotUnderstood::IllFormed);
-        }
-        let (conversation, origins) = req.view();
-        Ok(Parsed {
-            conversation,
-            writer: Writer::Messages(req, origins),
-        })
-    }
-
-    fn provider(&self) -> Provider {
-        Provider::Anthropic
-    }
-
-    fn parses_into_a_view(&self) -> bool {
-        true
-    }
-
-    fn usage(&self, raw: &[u8]) -> Option<Usage> {
-        usage(raw)
-    }
-
-    fn tap_event(&self, tap: &mut SseTap, event: &[u8], out: &mut BytesMut) {
-        stream::tap_event(tap, event, out);
-    }
-
+impl Errors for Messages {
     fn error_body(&self, f: &Failure) -> String {
         error_value(f).to_string()
     }
-
     /// Anthropic's SDKs raise an `error` event as an API error.
     fn stream_error(&self, f: &Failure) -> String {
         format!("event: error\ndata: {}\n\n", error_value(f))
     }
+}
 
+impl TapRead for Messages {
+    fn usage(&self, raw: &[u8]) -> Option<Usage> {
+        usage(raw)
+    }
+    fn tap_event(&self, tap: &mut SseTap, event: &[u8], out: &mut BytesMut) {
+        stream::tap_event(tap, event, out);
+    }
+}
+
+impl OwnTools for Messages {
     fn tool(&self, name: &str, description: &str, schema: Value) -> Value {
         json!({"name": name, "description": description, "input_schema": schema})
     }
-
     fn calls(&self, answer: &Value) -> Vec<(Call, bool)> {
         blocks(answer)
             .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
             .map(|b| Call::read(b.get("id"), b.get("name"), b.get("input")))
             .collect()
     }
-
     fn follow_up(
         &self,
         answer: &Value,
@@ -143,7 +94,6 @@ impl Api for Messages {
         ];
         append(sent, "messages", &turn)
     }
-
     fn strip_own_calls(&self, answer: &mut Value) {
         if let Some(content) = answer.get_mut("content").and_then(Value::as_array_mut) {
             content.retain(|b| !names_own(b, "/name"));
@@ -155,15 +105,18 @@ impl Api for Messages {
             }
         }
     }
+}
 
+impl StreamEdit for Messages {
     fn gather(&self, g: &mut Gather, data: &Value) -> Decision {
         stream::gather(g, data)
     }
-
     fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit {
         stream::filter(f, data)
     }
+}
 
+impl Summarize for Messages {
     fn summary_call(
         &self,
         model: &str,
@@ -178,7 +131,6 @@ impl Api for Messages {
         });
         ("/messages", body)
     }
-
     /// The text blocks joined; `max_tokens` as the stop reason is chat's
     /// `length`.
     fn summary_answer(&self, v: &Value) -> Result<Summarized, String> {
@@ -205,5 +157,55 @@ impl Api for Messages {
             prompt_tokens: u.as_ref().and_then(AnthropicUsage::prompt),
             completion_tokens: u.and_then(|u| u.output_tokens),
         })
+    }
+}
+
+impl Api for Messages {
+    fn parse(&self, body: &Bytes) -> Result<Parsed, NotUnderstood> {
+        let req = MessagesRequest::parse(body).map_err(NotUnderstood::parse)?;
+        if !req.well_formed() {
+            return Err(NotUnderstood::IllFormed);
+        }
+        let (conversation, origins) = req.view();
+        Ok(Parsed {
+            conversation,
+            writer: Box::new(Written { req, origins }),
+        })
+    }
+    fn provider(&self) -> Provider {
+        Provider::Anthropic
+    }
+    fn parses_into_a_view(&self) -> bool {
+        true
+    }
+}
+
+/// A Messages body's way back: its blocks rewritten where the view changed.
+struct Written {
+    req: MessagesRequest,
+    origins: Origins,
+}
+
+impl WriteBack for Written {
+    fn api(&self) -> &'static dyn Api {
+        &Messages
+    }
+
+    fn is_stream(&self, _: &ChatRequest) -> bool {
+        self.req.is_stream()
+    }
+
+    fn body(
+        &self,
+        _: &ChatRequest,
+        fates: Option<&Fates>,
+    ) -> Result<Bytes, super::api::WriteError> {
+        match fates {
+            Some(f) => self
+                .req
+                .write_back(&self.origins, f)
+                .map_err(|e| super::api::WriteError(Box::new(e))),
+            None => Ok(self.req.source().clone()),
+        }
     }
 }

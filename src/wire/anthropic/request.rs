@@ -34,7 +34,6 @@ use crate::chat::{ChatRequest, Message, RawObject};
 use crate::compaction::Fates;
 
 mod write;
-use write::check;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ParseError {
@@ -223,7 +222,7 @@ impl MessagesRequest {
     /// The request with its first `end` messages only (and `model`, when
     /// given): a turn of the conversation as the client sent it then.
     pub fn prefix(&self, end: usize, model: Option<&str>) -> Bytes {
-        let list = crate::wire::raw_list(self.turns.iter().take(end).map(|t| &t.raw));
+        let list = crate::wire::view::raw_list(self.turns.iter().take(end).map(|t| &t.raw));
         let mut fields = self.fields.clone();
         fields.set("messages", list);
         if let Some(m) = model {
@@ -272,7 +271,7 @@ impl MessagesRequest {
             messages.push(Message::from_bytes(v));
             origins.push(o);
         };
-        let bytes = |v: Value| crate::wire::view_bytes(&v);
+        let bytes = |v: Value| crate::wire::view::view_bytes(&v);
         if let Some(text) = self.system_text() {
             push(
                 bytes(json!({"role": "system", "content": text})),
@@ -282,7 +281,10 @@ impl MessagesRequest {
         for (t, turn) in self.turns.iter().enumerate() {
             match (&turn.side, &turn.content) {
                 (Side::User, Content::Text(s)) => {
-                    push(crate::wire::chat_text("user", &decoded(s)), Origin::User(t));
+                    push(
+                        crate::wire::view::chat_text("user", &decoded(s)),
+                        Origin::User(t),
+                    );
                 }
                 // One view message per block, in order: a tool result, or
                 // what the client wrote (a text as chat's user message).
@@ -433,7 +435,7 @@ fn user_view(block: &Block) -> Value {
 /// order, no spaces.
 fn assistant_view(content: &Content) -> Bytes {
     let blocks = match content {
-        Content::Text(s) => return crate::wire::chat_text("assistant", &decoded(s)),
+        Content::Text(s) => return crate::wire::view::chat_text("assistant", &decoded(s)),
         Content::Blocks(b) => b,
     };
     let text = joined_text(blocks);
@@ -455,7 +457,7 @@ fn assistant_view(content: &Content) -> Bytes {
         out.extend_from_slice(b",\"thinking\":");
         write_json_string(&mut out, &thinking);
     }
-    crate::wire::write_tool_calls(
+    crate::wire::view::write_tool_calls(
         &mut out,
         blocks.iter().filter(|b| b.kind() == "tool_use").map(|b| {
             (
@@ -466,7 +468,7 @@ fn assistant_view(content: &Content) -> Bytes {
         }),
     );
     out.push(b'}');
-    crate::wire::exact(out)
+    crate::wire::view::exact(out)
 }
 
 fn joined_text(blocks: &[Block]) -> String {
@@ -476,6 +478,64 @@ fn joined_text(blocks: &[Block]) -> String {
         .filter_map(|b| b.str("text"))
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// Checks the API's structural rules on a conversation: it starts with a
+/// user message, roles alternate, and tool uses and results pair up between
+/// neighbours.
+fn check(turns: &[(Side, Vec<&Block>)]) -> Result<(), WriteError> {
+    let turns: Vec<&(Side, Vec<&Block>)> = turns.iter().filter(|t| t.0 != Side::System).collect();
+    if turns.first().is_some_and(|(s, _)| *s != Side::User) {
+        return Err(WriteError::Invalid(
+            "the first message is not a user message",
+        ));
+    }
+    for w in turns.windows(2) {
+        if w[0].0 == w[1].0 {
+            return Err(WriteError::Invalid(
+                "two messages of the same role in a row",
+            ));
+        }
+    }
+    let ids = |blocks: &[&Block], kind: &str, key: &str| -> Vec<String> {
+        blocks
+            .iter()
+            .filter(|b| b.kind() == kind)
+            .filter_map(|b| b.str(key))
+            .collect()
+    };
+    // Sets of ids: a turn of many calls is checked in linear time.
+    let set = |blocks: &[&Block], kind: &str, key: &str| -> HashSet<String> {
+        ids(blocks, kind, key).into_iter().collect()
+    };
+    for (i, (side, blocks)) in turns.iter().map(|t| (&t.0, &t.1)).enumerate() {
+        match side {
+            Side::Assistant => {
+                if let Some((_, next)) = turns.get(i + 1) {
+                    let answered = set(next, "tool_result", "tool_use_id");
+                    let uses = ids(blocks, "tool_use", "id");
+                    if uses.iter().any(|u| !answered.contains(u)) {
+                        return Err(WriteError::Invalid("a tool_use is not answered"));
+                    }
+                }
+            }
+            Side::User => {
+                let results = ids(blocks, "tool_result", "tool_use_id");
+                if results.is_empty() {
+                    continue;
+                }
+                let asked = match i.checked_sub(1).map(|p| turns[p]) {
+                    Some((Side::Assistant, prev)) => set(prev, "tool_use", "id"),
+                    _ => HashSet::new(),
+                };
+                if results.iter().any(|r| !asked.contains(r)) {
+                    return Err(WriteError::Invalid("a tool_result answers no tool_use"));
+                }
+            }
+            Side::System => {}
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use bytes::BytesMut;
 use memchr::memmem::Finder;
 use serde_json::{Value, json};
 
-use super::AnthropicUsage;
+use super::usage::{AnthropicUsage, usage};
 use crate::wire::sse::data_of;
 use crate::wire::stream::{Decision, Edit, Filter, Gather, ours, str_at};
 use crate::wire::tap::{SseTap, member};
@@ -45,7 +45,7 @@ pub(super) fn tap_event(tap: &mut SseTap, event: &[u8], _out: &mut BytesMut) {
 /// some servers, the prompt's again); `seen` is what came before.
 fn event_usage(data: &[u8], seen: Option<Usage>) -> Option<Usage> {
     if let Some(message) = member(data, "message").flatten() {
-        return super::usage(member(message, "usage").flatten()?);
+        return usage(member(message, "usage").flatten()?);
     }
     let u: AnthropicUsage = serde_json::from_slice(member(data, "usage").flatten()?).ok()?;
     let before = seen.unwrap_or_default();

@@ -5,25 +5,24 @@
 
 mod stream;
 
+pub use stream::REASONING_FIELDS;
+use stream::usage;
+
 use bytes::{Bytes, BytesMut};
 use serde_json::{Value, json};
 
-use super::stream::{Decision, Edit, Filter, Gather};
-use super::tap::SseTap;
-use super::tools::{Call, append, names_own};
+use super::api::{Api, NotUnderstood, Parsed, Provider, WriteBack, WriteError};
+use super::failure::{Errors, Failure};
+use super::stream::{Decision, Edit, Filter, Gather, StreamEdit};
+use super::summarize::{Summarize, Summarized};
+use super::tap::{SseTap, TapRead};
+use super::tools::{Call, OwnTools, append, names_own};
 use super::usage::Usage;
-use super::{Api, Failure, NotUnderstood, Parsed, Provider, Summarized, Writer};
 use crate::chat::ChatRequest;
-
-/// Fields of a chat assistant message that hold its reasoning.
-pub const REASONING_FIELDS: &[&str] = &["reasoning_content", "reasoning"];
-
-/// A chat `usage` value (None when it is null).
-fn usage(raw: &[u8]) -> Option<Usage> {
-    serde_json::from_slice::<Option<Usage>>(raw).ok()?
-}
+use crate::compaction::Fates;
 
 /// The chat completions API.
+#[derive(Debug)]
 pub struct Chat;
 
 /// OpenAI's error body for a message, type and code (also Responses').
@@ -31,43 +30,29 @@ pub fn error_body(message: &str, kind: &str, code: &str) -> String {
     json!({"error": {"message": message, "type": kind, "param": null, "code": code}}).to_string()
 }
 
-impl Api for Chat {
-    fn parse(&self, body: &Bytes) -> Result<Parsed, NotUnderstood> {
-        Ok(Parsed {
-            conversation: ChatRequest::parse(body)?,
-            writer: Writer::Chat,
-        })
-    }
-
-    fn provider(&self) -> Provider {
-        Provider::OpenAi
-    }
-
-    fn parses_into_a_view(&self) -> bool {
-        false
-    }
-
-    fn usage(&self, raw: &[u8]) -> Option<Usage> {
-        usage(raw)
-    }
-
-    fn tap_event(&self, tap: &mut SseTap, event: &[u8], out: &mut BytesMut) {
-        stream::tap_event(tap, event, out);
-    }
-
+impl Errors for Chat {
     fn error_body(&self, f: &Failure) -> String {
         error_body(f.message, f.kind, f.code)
     }
-
     fn stream_error(&self, f: &Failure) -> String {
         format!("data: {}\n\n", error_body(f.message, f.kind, f.code))
     }
+}
 
+impl TapRead for Chat {
+    fn usage(&self, raw: &[u8]) -> Option<Usage> {
+        usage(raw)
+    }
+    fn tap_event(&self, tap: &mut SseTap, event: &[u8], out: &mut BytesMut) {
+        stream::tap_event(tap, event, out);
+    }
+}
+
+impl OwnTools for Chat {
     fn tool(&self, name: &str, description: &str, schema: Value) -> Value {
         json!({"type": "function", "function": {
             "name": name, "description": description, "parameters": schema}})
     }
-
     fn calls(&self, answer: &Value) -> Vec<(Call, bool)> {
         let calls = answer.pointer("/choices/0/message/tool_calls");
         calls
@@ -83,7 +68,6 @@ impl Api for Chat {
             })
             .collect()
     }
-
     fn follow_up(
         &self,
         answer: &Value,
@@ -116,7 +100,6 @@ impl Api for Chat {
         }
         append(sent, "messages", &turn)
     }
-
     fn strip_own_calls(&self, answer: &mut Value) {
         let choices = answer.get_mut("choices").and_then(Value::as_array_mut);
         for choice in choices.into_iter().flatten() {
@@ -140,22 +123,24 @@ impl Api for Chat {
             }
         }
     }
+}
 
+impl StreamEdit for Chat {
     fn gather(&self, g: &mut Gather, data: &Value) -> Decision {
         stream::gather(g, data)
     }
-
     fn gathered(&self, g: &mut Gather) {
         if !g.calls.is_empty() {
             g.value["choices"][0]["message"]["tool_calls"] =
                 Value::Array(std::mem::take(&mut g.calls));
         }
     }
-
     fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit {
         stream::filter(f, data)
     }
+}
 
+impl Summarize for Chat {
     fn summary_call(
         &self,
         model: &str,
@@ -171,7 +156,6 @@ impl Api for Chat {
         body[max_field] = json!(max_tokens);
         ("/chat/completions", body)
     }
-
     fn summary_answer(&self, v: &Value) -> Result<Summarized, String> {
         let choice = v.pointer("/choices/0").ok_or("no choices")?;
         let content = choice
@@ -190,5 +174,37 @@ impl Api for Chat {
                 .pointer("/usage/completion_tokens")
                 .and_then(Value::as_u64),
         })
+    }
+}
+
+impl Api for Chat {
+    fn parse(&self, body: &Bytes) -> Result<Parsed, NotUnderstood> {
+        Ok(Parsed {
+            conversation: ChatRequest::parse(body).map_err(NotUnderstood::parse)?,
+            writer: Box::new(Written),
+        })
+    }
+    fn provider(&self) -> Provider {
+        Provider::OpenAi
+    }
+    fn parses_into_a_view(&self) -> bool {
+        false
+    }
+}
+
+/// A chat body's way back: the conversation is the body.
+struct Written;
+
+impl WriteBack for Written {
+    fn api(&self) -> &'static dyn Api {
+        &Chat
+    }
+
+    fn is_stream(&self, conversation: &ChatRequest) -> bool {
+        conversation.is_stream()
+    }
+
+    fn body(&self, conversation: &ChatRequest, _: Option<&Fates>) -> Result<Bytes, WriteError> {
+        Ok(conversation.to_bytes())
     }
 }

@@ -21,7 +21,6 @@ use bytes::{Bytes, BytesMut};
 use memchr::memmem::Finder;
 use serde_json::{Value, json};
 
-use super::REASONING_FIELDS;
 use crate::chat::RawObject;
 use crate::chat::object::members;
 use crate::wire::sse::{event_data, rebuild_event, single_data_line};
@@ -29,6 +28,14 @@ use crate::wire::stream::{Decision, Edit, Filter, Gather, Named, named, str_at};
 use crate::wire::tap::SseTap;
 use crate::wire::tools::is_own_tool;
 use crate::wire::usage::Usage;
+
+/// Fields of a chat assistant message that hold its reasoning.
+pub const REASONING_FIELDS: &[&str] = &["reasoning_content", "reasoning"];
+
+/// A chat `usage` value (None when it is null).
+pub(super) fn usage(raw: &[u8]) -> Option<Usage> {
+    serde_json::from_slice::<Option<Usage>>(raw).ok()?
+}
 
 /// Reads one event of a chat stream (see the module doc).
 pub(super) fn tap_event(tap: &mut SseTap, event: &[u8], out: &mut BytesMut) {
@@ -86,7 +93,7 @@ pub(super) fn tap_event(tap: &mut SseTap, event: &[u8], out: &mut BytesMut) {
 
 /// Reads `usage` from a response object, when present and not null.
 fn usage_of_object(obj: &RawObject) -> Option<Usage> {
-    super::usage(obj.get("usage")?)
+    usage(obj.get("usage")?)
 }
 
 /// For an event whose data (one `data:` line) is a JSON object with a

@@ -8,30 +8,22 @@ mod stream;
 pub use request::{Origins, ParseError, ResponsesRequest, WriteError};
 
 use bytes::{Bytes, BytesMut};
-use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::stream::{Decision, Edit, Filter, Gather};
-use super::tap::SseTap;
-use super::tools::{Call, append, names_own, text};
+use super::api::{Api, NotUnderstood, Parsed, Provider, WriteBack};
+use super::failure::{Errors, Failure};
+use super::stream::{Decision, Edit, Filter, Gather, StreamEdit};
+use super::summarize::{Summarize, Summarized};
+use super::tap::{SseTap, TapRead};
+use super::tools::{Call, OwnTools, append, names_own, text};
 use super::usage::Usage;
-use super::{Api, Failure, NotUnderstood, Parsed, Provider, Summarized, Writer};
+use crate::chat::ChatRequest;
+use crate::compaction::Fates;
+use stream::usage;
 
 /// The Responses API.
+#[derive(Debug)]
 pub struct Responses;
-
-/// A Responses `usage` value: `input_tokens` is the whole prompt (cached
-/// tokens included), `output_tokens` the completion.
-fn usage(raw: &[u8]) -> Option<Usage> {
-    #[derive(Deserialize)]
-    struct R {
-        input_tokens: u64,
-        #[serde(default)]
-        output_tokens: u64,
-    }
-    let r: R = serde_json::from_slice::<Option<R>>(raw).ok()??;
-    Some(Usage::of(r.input_tokens, r.output_tokens))
-}
 
 fn strip_id(item: &mut Value) {
     if let Some(o) = item.as_object_mut() {
@@ -40,53 +32,31 @@ fn strip_id(item: &mut Value) {
     }
 }
 
-impl Api for Responses {
-    fn parse(&self, body: &Bytes) -> Result<Parsed, NotUnderstood> {
-        let req = ResponsesRequest::parse(body)?;
-        if let Some(reason) = req.stateful() {
-            return Err(NotUnderstood::Stateful(reason));
-        }
-        if !req.well_formed() {
-            return Err(NotUnderstood::IllFormed);
-        }
-        let (conversation, origins) = req.view();
-        Ok(Parsed {
-            conversation,
-            writer: Writer::Responses(req, origins),
-        })
-    }
-
-    fn provider(&self) -> Provider {
-        Provider::OpenAi
-    }
-
-    fn parses_into_a_view(&self) -> bool {
-        true
-    }
-
-    fn usage(&self, raw: &[u8]) -> Option<Usage> {
-        usage(raw)
-    }
-
-    fn tap_event(&self, tap: &mut SseTap, event: &[u8], out: &mut BytesMut) {
-        stream::tap_event(tap, event, out);
-    }
-
+impl Errors for Responses {
     fn error_body(&self, f: &Failure) -> String {
         super::chat::error_body(f.message, f.kind, f.code)
     }
-
     /// The Responses stream's own error event, which the SDKs raise.
     fn stream_error(&self, f: &Failure) -> String {
         let error = json!({"type": "error", "code": f.code, "message": f.message, "param": null});
         format!("event: error\ndata: {error}\n\n")
     }
+}
 
+impl TapRead for Responses {
+    fn usage(&self, raw: &[u8]) -> Option<Usage> {
+        usage(raw)
+    }
+    fn tap_event(&self, tap: &mut SseTap, event: &[u8], out: &mut BytesMut) {
+        stream::tap_event(tap, event, out);
+    }
+}
+
+impl OwnTools for Responses {
     fn tool(&self, name: &str, description: &str, schema: Value) -> Value {
         json!({"type": "function", "name": name,
             "description": description, "parameters": schema, "strict": true})
     }
-
     fn calls(&self, answer: &Value) -> Vec<(Call, bool)> {
         let items = answer.get("output").and_then(Value::as_array);
         let mut out = Vec::new();
@@ -110,7 +80,6 @@ impl Api for Responses {
         }
         out
     }
-
     fn follow_up(
         &self,
         answer: &Value,
@@ -148,21 +117,23 @@ impl Api for Responses {
         }
         append(sent, "input", &turn)
     }
-
     fn strip_own_calls(&self, answer: &mut Value) {
         if let Some(output) = answer.get_mut("output").and_then(Value::as_array_mut) {
             output.retain(|i| !names_own(i, "/name"));
         }
     }
+}
 
+impl StreamEdit for Responses {
     fn gather(&self, g: &mut Gather, data: &Value) -> Decision {
         stream::gather(g, data)
     }
-
     fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit {
         stream::filter(f, data)
     }
+}
 
+impl Summarize for Responses {
     fn summary_call(
         &self,
         model: &str,
@@ -178,7 +149,6 @@ impl Api for Responses {
         });
         ("/responses", body)
     }
-
     /// The output text of its messages joined; an answer left incomplete
     /// at `max_output_tokens` is chat's `length`.
     fn summary_answer(&self, v: &Value) -> Result<Summarized, String> {
@@ -204,5 +174,58 @@ impl Api for Responses {
             prompt_tokens: v.pointer("/usage/input_tokens").and_then(Value::as_u64),
             completion_tokens: v.pointer("/usage/output_tokens").and_then(Value::as_u64),
         })
+    }
+}
+
+impl Api for Responses {
+    fn parse(&self, body: &Bytes) -> Result<Parsed, NotUnderstood> {
+        let req = ResponsesRequest::parse(body).map_err(NotUnderstood::parse)?;
+        if let Some(reason) = req.stateful() {
+            return Err(NotUnderstood::Stateful(reason));
+        }
+        if !req.well_formed() {
+            return Err(NotUnderstood::IllFormed);
+        }
+        let (conversation, origins) = req.view();
+        Ok(Parsed {
+            conversation,
+            writer: Box::new(Written { req, origins }),
+        })
+    }
+    fn provider(&self) -> Provider {
+        Provider::OpenAi
+    }
+    fn parses_into_a_view(&self) -> bool {
+        true
+    }
+}
+
+/// A Responses body's way back: its blocks rewritten where the view changed.
+struct Written {
+    req: ResponsesRequest,
+    origins: Origins,
+}
+
+impl WriteBack for Written {
+    fn api(&self) -> &'static dyn Api {
+        &Responses
+    }
+
+    fn is_stream(&self, _: &ChatRequest) -> bool {
+        self.req.is_stream()
+    }
+
+    fn body(
+        &self,
+        _: &ChatRequest,
+        fates: Option<&Fates>,
+    ) -> Result<Bytes, super::api::WriteError> {
+        match fates {
+            Some(f) => self
+                .req
+                .write_back(&self.origins, f)
+                .map_err(|e| super::api::WriteError(Box::new(e))),
+            None => Ok(self.req.source().clone()),
+        }
     }
 }

@@ -229,7 +229,7 @@ impl ResponsesRequest {
         let mut fields = self.fields.clone();
         fields.set(
             "input",
-            crate::wire::raw_list(self.items.iter().take(end).map(|i| &i.raw)),
+            crate::wire::view::raw_list(self.items.iter().take(end).map(|i| &i.raw)),
         );
         if let Some(m) = model {
             fields.set("model", Bytes::from(json!(m).to_string()));
@@ -252,7 +252,7 @@ impl ResponsesRequest {
             messages.push(Message::from_bytes(v));
             origins.push(o);
         };
-        let bytes = |v: Value| crate::wire::view_bytes(&v);
+        let bytes = |v: Value| crate::wire::view::view_bytes(&v);
         if let Some(text) = self
             .fields
             .get("instructions")
@@ -301,7 +301,7 @@ impl ResponsesRequest {
                         "system" | "developer" | "user" | "assistant" => item.role(),
                         _ => "user",
                     };
-                    crate::wire::chat_text(role, &message_text(item))
+                    crate::wire::view::chat_text(role, &message_text(item))
                 };
                 push(v, Origin::Item(run_start));
             }
@@ -360,7 +360,7 @@ impl ResponsesRequest {
             write_json_string(&mut out, &reasoning);
         }
         out.extend_from_slice(b",\"role\":\"assistant\"");
-        crate::wire::write_tool_calls(
+        crate::wire::view::write_tool_calls(
             &mut out,
             items.iter().filter(|i| i.is_call()).map(|i| {
                 (
@@ -371,7 +371,7 @@ impl ResponsesRequest {
             }),
         );
         out.push(b'}');
-        crate::wire::exact(out)
+        crate::wire::view::exact(out)
     }
 
     /// The request with the pipeline's decisions on the view applied.
@@ -412,7 +412,7 @@ impl ResponsesRequest {
             serde_json::from_slice::<serde::de::IgnoredAny>(raw)
                 .map_err(|_| WriteError::Mismatch)?;
             let v = Message::from_bytes(raw.clone());
-            let text = crate::wire::text_of(v.content().unwrap_or(&Value::Null));
+            let text = crate::wire::view::text_of(v.content().unwrap_or(&Value::Null));
             match o {
                 Origin::Item(k) => {
                     let item = &self.items[*k];
@@ -452,7 +452,7 @@ impl ResponsesRequest {
         }
         let digest = fates.replacement.as_ref().map(|d| {
             let text = serde_json::from_slice::<Value>(d)
-                .map(|v| crate::wire::text_of(&v))
+                .map(|v| crate::wire::view::text_of(&v))
                 .unwrap_or_default();
             let v = json!({"type": "message", "role": "user",
                 "content": [{"type": "input_text", "text": text}]});
@@ -476,7 +476,10 @@ impl ResponsesRequest {
         }
         check(&out)?;
         let mut fields = self.fields.clone();
-        fields.set("input", crate::wire::raw_list(out.iter().map(|i| &i.raw)));
+        fields.set(
+            "input",
+            crate::wire::view::raw_list(out.iter().map(|i| &i.raw)),
+        );
         Ok(Bytes::from(fields.to_vec()))
     }
 }
@@ -512,14 +515,14 @@ fn check(items: &[&Item]) -> Result<(), WriteError> {
 
 /// The text of a message item's content (a string, or parts).
 fn message_text(item: &Item) -> String {
-    crate::wire::text_of(&item.get("content").unwrap_or(Value::Null))
+    crate::wire::view::text_of(&item.get("content").unwrap_or(Value::Null))
 }
 
 /// The text of an output (a string, or content parts).
 fn output_text(item: &Item) -> String {
     match item.get("output") {
         Some(Value::String(s)) => s,
-        Some(v @ Value::Array(_)) => crate::wire::text_of(&v),
+        Some(v @ Value::Array(_)) => crate::wire::view::text_of(&v),
         _ => String::new(),
     }
 }

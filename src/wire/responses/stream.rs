@@ -11,6 +11,21 @@ use serde_json::Value;
 use crate::wire::sse::data_of;
 use crate::wire::stream::{Decision, Edit, Filter, Gather, ours, str_at};
 use crate::wire::tap::{SseTap, member};
+use crate::wire::usage::Usage;
+use serde::Deserialize;
+
+/// A Responses `usage` value: `input_tokens` is the whole prompt (cached
+/// tokens included), `output_tokens` the completion.
+pub(super) fn usage(raw: &[u8]) -> Option<Usage> {
+    #[derive(Deserialize)]
+    struct R {
+        input_tokens: u64,
+        #[serde(default)]
+        output_tokens: u64,
+    }
+    let r: R = serde_json::from_slice::<Option<R>>(raw).ok()??;
+    Some(Usage::of(r.input_tokens, r.output_tokens))
+}
 
 /// The events that end a stream, each searcher built once.
 fn ends() -> &'static [(&'static [u8], Finder<'static>); 3] {
@@ -33,7 +48,7 @@ pub(super) fn tap_event(tap: &mut SseTap, event: &[u8], _out: &mut BytesMut) {
         if end == b"response.completed" || end == b"response.incomplete" {
             let usage = data_of(event).and_then(|data| {
                 let response = member(&data, "response").flatten()?;
-                super::usage(member(response, "usage").flatten()?)
+                usage(member(response, "usage").flatten()?)
             });
             if usage.is_some() {
                 tap.usage = usage;

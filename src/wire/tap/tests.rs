@@ -1,5 +1,6 @@
 use super::*;
 use crate::chat::RawObject;
+use crate::wire::Format;
 use proptest::prelude::*;
 
 const CHUNK: &str = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}],\"usage\":null}\n\n";
@@ -18,7 +19,7 @@ fn run(tap: &mut SseTap, chunks: &[&str]) -> String {
 #[test]
 fn responses_usage_comes_from_the_body_or_the_completed_event() {
     let body = Bytes::from_static(br#"{"id":"resp_1","object":"response","usage":{"input_tokens":900,"input_tokens_details":{"cached_tokens":800},"output_tokens":12,"total_tokens":912}}"#);
-    let mut t = JsonTap::new(Format::Responses, Some(body.len() as u64));
+    let mut t = JsonTap::new(Format::Responses.api(), Some(body.len() as u64));
     t.push(&body);
     t.finish();
     assert_eq!(t.usage().unwrap().prompt_tokens, 900);
@@ -27,7 +28,7 @@ fn responses_usage_comes_from_the_body_or_the_completed_event() {
         "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"hi\",\"sequence_number\":1}\n\n",
         "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"r\",\"usage\":{\"input_tokens\":77,\"output_tokens\":5,\"total_tokens\":82}},\"sequence_number\":2}\n\n",
     );
-    let mut tap = SseTap::new(Format::Responses, false);
+    let mut tap = SseTap::new(Format::Responses.api(), false);
     assert_eq!(run(&mut tap, &[stream]), stream);
     assert_eq!(tap.usage().unwrap().prompt_tokens, 77);
     assert!(tap.saw_done());
@@ -41,7 +42,7 @@ fn usage_is_read_from_incomplete_responses_and_data_on_several_lines_not_from_fa
         )
     };
     for (kind, read) in [("response.incomplete", Some(40)), ("response.failed", None)] {
-        let mut tap = SseTap::new(Format::Responses, false);
+        let mut tap = SseTap::new(Format::Responses.api(), false);
         let stream = ev(kind, 40);
         assert_eq!(run(&mut tap, &[&stream]), stream);
         assert_eq!(tap.usage().map(|u| u.prompt_tokens), read, "{kind}");
@@ -49,11 +50,11 @@ fn usage_is_read_from_incomplete_responses_and_data_on_several_lines_not_from_fa
     }
     // Data split over several `data:` lines is joined.
     let split = "event: response.completed\ndata: {\"type\":\"response.completed\",\ndata: \"response\":{\"usage\":{\"input_tokens\":9}}}\n\n";
-    let mut tap = SseTap::new(Format::Responses, false);
+    let mut tap = SseTap::new(Format::Responses.api(), false);
     run(&mut tap, &[split]);
     assert_eq!(tap.usage().map(|u| u.prompt_tokens), Some(9));
     let split = "event: message_start\ndata: {\"type\":\"message_start\",\ndata: \"message\":{\"usage\":{\"input_tokens\":5,\"output_tokens\":1}}}\n\n";
-    let mut tap = SseTap::new(Format::Messages, false);
+    let mut tap = SseTap::new(Format::Messages.api(), false);
     run(&mut tap, &[split]);
     assert_eq!(tap.usage().map(|u| u.prompt_tokens), Some(5));
 }
@@ -61,7 +62,7 @@ fn usage_is_read_from_incomplete_responses_and_data_on_several_lines_not_from_fa
 #[test]
 fn anthropic_usage_counts_cache_reads_and_writes_as_prompt() {
     let body = Bytes::from_static(br#"{"id":"msg_1","type":"message","usage":{"input_tokens":12,"cache_creation_input_tokens":100,"cache_read_input_tokens":3000,"output_tokens":7}}"#);
-    let mut t = JsonTap::new(Format::Messages, Some(body.len() as u64));
+    let mut t = JsonTap::new(Format::Messages.api(), Some(body.len() as u64));
     t.push(&body);
     t.finish();
     let u = t.usage().unwrap();
@@ -74,7 +75,7 @@ fn anthropic_usage_counts_cache_reads_and_writes_as_prompt() {
         "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":42}}\n\n",
         "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
     );
-    let mut tap = SseTap::new(Format::Messages, false);
+    let mut tap = SseTap::new(Format::Messages.api(), false);
     let (a, b) = stream.split_at(100);
     // The client gets the stream byte for byte.
     assert_eq!(run(&mut tap, &[a, b]), stream);
@@ -85,7 +86,7 @@ fn anthropic_usage_counts_cache_reads_and_writes_as_prompt() {
 
 #[test]
 fn stripping_removes_usage_chunk_and_null_usage_fields() {
-    let mut tap = SseTap::new(Format::Chat, true);
+    let mut tap = SseTap::new(Format::Chat.api(), true);
     let out = run(&mut tap, &[CHUNK, USAGE, DONE]);
     assert_eq!(
         out,
@@ -128,7 +129,7 @@ fn a_null_usage_is_cut_out_wherever_it_sits_and_nothing_else_changes() {
         ),
     ];
     for (event, expected) in cases {
-        let mut tap = SseTap::new(Format::Chat, true);
+        let mut tap = SseTap::new(Format::Chat.api(), true);
         assert_eq!(run(&mut tap, &[event]), expected, "{event}");
         assert!(tap.usage().is_none());
     }
@@ -138,7 +139,7 @@ fn a_null_usage_is_cut_out_wherever_it_sits_and_nothing_else_changes() {
         "data: {\"id\":\"c\",\ndata: \"usage\":null}\n\n",
         "data: {\"id\":\"c\",\"usage\":null,\"usage\":null}\n\n",
     ] {
-        let mut tap = SseTap::new(Format::Chat, true);
+        let mut tap = SseTap::new(Format::Chat.api(), true);
         assert_eq!(
             run(&mut tap, &[event]),
             "data: {\"id\":\"c\"}\n\n",
@@ -147,7 +148,10 @@ fn a_null_usage_is_cut_out_wherever_it_sits_and_nothing_else_changes() {
     }
     // Not an object: passed on as it came.
     let broken = "data: {\"id\":\"c\",\"usage\":null\n\n";
-    assert_eq!(run(&mut SseTap::new(Format::Chat, true), &[broken]), broken);
+    assert_eq!(
+        run(&mut SseTap::new(Format::Chat.api(), true), &[broken]),
+        broken
+    );
 }
 
 /// A chunk's members, as (key, value) JSON texts: keys that repeat
@@ -204,7 +208,7 @@ proptest::proptest! {
         let name = if named { format!("event: chunk{end}") } else { String::new() };
         let field = if tight { "data:" } else { "data: " };
         let event = format!("{name}{field}{}{{{body}}}{}{end}{end}", ws(1), ws(2));
-        let mut tap = SseTap::new(Format::Chat, true);
+        let mut tap = SseTap::new(Format::Chat.api(), true);
         let out = run(&mut tap, &[&event]);
         prop_assert!(tap.usage().is_none());
         // The members, in order and with their bytes, as the parser
@@ -233,7 +237,7 @@ proptest::proptest! {
 
 #[test]
 fn without_stripping_bytes_pass_unchanged_and_usage_is_read() {
-    let mut tap = SseTap::new(Format::Chat, false);
+    let mut tap = SseTap::new(Format::Chat.api(), false);
     let all = format!("{CHUNK}{USAGE}{DONE}");
     // Split inside the usage event to exercise reassembly.
     let (a, b) = all.split_at(CHUNK.len() + 20);
@@ -243,7 +247,7 @@ fn without_stripping_bytes_pass_unchanged_and_usage_is_read() {
 
 #[test]
 fn events_split_across_chunks_and_crlf_are_handled() {
-    let mut tap = SseTap::new(Format::Chat, true);
+    let mut tap = SseTap::new(Format::Chat.api(), true);
     let usage = USAGE.replace("\n\n", "\r\n\r\n");
     let (a, b) = usage.split_at(17);
     let out = run(&mut tap, &[": keep-alive\n\n", a, b, DONE]);
@@ -256,7 +260,7 @@ fn usage_inside_a_content_chunk_is_kept() {
     // Some upstreams put usage on the last content chunk; it is content,
     // so it is never dropped.
     let ev = "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":5}}\n\n";
-    let mut tap = SseTap::new(Format::Chat, true);
+    let mut tap = SseTap::new(Format::Chat.api(), true);
     assert_eq!(run(&mut tap, &[ev]), ev);
     assert_eq!(tap.usage().unwrap().prompt_tokens, 5);
 }
@@ -264,7 +268,7 @@ fn usage_inside_a_content_chunk_is_kept() {
 #[test]
 fn a_long_stream_is_scanned_once_and_an_over_long_event_ends_the_tap() {
     // One byte at a time: each push scans only the new byte.
-    let mut tap = SseTap::new(Format::Chat, true);
+    let mut tap = SseTap::new(Format::Chat.api(), true);
     let all = format!("{CHUNK}{USAGE}{DONE}");
     let parts: Vec<String> = all.chars().map(String::from).collect();
     let refs: Vec<&str> = parts.iter().map(String::as_str).collect();
@@ -276,7 +280,7 @@ fn a_long_stream_is_scanned_once_and_an_over_long_event_ends_the_tap() {
     assert_eq!(tap.usage().unwrap().prompt_tokens, 11);
 
     // An event without end: held only up to the limit, then passed on.
-    let mut tap = SseTap::new(Format::Chat, true);
+    let mut tap = SseTap::new(Format::Chat.api(), true);
     let mut sent = 0;
     let line = Bytes::from(vec![b'x'; 1 << 20]);
     tap.push(Bytes::from_static(b"data: "));
@@ -298,7 +302,7 @@ fn fields_beside_usage_move_onto_the_finishing_chunk() {
     // without it, on the chunk with the finish_reason.
     let fin = "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],\"id\":\"c\",\"usage\":null}\n\n";
     let usage = "data: {\"choices\":[],\"id\":\"c\",\"usage\":{\"prompt_tokens\":9},\"timings\":{\"prompt_ms\":1.5}}\n\n";
-    let mut tap = SseTap::new(Format::Chat, true);
+    let mut tap = SseTap::new(Format::Chat.api(), true);
     let out = run(&mut tap, &[CHUNK, fin, usage, DONE]);
     assert_eq!(
         out,
@@ -310,17 +314,17 @@ fn fields_beside_usage_move_onto_the_finishing_chunk() {
     assert_eq!(tap.usage().unwrap().prompt_tokens, 9);
     // OpenAI: nothing beside usage that the last chunk lacks; bytes as
     // before.
-    let mut tap = SseTap::new(Format::Chat, true);
+    let mut tap = SseTap::new(Format::Chat.api(), true);
     let out = run(&mut tap, &[fin, USAGE, DONE]);
     assert_eq!(out, format!("{}{DONE}", fin.replace(",\"usage\":null", "")));
     // A stream that ends after the finishing chunk still sends it.
-    let mut tap = SseTap::new(Format::Chat, true);
+    let mut tap = SseTap::new(Format::Chat.api(), true);
     assert_eq!(run(&mut tap, &[fin]), fin.replace(",\"usage\":null", ""));
 }
 
 #[test]
 fn json_tap_reads_usage() {
-    let mut t = JsonTap::new(Format::Chat, None);
+    let mut t = JsonTap::new(Format::Chat.api(), None);
     t.push(&Bytes::from_static(br#"{"id":"x","choices":[],"#));
     t.push(&Bytes::from_static(
         br#""usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#,
@@ -328,11 +332,11 @@ fn json_tap_reads_usage() {
     assert_eq!(t.usage(), None, "usage is read when the body is complete");
     t.finish();
     assert_eq!(t.usage().unwrap().completion_tokens, 4);
-    assert_eq!(JsonTap::new(Format::Chat, None).usage(), None);
+    assert_eq!(JsonTap::new(Format::Chat.api(), None).usage(), None);
     // With a known length the tap tells when the last byte passed, in
     // one chunk or several; a body in one chunk is kept, not copied.
     let body = Bytes::from_static(br#"{"usage":{"prompt_tokens":9}}"#);
-    let mut t = JsonTap::new(Format::Chat, Some(body.len() as u64));
+    let mut t = JsonTap::new(Format::Chat.api(), Some(body.len() as u64));
     t.push(&body);
     assert!(t.complete());
     assert!(
@@ -342,7 +346,7 @@ fn json_tap_reads_usage() {
     );
     t.finish();
     assert_eq!(t.usage().unwrap().prompt_tokens, 9);
-    let mut t = JsonTap::new(Format::Chat, Some(body.len() as u64));
+    let mut t = JsonTap::new(Format::Chat.api(), Some(body.len() as u64));
     t.push(&body.slice(..5));
     assert!(!t.complete());
     t.push(&body.slice(5..));
@@ -350,7 +354,7 @@ fn json_tap_reads_usage() {
     t.finish();
     assert_eq!(t.usage().unwrap().prompt_tokens, 9);
     // Past the limit nothing is kept, and the usage stays unknown.
-    let mut t = JsonTap::new(Format::Chat, None);
+    let mut t = JsonTap::new(Format::Chat.api(), None);
     t.push(&Bytes::from(vec![b' '; JsonTap::MAX_BYTES]));
     t.push(&body);
     t.finish();
@@ -361,7 +365,7 @@ fn json_tap_reads_usage() {
 /// whether it counts as invalid.
 fn tapped(format: Format, body: &str) -> (Option<Usage>, bool) {
     let body = Bytes::copy_from_slice(body.as_bytes());
-    let mut t = JsonTap::new(format, Some(body.len() as u64));
+    let mut t = JsonTap::new(format.api(), Some(body.len() as u64));
     t.push(&body);
     t.finish();
     (t.usage(), t.invalid())
@@ -409,7 +413,7 @@ fn a_body_that_is_not_a_json_object_is_invalid() {
     }
     // A multi-byte character cut in two.
     let body = Bytes::from_static(b"{\"content\":\"\xc3\",\"usage\":{\"prompt_tokens\":3}}");
-    let mut t = JsonTap::new(Format::Chat, Some(body.len() as u64));
+    let mut t = JsonTap::new(Format::Chat.api(), Some(body.len() as u64));
     t.push(&body);
     t.finish();
     assert_eq!((t.usage(), t.invalid()), (None, true));

@@ -112,7 +112,7 @@ impl MessagesRequest {
             (Side::User, Content::Text(_)) => {
                 let &j = js.first().ok_or(WriteError::Mismatch)?;
                 let text = new_view(j)
-                    .map(|v| crate::wire::text_of(&v))
+                    .map(|v| crate::wire::view::text_of(&v))
                     .unwrap_or_default();
                 Ok(vec![Block::new(json!({"type": "text", "text": text}))])
             }
@@ -131,7 +131,7 @@ impl MessagesRequest {
                         out.push(block.clone());
                         continue;
                     };
-                    let text = crate::wire::text_of(&v);
+                    let text = crate::wire::view::text_of(&v);
                     if block.kind() == "tool_result" {
                         out.push(block.with("content", json!(text)));
                     } else if block.kind() == "text" {
@@ -254,7 +254,7 @@ impl MessagesRequest {
                     let mut f = fields.clone();
                     f.set(
                         "content",
-                        crate::wire::raw_list(blocks.iter().map(|b| &b.raw)),
+                        crate::wire::view::raw_list(blocks.iter().map(|b| &b.raw)),
                     );
                     list.extend_from_slice(&f.to_vec());
                 }
@@ -334,70 +334,12 @@ impl Out {
     }
 }
 
-/// Checks the API's structural rules on a conversation: it starts with a
-/// user message, roles alternate, and tool uses and results pair up between
-/// neighbours.
-pub(super) fn check(turns: &[(Side, Vec<&Block>)]) -> Result<(), WriteError> {
-    let turns: Vec<&(Side, Vec<&Block>)> = turns.iter().filter(|t| t.0 != Side::System).collect();
-    if turns.first().is_some_and(|(s, _)| *s != Side::User) {
-        return Err(WriteError::Invalid(
-            "the first message is not a user message",
-        ));
-    }
-    for w in turns.windows(2) {
-        if w[0].0 == w[1].0 {
-            return Err(WriteError::Invalid(
-                "two messages of the same role in a row",
-            ));
-        }
-    }
-    let ids = |blocks: &[&Block], kind: &str, key: &str| -> Vec<String> {
-        blocks
-            .iter()
-            .filter(|b| b.kind() == kind)
-            .filter_map(|b| b.str(key))
-            .collect()
-    };
-    // Sets of ids: a turn of many calls is checked in linear time.
-    let set = |blocks: &[&Block], kind: &str, key: &str| -> HashSet<String> {
-        ids(blocks, kind, key).into_iter().collect()
-    };
-    for (i, (side, blocks)) in turns.iter().map(|t| (&t.0, &t.1)).enumerate() {
-        match side {
-            Side::Assistant => {
-                if let Some((_, next)) = turns.get(i + 1) {
-                    let answered = set(next, "tool_result", "tool_use_id");
-                    let uses = ids(blocks, "tool_use", "id");
-                    if uses.iter().any(|u| !answered.contains(u)) {
-                        return Err(WriteError::Invalid("a tool_use is not answered"));
-                    }
-                }
-            }
-            Side::User => {
-                let results = ids(blocks, "tool_result", "tool_use_id");
-                if results.is_empty() {
-                    continue;
-                }
-                let asked = match i.checked_sub(1).map(|p| turns[p]) {
-                    Some((Side::Assistant, prev)) => set(prev, "tool_use", "id"),
-                    _ => HashSet::new(),
-                };
-                if results.iter().any(|r| !asked.contains(r)) {
-                    return Err(WriteError::Invalid("a tool_result answers no tool_use"));
-                }
-            }
-            Side::System => {}
-        }
-    }
-    Ok(())
-}
-
 /// An assistant message's blocks after a stage rewrote its view `v`: text
 /// blocks replaced by the new text when it changed (a breakpoint moves with
 /// it), each `tool_use` whose arguments changed given them as its input;
 /// thinking and other blocks untouched.
 fn assistant_rebuilt(content: &Content, v: &Message) -> Vec<Block> {
-    let new_text = crate::wire::text_of(v.content().unwrap_or(&Value::Null));
+    let new_text = crate::wire::view::text_of(v.content().unwrap_or(&Value::Null));
     let blocks = match content {
         Content::Text(_) => {
             return vec![Block::new(json!({"type": "text", "text": new_text}))];
@@ -451,6 +393,6 @@ fn assistant_rebuilt(content: &Content, v: &Message) -> Vec<Block> {
 /// The text of a digest or checkpoint message (a chat message).
 fn view_text(raw: &Bytes) -> String {
     serde_json::from_slice::<Value>(raw)
-        .map(|v| crate::wire::text_of(&v))
+        .map(|v| crate::wire::view::text_of(&v))
         .unwrap_or_default()
 }
