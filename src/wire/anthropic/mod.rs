@@ -44,6 +44,7 @@ impl Errors for Messages {
     fn error_body(&self, f: &Failure) -> String {
         error_value(f).to_string()
     }
+
     /// Anthropic's SDKs raise an `error` event as an API error.
     fn stream_error(&self, f: &Failure) -> String {
         format!("event: error\ndata: {}\n\n", error_value(f))
@@ -54,6 +55,7 @@ impl TapRead for Messages {
     fn usage(&self, raw: &[u8]) -> Option<Usage> {
         usage(raw)
     }
+
     fn tap_event(&self, tap: &mut SseTap, event: &[u8], out: &mut BytesMut) {
         stream::tap_event(tap, event, out);
     }
@@ -63,12 +65,14 @@ impl OwnTools for Messages {
     fn tool(&self, name: &str, description: &str, schema: Value) -> Value {
         json!({"name": name, "description": description, "input_schema": schema})
     }
+
     fn calls(&self, answer: &Value) -> Vec<(Call, bool)> {
         blocks(answer)
             .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
             .map(|b| Call::read(b.get("id"), b.get("name"), b.get("input")))
             .collect()
     }
+
     fn follow_up(
         &self,
         answer: &Value,
@@ -94,6 +98,7 @@ impl OwnTools for Messages {
         ];
         append(sent, "messages", &turn)
     }
+
     fn strip_own_calls(&self, answer: &mut Value) {
         if let Some(content) = answer.get_mut("content").and_then(Value::as_array_mut) {
             content.retain(|b| !names_own(b, "/name"));
@@ -111,6 +116,7 @@ impl StreamEdit for Messages {
     fn gather(&self, g: &mut Gather, data: &Value) -> Decision {
         stream::gather(g, data)
     }
+
     fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit {
         stream::filter(f, data)
     }
@@ -131,6 +137,7 @@ impl Summarize for Messages {
         });
         ("/messages", body)
     }
+
     /// The text blocks joined; `max_tokens` as the stop reason is chat's
     /// `length`.
     fn summary_answer(&self, v: &Value) -> Result<Summarized, String> {
@@ -172,9 +179,11 @@ impl Api for Messages {
             writer: Box::new(Written { req, origins }),
         })
     }
+
     fn provider(&self) -> Provider {
         Provider::Anthropic
     }
+
     fn parses_into_a_view(&self) -> bool {
         true
     }

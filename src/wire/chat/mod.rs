@@ -34,6 +34,7 @@ impl Errors for Chat {
     fn error_body(&self, f: &Failure) -> String {
         error_body(f.message, f.kind, f.code)
     }
+
     fn stream_error(&self, f: &Failure) -> String {
         format!("data: {}\n\n", error_body(f.message, f.kind, f.code))
     }
@@ -43,6 +44,7 @@ impl TapRead for Chat {
     fn usage(&self, raw: &[u8]) -> Option<Usage> {
         usage(raw)
     }
+
     fn tap_event(&self, tap: &mut SseTap, event: &[u8], out: &mut BytesMut) {
         stream::tap_event(tap, event, out);
     }
@@ -53,6 +55,7 @@ impl OwnTools for Chat {
         json!({"type": "function", "function": {
             "name": name, "description": description, "parameters": schema}})
     }
+
     fn calls(&self, answer: &Value) -> Vec<(Call, bool)> {
         let calls = answer.pointer("/choices/0/message/tool_calls");
         calls
@@ -68,6 +71,7 @@ impl OwnTools for Chat {
             })
             .collect()
     }
+
     fn follow_up(
         &self,
         answer: &Value,
@@ -100,6 +104,7 @@ impl OwnTools for Chat {
         }
         append(sent, "messages", &turn)
     }
+
     fn strip_own_calls(&self, answer: &mut Value) {
         let choices = answer.get_mut("choices").and_then(Value::as_array_mut);
         for choice in choices.into_iter().flatten() {
@@ -129,12 +134,14 @@ impl StreamEdit for Chat {
     fn gather(&self, g: &mut Gather, data: &Value) -> Decision {
         stream::gather(g, data)
     }
+
     fn gathered(&self, g: &mut Gather) {
         if !g.calls.is_empty() {
             g.value["choices"][0]["message"]["tool_calls"] =
                 Value::Array(std::mem::take(&mut g.calls));
         }
     }
+
     fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit {
         stream::filter(f, data)
     }
@@ -156,6 +163,7 @@ impl Summarize for Chat {
         body[max_field] = json!(max_tokens);
         ("/chat/completions", body)
     }
+
     fn summary_answer(&self, v: &Value) -> Result<Summarized, String> {
         let choice = v.pointer("/choices/0").ok_or("no choices")?;
         let content = choice
@@ -184,9 +192,11 @@ impl Api for Chat {
             writer: Box::new(Written),
         })
     }
+
     fn provider(&self) -> Provider {
         Provider::OpenAi
     }
+
     fn parses_into_a_view(&self) -> bool {
         false
     }

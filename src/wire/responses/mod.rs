@@ -36,6 +36,7 @@ impl Errors for Responses {
     fn error_body(&self, f: &Failure) -> String {
         super::chat::error_body(f.message, f.kind, f.code)
     }
+
     /// The Responses stream's own error event, which the SDKs raise.
     fn stream_error(&self, f: &Failure) -> String {
         let error = json!({"type": "error", "code": f.code, "message": f.message, "param": null});
@@ -47,6 +48,7 @@ impl TapRead for Responses {
     fn usage(&self, raw: &[u8]) -> Option<Usage> {
         usage(raw)
     }
+
     fn tap_event(&self, tap: &mut SseTap, event: &[u8], out: &mut BytesMut) {
         stream::tap_event(tap, event, out);
     }
@@ -57,6 +59,7 @@ impl OwnTools for Responses {
         json!({"type": "function", "name": name,
             "description": description, "parameters": schema, "strict": true})
     }
+
     fn calls(&self, answer: &Value) -> Vec<(Call, bool)> {
         let items = answer.get("output").and_then(Value::as_array);
         let mut out = Vec::new();
@@ -80,6 +83,7 @@ impl OwnTools for Responses {
         }
         out
     }
+
     fn follow_up(
         &self,
         answer: &Value,
@@ -117,6 +121,7 @@ impl OwnTools for Responses {
         }
         append(sent, "input", &turn)
     }
+
     fn strip_own_calls(&self, answer: &mut Value) {
         if let Some(output) = answer.get_mut("output").and_then(Value::as_array_mut) {
             output.retain(|i| !names_own(i, "/name"));
@@ -128,6 +133,7 @@ impl StreamEdit for Responses {
     fn gather(&self, g: &mut Gather, data: &Value) -> Decision {
         stream::gather(g, data)
     }
+
     fn filter(&self, f: &mut Filter, data: &mut Value) -> Edit {
         stream::filter(f, data)
     }
@@ -149,6 +155,7 @@ impl Summarize for Responses {
         });
         ("/responses", body)
     }
+
     /// The output text of its messages joined; an answer left incomplete
     /// at `max_output_tokens` is chat's `length`.
     fn summary_answer(&self, v: &Value) -> Result<Summarized, String> {
@@ -192,9 +199,11 @@ impl Api for Responses {
             writer: Box::new(Written { req, origins }),
         })
     }
+
     fn provider(&self) -> Provider {
         Provider::OpenAi
     }
+
     fn parses_into_a_view(&self) -> bool {
         true
     }
