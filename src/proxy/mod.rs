@@ -46,7 +46,7 @@ use listing::ListingFetcher;
 use read::BodyBudget;
 
 /// The route label, for metrics and logs, of requests condense relays
-/// without reading (a conversation's is its API's, `Format::route`).
+/// without reading (a conversation's is its API's route label).
 pub const ROUTE_PASSTHROUGH: &str = "passthrough";
 
 /// Response headers that tell the client what condense did.
