@@ -278,8 +278,11 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
 
     /// With checkpoints instead of digests: the span is whole units after
-    /// the system messages, answered calls only; the checkpointed request
-    /// keeps every protected message and every pairing, and is never larger.
+    /// the pinned head (the system messages, then the instructions, the
+    /// environment and the task before the first model turn), answered
+    /// calls only; the checkpointed request keeps the head verbatim and in
+    /// place, every protected message and every pairing, and is never
+    /// larger.
     #[test]
     fn checkpoint_spans_keep_the_invariants(turns in prop::collection::vec(turn_strategy(), 1..14), end_with_user: bool, budget in 300.0f64..12000.0) {
         let svc = service();
@@ -295,7 +298,8 @@ proptest! {
         };
         prop_assert!(out.messages.is_none());
         let a = compaction::conversation::Analysis::of(&input);
-        prop_assert_eq!(span.start, a.base);
+        prop_assert_eq!(span.start, a.head);
+        prop_assert!((a.base..a.head).all(|i| a.pinned[i]));
         prop_assert!(span.end > span.start && span.end <= input.len());
         prop_assert!(span.previous_ends.iter().all(|&p| p < span.end));
         for unit in &a.units {
@@ -321,6 +325,11 @@ proptest! {
         prop_assert!(done.tokens_after <= done.tokens_before);
         prop_assert!(well_paired(&result));
         let emergency = done.stages.iter().any(|s| s.stage == "emergency");
+        if !emergency {
+            let raws = |ms: &[Message]| ms.iter().map(|m| m.raw().to_vec()).collect::<Vec<_>>();
+            prop_assert_eq!(raws(&result[..a.head]), raws(&input[..a.head]), "the head moved or changed");
+            prop_assert!(is_checkpoint(&result[a.head]), "the checkpoint is not right after the head");
+        }
         for i in 0..input.len() {
             let system = matches!(a.roles[i], compaction::conversation::Role::System);
             let last_user = a.last_user == Some(i);
@@ -1044,4 +1053,51 @@ fn on_a_tiny_budget_only_the_system_prompt_the_task_and_the_turn_in_progress_are
         "old turns were dropped: {}",
         result.len()
     );
+}
+
+/// When nothing but the last resort fits, older turns go whole, but the
+/// head stays: the environment and the task (shortened at worst), so a
+/// Messages body still starts with the client's first user message.
+#[test]
+fn the_last_resort_keeps_the_environment_and_the_task() {
+    let svc = service();
+    let calls: Vec<Value> = (0..200)
+        .map(|i| json!({"id": format!("c{i}"), "type": "function", "function": {"name": "run", "arguments": json!({"cmd": format!("stat src/file_{i}.rs")}).to_string()}}))
+        .collect();
+    let mut messages = vec![
+        msg(json!({"role": "system", "content": "You are an agent."})),
+        msg(
+            json!({"role": "user", "content": "<environment_context><cwd>/repo</cwd></environment_context>"}),
+        ),
+        msg(json!({"role": "user", "content": "Stat every file, one call each."})),
+        msg(json!({"role": "assistant", "content": null, "tool_calls": calls})),
+    ];
+    for i in 0..200 {
+        messages.push(msg(json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": format!("src/file_{i}.rs: {} bytes, modified today", 1000 + i)})));
+    }
+    messages.push(msg(
+        json!({"role": "assistant", "content": "All files are there."}),
+    ));
+    messages.push(msg(
+        json!({"role": "user", "content": "Which is the largest?"}),
+    ));
+    let out = run(&svc, &messages, 400.0);
+    assert!(
+        out.stages.iter().any(|s| s.stage == "emergency"),
+        "{:?}",
+        out.stages
+    );
+    let result = out.messages.unwrap();
+    let texts: Vec<String> = result
+        .iter()
+        .map(|m| json_of(m)["content"].to_string())
+        .collect();
+    assert_eq!(json_of(&result[0])["role"], "system");
+    assert!(texts[1].contains("environment_context"), "{texts:?}");
+    assert!(texts[2].contains("Stat every file"), "{texts:?}");
+    assert_eq!(
+        result.last().map(|m| m.raw().to_vec()),
+        messages.last().map(|m| m.raw().to_vec())
+    );
+    assert!(well_paired(&result));
 }

@@ -486,3 +486,130 @@ async fn concurrent_requests_on_two_replicas_share_one_call_through_redis() {
     assert_eq!(sent[0].body, sent[1].body);
     b.shutdown().await.unwrap();
 }
+
+/// Codex puts its AGENTS.md instructions and its `<environment_context>`
+/// before the task, as user messages; a later user message follows. A
+/// checkpoint goes after all of them: they stay verbatim and in place.
+#[tokio::test]
+async fn the_agents_instructions_environment_and_task_stay_before_the_checkpoint() {
+    let h = Harness::with(by_messages(20.0)).await;
+    let mut body = session(14, 120);
+    let msgs = body["messages"].as_array_mut().unwrap();
+    msgs.insert(
+        1,
+        serde_json::json!({"role": "user", "content": "# AGENTS.md instructions for /repo\n\nRun the tests before you finish."}),
+    );
+    msgs.insert(
+        2,
+        serde_json::json!({"role": "user", "content": "<environment_context>\n  <cwd>/repo</cwd>\n  <shell>bash</shell>\n</environment_context>"}),
+    );
+    msgs.push(serde_json::json!({"role": "user", "content": "Also update the changelog."}));
+    let resp = send(&h, &body).await;
+    assert_eq!(resp.status(), 200);
+    assert!(actions(&resp).contains("summarize"), "{}", actions(&resp));
+    let _ = resp.text().await.unwrap();
+
+    let sent = h.mock.chat_requests().pop().unwrap().json();
+    let sent = sent["messages"].as_array().unwrap();
+    let original = body["messages"].as_array().unwrap();
+    // System, instructions, environment, task: verbatim, in place.
+    assert_eq!(sent[..4], original[..4]);
+    assert!(is_checkpoint(&sent[4]), "{}", sent[4]);
+    assert_eq!(sent.last(), original.last());
+    assert_valid(sent);
+    // What the summarizer read starts after them.
+    let ask = h.mock.summary_calls()[0].json()["messages"][0]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(!ask.contains("environment_context"), "{ask}");
+    assert!(!ask.contains("AGENTS.md"), "{ask}");
+}
+
+/// Claude Code sends its environment as `<system-reminder>` blocks in the
+/// first user message, before the task. A Messages request that needs a
+/// checkpoint keeps that message byte for byte, first; the checkpoint
+/// replaces turns after it.
+#[tokio::test]
+async fn claude_codes_system_reminders_stay_first_and_whole_before_the_checkpoint() {
+    let h = Harness::with(by_messages(20.0)).await;
+    let head = serde_json::json!([
+        {"type": "text", "text": "<system-reminder>\nAs you answer the user's questions, you can use the following context:\n# claudeMd\nRun `pytest -q` before you finish.\n</system-reminder>"},
+        {"type": "text", "text": "<system-reminder>\nWorking directory: /repo\nPlatform: linux\n</system-reminder>"},
+        {"type": "text", "text": "Fix the failing test in parser.py"}
+    ]);
+    let mut messages = vec![serde_json::json!({"role": "user", "content": head})];
+    for t in 0..14 {
+        let thought: String = (0..120).map(|w| format!("idea{t}x{w} ")).collect();
+        messages.push(serde_json::json!({"role": "assistant", "content": [
+            {"type": "text", "text": format!("Step {t}. {thought}")},
+            {"type": "tool_use", "id": format!("toolu_{t:02}"), "name": "Read", "input": {"file_path": format!("/repo/src/f{t}.py")}}
+        ]}));
+        let lines: String = (0..30)
+            .map(|l| format!("{l:>4} value_{t}_{l} = parse(data[{l}:])\n"))
+            .collect();
+        messages.push(serde_json::json!({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": format!("toolu_{t:02}"), "content": lines}
+        ]}));
+    }
+    let body = serde_json::json!({"model": "agent-small", "max_tokens": 256,
+        "system": "You are Claude Code.", "messages": messages});
+    let resp = h
+        .client
+        .post(h.url("/v1/messages"))
+        .header("x-api-key", "sk-ant-client")
+        .header("anthropic-version", "2023-06-01")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(actions(&resp).contains("summarize"), "{}", actions(&resp));
+    let _ = resp.text().await.unwrap();
+
+    let sent = h
+        .mock
+        .requests()
+        .into_iter()
+        .rfind(|r| r.path.ends_with("/messages"))
+        .unwrap();
+    let text = String::from_utf8(sent.body.to_vec()).unwrap();
+    // The blocks as the client wrote them, byte for byte.
+    let first_blocks = head.to_string();
+    assert!(
+        text.contains(&first_blocks[1..first_blocks.len() - 1]),
+        "{text}"
+    );
+    let sent = sent.json();
+    let sent = sent["messages"].as_array().unwrap();
+    // The first message is the client's, whole: the checkpoint does not
+    // join it (its bytes, and the provider's cache of them, stay).
+    assert_eq!(sent[0], body["messages"][0]);
+    // The checkpoint follows the first kept turn, in the user message that
+    // answers it, behind its tool results (roles still alternate).
+    let checkpoints: Vec<usize> = (0..sent.len())
+        .filter(|&i| {
+            sent[i]["content"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|b| {
+                    b["text"]
+                        .as_str()
+                        .is_some_and(|t| t.starts_with("[condense: checkpoint"))
+                })
+        })
+        .collect();
+    assert_eq!(checkpoints, [2], "{sent:?}");
+    for (i, m) in sent.iter().enumerate() {
+        let role = if i % 2 == 0 { "user" } else { "assistant" };
+        assert_eq!(m["role"], role, "roles alternate");
+    }
+    // What the summarizer read starts after the head.
+    let ask = h.mock.summary_calls()[0].json()["messages"][0]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(!ask.contains("system-reminder"), "{ask}");
+    assert!(sent.len() < body["messages"].as_array().unwrap().len());
+}

@@ -68,6 +68,9 @@ pub struct Analysis {
     /// User (and system) messages before the first assistant message: the
     /// task and any instructions or context the client put before it.
     pub pinned: Vec<bool>,
+    /// The first message after the pinned head (the system messages, then
+    /// the pinned ones): where a replaced span may start.
+    pub head: usize,
     /// The last user message.
     pub last_user: Option<usize>,
     /// For a tool result, the assistant message that made its call; for an
@@ -110,6 +113,7 @@ impl Analysis {
                     && matches!(roles[i], Role::User | Role::System | Role::Developer)
             })
             .collect();
+        let head = (base..n).find(|&i| !pinned[i]).unwrap_or(n);
         let last_user = roles.iter().rposition(|r| *r == Role::User);
         let assistants: Vec<usize> = (0..n).filter(|&i| roles[i] == Role::Assistant).collect();
 
@@ -185,6 +189,7 @@ impl Analysis {
             roles,
             base,
             pinned,
+            head,
             last_user,
             owner,
             units,

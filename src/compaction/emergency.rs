@@ -8,8 +8,10 @@
 //! When even the smallest share leaves the request over its budget (a long
 //! conversation on a small window: every kept message still costs its
 //! framing), the last resort keeps only what a request cannot do without:
-//! the system and developer messages, the last user message and the turn in
-//! progress (its unconsumed results with their call). Older turns are
+//! the head (the system and developer messages, and the instructions,
+//! environment and task before the first model turn; shortened like the
+//! rest, never dropped), the last user message and the turn in progress
+//! (its unconsumed results with their call). Older turns are
 //! dropped whole, oldest first, then the digest of earlier drops, and the
 //! shares are tried again on what is left, which now has room. A client
 //! gets an overflow error only when those alone do not fit.
@@ -110,9 +112,11 @@ fn last_resort(w: &mut Work, a: &Analysis, budget: f64) -> usize {
         if (w.total() as f64) <= budget {
             return dropped;
         }
-        // The system and developer messages, the last user message and
-        // the turn in progress stay.
-        if unit.iter().any(|&i| w.dropped[i] || a.protected(i)) {
+        // The head, the last user message and the turn in progress stay.
+        if unit
+            .iter()
+            .any(|&i| w.dropped[i] || a.protected(i) || a.pinned[i])
+        {
             continue;
         }
         for &i in unit {

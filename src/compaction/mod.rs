@@ -456,13 +456,13 @@ pub fn compact_until(
                 message: Some(m), ..
             } => (m.clone(), "summarize"),
             Replacement::Checkpoint { message: None, .. } => {
-                let end = plan.span_ends.last().copied().unwrap_or(a.base);
+                let end = plan.span_ends.last().copied().unwrap_or(a.head);
                 return Outcome {
                     span: Some(Span {
-                        start: a.base,
+                        start: a.head,
                         end,
                         previous_ends: plan.span_ends.iter().rev().skip(1).copied().collect(),
-                        kept: a.last_user.filter(|&u| u >= a.base && u < end),
+                        kept: a.last_user.filter(|&u| u >= a.head && u < end),
                     }),
                     ..unchanged(false)
                 };

@@ -185,7 +185,9 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
     let mut ahead_from = a.base;
     let mut dropped_cost = 0u64;
     let mut dropped_count = 0usize;
-    let mut span_end = a.base;
+    // A replaced span starts after the pinned head: the client's
+    // instructions, environment and task stay verbatim and in place.
+    let mut span_end = a.head;
     let mut span_ends = Vec::new();
     let mut ends: Vec<usize> = a.assistants.clone();
     ends.push(n);
