@@ -528,32 +528,13 @@ async fn the_agents_instructions_environment_and_task_stay_before_the_checkpoint
 
 /// Claude Code sends its environment as `<system-reminder>` blocks in the
 /// first user message, before the task. A Messages request that needs a
-/// checkpoint keeps that message byte for byte, first; the checkpoint
-/// replaces turns after it.
+/// checkpoint gets one from Anthropic's API, in its format, with its own
+/// key; it keeps that first message byte for byte; the checkpoint replaces
+/// turns after it.
 #[tokio::test]
 async fn claude_codes_system_reminders_stay_first_and_whole_before_the_checkpoint() {
     let h = Harness::with(by_messages(20.0)).await;
-    let head = serde_json::json!([
-        {"type": "text", "text": "<system-reminder>\nAs you answer the user's questions, you can use the following context:\n# claudeMd\nRun `pytest -q` before you finish.\n</system-reminder>"},
-        {"type": "text", "text": "<system-reminder>\nWorking directory: /repo\nPlatform: linux\n</system-reminder>"},
-        {"type": "text", "text": "Fix the failing test in parser.py"}
-    ]);
-    let mut messages = vec![serde_json::json!({"role": "user", "content": head})];
-    for t in 0..14 {
-        let thought: String = (0..120).map(|w| format!("idea{t}x{w} ")).collect();
-        messages.push(serde_json::json!({"role": "assistant", "content": [
-            {"type": "text", "text": format!("Step {t}. {thought}")},
-            {"type": "tool_use", "id": format!("toolu_{t:02}"), "name": "Read", "input": {"file_path": format!("/repo/src/f{t}.py")}}
-        ]}));
-        let lines: String = (0..30)
-            .map(|l| format!("{l:>4} value_{t}_{l} = parse(data[{l}:])\n"))
-            .collect();
-        messages.push(serde_json::json!({"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": format!("toolu_{t:02}"), "content": lines}
-        ]}));
-    }
-    let body = serde_json::json!({"model": "agent-small", "max_tokens": 256,
-        "system": "You are Claude Code.", "messages": messages});
+    let (head, body) = claude_code_session();
     let resp = h
         .client
         .post(h.url("/v1/messages"))
@@ -605,11 +586,83 @@ async fn claude_codes_system_reminders_stay_first_and_whole_before_the_checkpoin
         let role = if i % 2 == 0 { "user" } else { "assistant" };
         assert_eq!(m["role"], role, "roles alternate");
     }
+    // The checkpoint was written by Anthropic's API, in its format, with
+    // the key the client's request carries (its upstream's own API).
+    let calls = h.mock.summary_calls();
+    assert!(!calls.is_empty());
+    for call in &calls {
+        assert_eq!(call.path, "/v1/messages");
+        assert_eq!(call.headers["x-api-key"], "sk-ant-client");
+        assert_eq!(call.headers["anthropic-version"], "2023-06-01");
+        assert!(call.headers.get("authorization").is_none());
+        let v = call.json();
+        assert_eq!(v["max_tokens"], 903, "{v}");
+        assert!(v.get("stream").is_none() && v.get("max_completion_tokens").is_none());
+    }
     // What the summarizer read starts after the head.
-    let ask = h.mock.summary_calls()[0].json()["messages"][0]["content"]
+    let ask = calls[0].json()["messages"][0]["content"]
         .as_str()
         .unwrap()
         .to_string();
     assert!(!ask.contains("system-reminder"), "{ask}");
     assert!(sent.len() < body["messages"].as_array().unwrap().len());
+}
+
+/// A Claude Code-like Messages session: the environment as
+/// `<system-reminder>` blocks before the task in the first user message
+/// (returned too), then 14 rounds of text and a tool call.
+fn claude_code_session() -> (Value, Value) {
+    let head = serde_json::json!([
+        {"type": "text", "text": "<system-reminder>\nAs you answer the user's questions, you can use the following context:\n# claudeMd\nRun `pytest -q` before you finish.\n</system-reminder>"},
+        {"type": "text", "text": "<system-reminder>\nWorking directory: /repo\nPlatform: linux\n</system-reminder>"},
+        {"type": "text", "text": "Fix the failing test in parser.py"}
+    ]);
+    let mut messages = vec![serde_json::json!({"role": "user", "content": head})];
+    for t in 0..14 {
+        let thought: String = (0..120).map(|w| format!("idea{t}x{w} ")).collect();
+        messages.push(serde_json::json!({"role": "assistant", "content": [
+            {"type": "text", "text": format!("Step {t}. {thought}")},
+            {"type": "tool_use", "id": format!("toolu_{t:02}"), "name": "Read", "input": {"file_path": format!("/repo/src/f{t}.py")}}
+        ]}));
+        let lines: String = (0..30)
+            .map(|l| format!("{l:>4} value_{t}_{l} = parse(data[{l}:])\n"))
+            .collect();
+        messages.push(serde_json::json!({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": format!("toolu_{t:02}"), "content": lines}
+        ]}));
+    }
+    let body = serde_json::json!({"model": "agent-small", "max_tokens": 256,
+        "system": "You are Claude Code.", "messages": messages});
+    (head, body)
+}
+
+/// With a summarizer of its own configured (`summary.base_url`), a
+/// Messages request's checkpoint comes from it, in chat completions, and
+/// the client's Anthropic key never goes there.
+#[tokio::test]
+async fn a_configured_summarizer_writes_messages_checkpoints_without_the_clients_key() {
+    let h = Harness::with(|c| {
+        by_messages(20.0)(c);
+        c.summary.base_url = Some(c.upstream.base_url.clone());
+    })
+    .await;
+    let (_, body) = claude_code_session();
+    let resp = h
+        .client
+        .post(h.url("/v1/messages"))
+        .header("x-api-key", "sk-ant-client")
+        .header("anthropic-version", "2023-06-01")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(actions(&resp).contains("summarize"), "{}", actions(&resp));
+    let calls = h.mock.summary_calls();
+    assert!(!calls.is_empty());
+    for call in &calls {
+        assert_eq!(call.path, "/v1/chat/completions");
+        assert!(call.headers.get("x-api-key").is_none());
+        assert!(call.headers.get("authorization").is_none());
+    }
 }

@@ -74,7 +74,11 @@ pub struct Proxy {
     jobs: jobs::Jobs,
     compaction: CompactionConfig,
     /// None when `summary.enabled` is false.
+    /// The summarizer of chat completions and Responses requests (and of
+    /// every request, when `summary.base_url` or `summary.api_key` is set).
     summarizer: Option<Summarizer>,
+    /// Messages requests' summarizer: Anthropic's API, in its format.
+    anthropic_summarizer: Option<Summarizer>,
     pub state: Arc<StateStore>,
     /// Recall originals and agent points, apart from `state` so that they
     /// never crowd checkpoints out of the in-process store's bytes (the
@@ -151,6 +155,7 @@ impl Proxy {
         let recall_state = Arc::new(StateStore::new(&config.state, Some(metrics.clone()))?);
         let summarizer = if config.summary.enabled {
             Some(Summarizer::new(
+                &crate::wire::chat::Chat,
                 &config.summary,
                 upstream.base_url(),
                 upstream.trust(),
@@ -167,10 +172,27 @@ impl Proxy {
                 config.upstream.anthropic_api_key.as_ref(),
             ),
         };
+        // Messages requests get checkpoints from Anthropic's API in its own
+        // format, with the key their request carries, unless a summarizer
+        // of its own is configured (`summary.base_url`/`summary.api_key`).
+        let own_summarizer = config.summary.base_url.is_some() || config.summary.api_key.is_some();
+        let anthropic_summarizer = if config.summary.enabled && !own_summarizer {
+            Some(Summarizer::new(
+                &crate::wire::anthropic::Messages,
+                &config.summary,
+                anthropic.upstream.base_url(),
+                anthropic.upstream.trust(),
+                state.clone(),
+                Some(metrics.clone()),
+            )?)
+        } else {
+            None
+        };
         Ok(Proxy {
             upstream,
             anthropic,
             summarizer,
+            anthropic_summarizer,
             state,
             recall_state,
             window_checks: Bounded::hashed(4096, 4096, one),
@@ -195,6 +217,16 @@ impl Proxy {
             ),
             streams_end: tokio::sync::watch::Sender::new(false),
         })
+    }
+
+    /// The summarizer for requests of `api`, and whether the client's
+    /// credentials may go to it (it is their upstream's own API).
+    fn summarizer_for(&self, api: &dyn Api) -> Option<(&Summarizer, bool)> {
+        match (api.provider(), &self.anthropic_summarizer) {
+            (Provider::Anthropic, Some(s)) => Some((s, true)),
+            (Provider::Anthropic, None) => self.summarizer.as_ref().map(|s| (s, false)),
+            (Provider::OpenAi, _) => self.summarizer.as_ref().map(|s| (s, true)),
+        }
     }
 
     /// The upstream and credentials for requests of `api`.

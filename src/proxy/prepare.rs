@@ -18,7 +18,6 @@ use super::recall::Offer;
 use crate::compaction::Replacement;
 use crate::pipeline;
 use crate::recall::{self, store::AgentPoint, store::Originals};
-use crate::summary::Summarizer;
 use crate::tokens::ModelInfo;
 use crate::wire::{Format, NotUnderstood, Parsed, Provider, Writer};
 
@@ -203,9 +202,8 @@ impl Proxy {
     ) -> Result<Measured, Box<Prepared>> {
         let Own { tools, due } = own;
         let replacement = self
-            .summarizer
-            .as_ref()
-            .map_or(Replacement::Digest, Summarizer::replacement);
+            .summarizer_for(format.api())
+            .map_or(Replacement::Digest, |(s, _)| s.replacement());
         let (upstream, _) = self.endpoint(format.api());
         let subject = pipeline::Subject {
             upstream: upstream.base_url(),
@@ -276,9 +274,10 @@ impl Proxy {
     /// Finishes a request whose plan needs a checkpoint: with one from the
     /// summarizer, or (with `mechanical_fallback`) with the mechanical plan
     /// when none comes. None when it cannot be finished (no checkpoint and
-    /// no fallback, or a panic). The summarizer speaks chat completions:
-    /// the client's own key goes along only for the upstream it was meant
-    /// for (chat and Responses share it), never an Anthropic key.
+    /// no fallback, or a panic). The client's own key goes along only to
+    /// the API it was meant for: chat completions and Responses share the
+    /// OpenAI-side summarizer, Messages requests have Anthropic's (unless a
+    /// summarizer of its own is configured, which never gets their key).
     pub(super) async fn checkpointed(
         &self,
         format: Format,
@@ -287,14 +286,13 @@ impl Proxy {
         headers: &HeaderMap,
         mechanical_fallback: bool,
     ) -> Option<pipeline::Processed> {
-        match (&p.pending, &self.summarizer) {
+        match (&p.pending, self.summarizer_for(format.api())) {
             (None, _) => Some(p),
             (Some(_), None) => Some(pipeline::finish(&self.tokens, p, None)),
-            (Some(_), Some(summarizer)) => {
+            (Some(_), Some((summarizer, own_upstream))) => {
                 let (upstream, _) = self.endpoint(format.api());
-                // Responses shares the chat upstream, so the key fits.
-                let client_headers =
-                    (format.api().provider() == Provider::OpenAi).then_some(headers);
+                // The client's key goes only to its upstream's own API.
+                let client_headers = own_upstream.then_some(headers);
                 let work = pipeline::summarize(
                     &self.tokens,
                     summarizer,

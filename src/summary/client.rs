@@ -103,6 +103,8 @@ impl Client {
                 }
             }
         }
+        self.api
+            .summary_headers(client_headers.filter(|_| may_use_client), &mut h);
         h
     }
 

@@ -132,9 +132,11 @@ pub struct Summarizer {
 }
 
 impl Summarizer {
-    /// A summarizer for requests that go to `upstream_base`, whose TLS
+    /// A summarizer for requests that go to `upstream_base`, speaking
+    /// `api` there (or chat completions on `summary.base_url`), whose TLS
     /// connections trust `trust`'s roots.
     pub fn new(
+        api: &'static dyn crate::wire::Api,
         config: &SummaryConfig,
         upstream_base: &str,
         trust: &Trust,
@@ -145,10 +147,12 @@ impl Summarizer {
         Ok(Summarizer {
             inner: Arc::new(Inner {
                 config: config.clone(),
-                // It speaks chat completions, on the upstream or its own
-                // `summary.base_url`.
                 client: Client::new(
-                    &crate::wire::chat::Chat,
+                    match config.base_url {
+                        // A summarizer of its own speaks chat completions.
+                        Some(_) => &crate::wire::chat::Chat,
+                        None => api,
+                    },
                     base,
                     config.api_key.as_ref(),
                     trust,

@@ -1,5 +1,6 @@
 //! A summarizer call in an API's own shape, and its answer read back.
 
+use http::HeaderMap;
 use serde_json::Value;
 
 /// A summarizer's answer, in chat's words whatever API gave it.
@@ -27,4 +28,9 @@ pub trait Summarize: Sync {
 
     /// The summarizer's answer, or what is wrong with its shape.
     fn summary_answer(&self, answer: &Value) -> Result<Summarized, String>;
+
+    /// Headers the API wants on a summarizer call besides the credentials
+    /// (`client`: the headers the client's own request goes upstream
+    /// with, when they may be used).
+    fn summary_headers(&self, _client: Option<&HeaderMap>, _out: &mut HeaderMap) {}
 }

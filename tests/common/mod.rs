@@ -19,7 +19,8 @@
 //!   checkpoint with every section, naming the call's number as
 //!   `checkpoint-N`; "error": a 500; "hang": never; "unusable": an answer
 //!   without the sections; "echo_key": a 401 quoting the Authorization it
-//!   got), after `summary_delay_ms`.
+//!   got), after `summary_delay_ms`. A Messages request whose first
+//!   message holds `<conversation>` is one too, answered in Messages' shape.
 //! - `x-mock-window: N` rejects a chat request whose prompt tokens plus
 //!   `max_tokens` exceed N with OpenAI's `context_length_exceeded` error
 //!   (counted in `MockState::overflows`); `x-mock-always-overflow: 1`
@@ -197,7 +198,7 @@ async fn handle(State(state): State<Arc<MockState>>, req: Request) -> Response {
     let provider = state.provider.lock().unwrap().clone();
     if let Some(sim) = provider
         && (parts.uri.path() == "/v1/models"
-            || parts.uri.path() == "/v1/messages"
+            || (parts.uri.path() == "/v1/messages" && !is_summary_call(&body))
             || parts.uri.path() == "/v1/responses"
             || (parts.uri.path() == "/v1/chat/completions" && !is_summary_call(&body)))
     {
@@ -207,11 +208,14 @@ async fn handle(State(state): State<Arc<MockState>>, req: Request) -> Response {
             .into_response();
     }
     if parts.uri.path() == "/v1/messages" && parts.method == "POST" {
+        if is_summary_call(&body) {
+            return summary(state, h, true).await;
+        }
         return messages(state, h, &body);
     }
     if parts.uri.path() == "/v1/chat/completions" && parts.method == "POST" {
         if is_summary_call(&body) {
-            return summary(state, h).await;
+            return summary(state, h, false).await;
         }
         return chat(state, h, &body);
     }
@@ -241,7 +245,9 @@ pub fn is_summary_call(body: &[u8]) -> bool {
         .is_some_and(|c| c.contains("<conversation>"))
 }
 
-async fn summary(state: Arc<MockState>, h: &HeaderMap) -> Response {
+/// A summarizer's answer, in Anthropic's Messages shape with `anthropic`,
+/// else as a chat completion.
+async fn summary(state: Arc<MockState>, h: &HeaderMap, anthropic: bool) -> Response {
     let n = state
         .requests
         .lock()
@@ -271,6 +277,14 @@ async fn summary(state: Arc<MockState>, h: &HeaderMap) -> Response {
             "## Task intent\nFix the failing test.\n## Files and artifacts\nsrc/parser.rs\n## Decisions\nnone\n## Errors and blockers\nerror[E0308]\n## Current state\nreading files\n## Next steps\nfix it\n## Critical identifiers\ncheckpoint-{n}\n"
         ),
     };
+    if anthropic {
+        return json_response(json!({
+            "id": "msg_sum", "type": "message", "role": "assistant", "model": "m",
+            "content": [{"type": "text", "text": content}], "stop_reason": "end_turn",
+            "stop_sequence": null, "usage": {"input_tokens": 1000, "output_tokens": 60},
+        }))
+        .into_response();
+    }
     json_response(json!({
         "id": "chatcmpl-sum", "object": "chat.completion", "created": 1, "model": "m",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],

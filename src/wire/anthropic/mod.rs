@@ -22,6 +22,8 @@ use crate::chat::ChatRequest;
 use crate::compaction::Fates;
 use usage::{AnthropicUsage, usage};
 
+const ANTHROPIC_VERSION: http::HeaderName = http::HeaderName::from_static("anthropic-version");
+
 /// The Messages API.
 #[derive(Debug)]
 pub struct Messages;
@@ -136,6 +138,15 @@ impl Summarize for Messages {
             "messages": [{"role": "user", "content": prompt}],
         });
         ("/messages", body)
+    }
+
+    /// The client's `anthropic-version`, or the one condense speaks.
+    fn summary_headers(&self, client: Option<&http::HeaderMap>, out: &mut http::HeaderMap) {
+        let version = client
+            .and_then(|c| c.get(ANTHROPIC_VERSION))
+            .cloned()
+            .unwrap_or(http::HeaderValue::from_static("2023-06-01"));
+        out.insert(ANTHROPIC_VERSION, version);
     }
 
     /// The text blocks joined; `max_tokens` as the stop reason is chat's
