@@ -321,10 +321,14 @@ proptest! {
             let raw = std::str::from_utf8(m.raw()).unwrap_or("");
             raw.contains("\"[condense: recall key: ") && raw.contains("; checkpoint.] summary\"")
         };
-        prop_assert_eq!(result.iter().filter(|m| is_checkpoint(m)).count(), 1);
+        let emergency = done.stages.iter().any(|s| s.stage == "emergency");
+        // One checkpoint; the emergency stage's last resort may drop it
+        // when even the head, the last user message and the turn in
+        // progress alone do not fit otherwise.
+        let checkpoints = result.iter().filter(|m| is_checkpoint(m)).count();
+        prop_assert!(checkpoints == 1 || (emergency && checkpoints == 0), "{} checkpoints", checkpoints);
         prop_assert!(done.tokens_after <= done.tokens_before);
         prop_assert!(well_paired(&result));
-        let emergency = done.stages.iter().any(|s| s.stage == "emergency");
         if !emergency {
             let raws = |ms: &[Message]| ms.iter().map(|m| m.raw().to_vec()).collect::<Vec<_>>();
             prop_assert_eq!(raws(&result[..a.head]), raws(&input[..a.head]), "the head moved or changed");

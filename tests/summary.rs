@@ -535,18 +535,7 @@ async fn the_agents_instructions_environment_and_task_stay_before_the_checkpoint
 async fn claude_codes_system_reminders_stay_first_and_whole_before_the_checkpoint() {
     let h = Harness::with(by_messages(20.0)).await;
     let (head, body) = claude_code_session();
-    let resp = h
-        .client
-        .post(h.url("/v1/messages"))
-        .header("x-api-key", "sk-ant-client")
-        .header("anthropic-version", "2023-06-01")
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    assert!(actions(&resp).contains("summarize"), "{}", actions(&resp));
-    let _ = resp.text().await.unwrap();
+    send_summarized_messages(&h, &body).await;
 
     let sent = h
         .mock
@@ -647,6 +636,19 @@ async fn a_configured_summarizer_writes_messages_checkpoints_without_the_clients
     })
     .await;
     let (_, body) = claude_code_session();
+    send_summarized_messages(&h, &body).await;
+    let calls = h.mock.summary_calls();
+    assert!(!calls.is_empty());
+    for call in &calls {
+        assert_eq!(call.path, "/v1/chat/completions");
+        assert!(call.headers.get("x-api-key").is_none());
+        assert!(call.headers.get("authorization").is_none());
+    }
+}
+
+/// Sends a Messages request as Claude Code does and checks it was
+/// summarized.
+async fn send_summarized_messages(h: &Harness, body: &Value) {
     let resp = h
         .client
         .post(h.url("/v1/messages"))
@@ -658,11 +660,5 @@ async fn a_configured_summarizer_writes_messages_checkpoints_without_the_clients
         .unwrap();
     assert_eq!(resp.status(), 200);
     assert!(actions(&resp).contains("summarize"), "{}", actions(&resp));
-    let calls = h.mock.summary_calls();
-    assert!(!calls.is_empty());
-    for call in &calls {
-        assert_eq!(call.path, "/v1/chat/completions");
-        assert!(call.headers.get("x-api-key").is_none());
-        assert!(call.headers.get("authorization").is_none());
-    }
+    let _ = resp.text().await.unwrap();
 }

@@ -1,6 +1,6 @@
 //! The summarizer call: one non-streamed answer from the summarizer's API
 //! (chat completions on an OpenAI-compatible API; the request and the
-//! answer are the API's own, `wire::Api::summary_call`), and what may
+//! answer are the API's own, `wire::summarize::Summarize`), and what may
 //! authenticate it.
 
 use std::time::Duration;

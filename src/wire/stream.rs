@@ -4,7 +4,7 @@
 //! response would have been; [`Filter`] edits the events the client gets
 //! (a call of condense's tools after text already went out is taken out,
 //! and the usage of the rounds condense answered is added). What an event
-//! of each API means is the API's (`Api::gather`, `Api::filter`); the
+//! of each API means is the API's (`StreamEdit`); the
 //! state and what all APIs share is here.
 
 use serde_json::{Value, json};

@@ -1,6 +1,6 @@
 //! The usage tap: reads `usage` from responses as they pass, without
 //! holding back what the client is waiting for. What is read from which
-//! event, and what is stripped, is each API's own (`Api::tap_event`); the
+//! event, and what is stripped, is each API's own (`TapRead`); the
 //! framing, the bounds and the held event are here.
 //!
 //! condense always asks streamed chat requests for

@@ -2,7 +2,7 @@
 //! definitions, their calls found in a model's answer (a JSON body, or a
 //! stream's events gathered into one), the follow-up request that carries
 //! their results, and the answer the client sees without them. What is in
-//! each API's shape is the API's (`Api::tool`, `calls`, `follow_up`,
+//! each API's shape is the API's (`OwnTools`: `tool`, `calls`, `follow_up`,
 //! `strip_own_calls`); the rest is here.
 //!
 //! Answers are read as `serde_json::Value`: only requests that were offered

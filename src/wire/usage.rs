@@ -1,6 +1,6 @@
 //! Usage: the token counts an upstream reported for one answer ([`Usage`],
 //! what calibration and the metrics read, from each API's own fields by
-//! `Api::usage`), and the counts of the rounds condense answered itself,
+//! `TapRead::usage`), and the counts of the rounds condense answered itself,
 //! summed field by field ([`Sum`]) to be added to what the client sees.
 
 use serde::Deserialize;
