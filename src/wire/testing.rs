@@ -31,3 +31,34 @@ pub(crate) fn decide(view: ChatRequest, body: &Bytes, model: &str, window: u64) 
     );
     p.outcome.and_then(|o| o.fates).expect("compacted")
 }
+
+/// `v` written as a client that puts `type` first writes it (Anthropic's
+/// and OpenAI's SDKs do): objects' other keys follow in their order.
+pub(crate) fn type_first(v: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match v {
+        Value::Object(o) => {
+            let mut keys: Vec<&String> = o.keys().collect();
+            keys.sort_by_key(|k| k.as_str() != "type");
+            let members: Vec<String> = keys
+                .into_iter()
+                .map(|k| format!("{}:{}", Value::String(k.clone()), type_first(&o[k])))
+                .collect();
+            format!("{{{}}}", members.join(","))
+        }
+        Value::Array(a) => format!(
+            "[{}]",
+            a.iter().map(type_first).collect::<Vec<_>>().join(",")
+        ),
+        other => other.to_string(),
+    }
+}
+
+/// Whether every object with a `type` in the JSON text `raw` writes it
+/// first, as [`type_first`] did.
+pub(crate) fn types_first(raw: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(raw);
+    // Every `"type":` follows an object's opening brace.
+    text.match_indices("\"type\":")
+        .all(|(at, _)| text[..at].ends_with('{'))
+}

@@ -142,13 +142,17 @@ impl Block {
         self.get("cache_control")
     }
 
-    /// The block with `key` set to `value`; its other fields kept.
+    /// The block with `key` set to `value`; its other fields keep their
+    /// bytes and the client's order.
     fn with(&self, key: &str, value: Value) -> Block {
-        let mut v = self.value();
-        if let Some(obj) = v.as_object_mut() {
-            obj.insert(key.to_string(), value);
+        let value = Bytes::from(value.to_string());
+        match crate::compaction::text::with_raw_field(&self.raw, key, value) {
+            Some(raw) => Block {
+                raw,
+                kind: self.kind.clone(),
+            },
+            None => self.clone(),
         }
-        Block::new(v)
     }
 }
 

@@ -126,12 +126,11 @@ impl Item {
 
     /// The item with `key` set to `value`; its other fields kept.
     fn with(&self, key: &str, value: Value) -> Item {
-        let mut v: Value = serde_json::from_slice(&self.raw).unwrap_or_default();
-        if let Some(obj) = v.as_object_mut() {
-            obj.insert(key.to_string(), value);
-        }
+        let value = Bytes::from(value.to_string());
         Item {
-            raw: Bytes::from(v.to_string()),
+            // Its other fields keep their bytes and the client's order.
+            raw: crate::compaction::text::with_raw_field(&self.raw, key, value)
+                .unwrap_or_else(|| self.raw.clone()),
             kind: self.kind.clone(),
             role: self.role.clone(),
         }

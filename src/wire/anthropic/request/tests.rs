@@ -257,3 +257,16 @@ fn bodies_condense_does_not_understand_are_refused() {
             .well_formed()
     );
 }
+
+#[test]
+fn rewritten_blocks_keep_the_clients_key_order() {
+    use crate::wire::testing::{type_first, types_first};
+    let body = Bytes::from(type_first(&session(12)));
+    assert!(types_first(&body));
+    let req = MessagesRequest::parse(&body).unwrap();
+    let (view, origins) = req.view();
+    let fates = crate::wire::testing::decide(view, &body, "claude-sonnet-4-5", 6000);
+    assert!(fates.rewritten.iter().any(Option::is_some));
+    let out = req.write_back(&origins, &fates).unwrap();
+    assert!(types_first(&out), "{}", String::from_utf8_lossy(&out));
+}

@@ -189,3 +189,16 @@ fn what_is_not_a_stateless_item_list_is_told() {
             .unwrap();
     assert!(!orphan.well_formed());
 }
+
+#[test]
+fn rewritten_items_keep_the_clients_key_order() {
+    use crate::wire::testing::{type_first, types_first};
+    let body = Bytes::from(type_first(&session(12)));
+    assert!(types_first(&body));
+    let req = ResponsesRequest::parse(&body).unwrap();
+    let (view, origins) = req.view();
+    let fates = crate::wire::testing::decide(view, &body, "gpt-4o", 6000);
+    assert!(fates.rewritten.iter().any(Option::is_some));
+    let out = req.write_back(&origins, &fates).unwrap();
+    assert!(types_first(&out), "{}", String::from_utf8_lossy(&out));
+}
