@@ -133,7 +133,8 @@ pub struct Summarizer {
 
 impl Summarizer {
     /// A summarizer for requests that go to `upstream_base`, speaking
-    /// `api` there (or chat completions on `summary.base_url`), whose TLS
+    /// `api` at `summary.base_url` or else at `upstream_base` (the proxy
+    /// gives a configured summarizer chat completions), whose TLS
     /// connections trust `trust`'s roots.
     pub fn new(
         api: &'static dyn crate::wire::Api,
@@ -147,16 +148,7 @@ impl Summarizer {
         Ok(Summarizer {
             inner: Arc::new(Inner {
                 config: config.clone(),
-                client: Client::new(
-                    match config.base_url {
-                        // A summarizer of its own speaks chat completions.
-                        Some(_) => &crate::wire::chat::Chat,
-                        None => api,
-                    },
-                    base,
-                    config.api_key.as_ref(),
-                    trust,
-                )?,
+                client: Client::new(api, base, config.api_key.as_ref(), trust)?,
                 store,
                 metrics,
             }),
