@@ -43,6 +43,17 @@ struct Model {
     compress: AtomicBool,
     /// Answer 200 with the start of a JSON body, then nothing.
     stall: AtomicBool,
+    /// Call the client's `run` too, before condense's tool.
+    client_call: AtomicBool,
+}
+
+/// How the model writes an answer that calls condense's tool.
+#[derive(Clone, Copy)]
+struct Reply {
+    /// A sentence first.
+    lead: bool,
+    /// A call of the client's `run` too, before condense's tool.
+    client_call: bool,
 }
 
 impl Model {
@@ -137,13 +148,16 @@ async fn answer(State(model): State<Arc<Model>>, req: Request) -> Response {
         return chat_call(COMPRESS, json!({"reason": "step one done"}), &id);
     }
     let id = format!("recall_{n}");
-    let lead = model.text_first.load(Ordering::SeqCst);
+    let reply = Reply {
+        lead: model.text_first.load(Ordering::SeqCst),
+        client_call: model.client_call.load(Ordering::SeqCst),
+    };
     let stream = body["stream"] == true;
     let prompt = (bytes.len() / 4) as u64;
     match path.as_str() {
-        "/v1/chat/completions" => chat(call, &id, lead, stream, prompt),
-        "/v1/messages" => messages(call, &id, lead, stream, prompt),
-        "/v1/responses" => responses(call, &id, lead, stream, prompt),
+        "/v1/chat/completions" => chat(call, &id, reply, stream, prompt),
+        "/v1/messages" => messages(call, &id, reply, stream, prompt),
+        "/v1/responses" => responses(call, &id, reply, stream, prompt),
         _ => (axum::http::StatusCode::NOT_FOUND, "no such route").into_response(),
     }
 }
@@ -166,21 +180,56 @@ fn sse(events: Vec<(Option<&str>, Value)>, done: bool) -> Response {
     ([("content-type", "text/event-stream")], Body::from(out)).into_response()
 }
 
-fn chat(call: Option<String>, id: &str, lead: bool, stream: bool, prompt: u64) -> Response {
+/// The answer's text: a sentence before a call when `lead`, the final
+/// answer without one.
+fn text_of(call: &Option<String>, lead: bool) -> Option<&'static str> {
+    match (call, lead) {
+        (Some(_), false) => None,
+        (Some(_), true) => Some(LEAD),
+        (None, _) => Some(FINAL),
+    }
+}
+
+const LEAD: &str = "Let me look that up.";
+const FINAL: &str = "final answer";
+
+/// A text in the pieces a model streams it in.
+fn pieces(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = text.split_inclusive(' ').map(str::to_string).collect();
+    if out.is_empty() {
+        out.push(String::new());
+    }
+    out
+}
+
+/// The call of the client's `run` a model makes beside condense's.
+const RUN_ARGS: &str = "{\"cmd\":\"ls\"}";
+
+fn chat(call: Option<String>, id: &str, reply: Reply, stream: bool, prompt: u64) -> Response {
     let args = call.as_ref().map(|k| json!({"key": k}).to_string());
-    let content = match (&call, lead) {
-        (Some(_), false) => Value::Null,
-        (Some(_), true) => json!("Let me look that up."),
-        (None, _) => json!("final answer"),
-    };
+    let text = text_of(&call, reply.lead);
+    let content = text.map_or(Value::Null, |t| json!(t));
     let usage =
         json!({"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5});
     let finish = if call.is_some() { "tool_calls" } else { "stop" };
+    // The client's call goes first, condense's after it.
+    let mut calls = Vec::new();
+    if reply.client_call && call.is_some() {
+        calls.push((format!("run_{id}"), "run".to_string(), RUN_ARGS.to_string()));
+    }
+    if let Some(args) = &args {
+        calls.push((id.to_string(), RECALL.to_string(), args.clone()));
+    }
     if !stream {
         let mut message = json!({"role": "assistant", "content": content, "refusal": null});
-        if let Some(args) = &args {
-            message["tool_calls"] = json!([{"id": id, "type": "function",
-                "function": {"name": RECALL, "arguments": args}}]);
+        if !calls.is_empty() {
+            message["tool_calls"] = calls
+                .iter()
+                .map(|(id, name, args)| {
+                    json!({"id": id, "type": "function",
+                    "function": {"name": name, "arguments": args}})
+                })
+                .collect();
         }
         return json_body(
             json!({"id": "chatcmpl-1", "object": "chat.completion", "created": 1,
@@ -188,10 +237,11 @@ fn chat(call: Option<String>, id: &str, lead: bool, stream: bool, prompt: u64) -
             "finish_reason": finish}], "usage": usage}),
         );
     }
+    let chat_id = format!("chatcmpl-{id}");
     let chunk = |delta: Value, finish: Value| {
         (
             None,
-            json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+            json!({"id": chat_id, "object": "chat.completion.chunk", "created": 1,
             "model": "agent-small", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}),
         )
     };
@@ -199,24 +249,27 @@ fn chat(call: Option<String>, id: &str, lead: bool, stream: bool, prompt: u64) -
         json!({"role": "assistant", "content": ""}),
         Value::Null,
     )];
-    if let Some(text) = content.as_str() {
-        events.push(chunk(json!({"content": text}), Value::Null));
+    for piece in text.map(pieces).unwrap_or_default() {
+        events.push(chunk(json!({"content": piece}), Value::Null));
     }
-    if let Some(args) = &args {
+    for (i, (id, name, args)) in calls.iter().enumerate() {
         events.push(chunk(
-            json!({"tool_calls": [{"index": 0, "id": id, "type": "function",
-                "function": {"name": RECALL, "arguments": ""}}]}),
+            json!({"tool_calls": [{"index": i, "id": id, "type": "function",
+                "function": {"name": name, "arguments": ""}}]}),
             Value::Null,
         ));
-        events.push(chunk(
-            json!({"tool_calls": [{"index": 0, "function": {"arguments": args}}]}),
-            Value::Null,
-        ));
+        let (head, tail) = args.split_at(args.len() / 2);
+        for part in [head, tail] {
+            events.push(chunk(
+                json!({"tool_calls": [{"index": i, "function": {"arguments": part}}]}),
+                Value::Null,
+            ));
+        }
     }
     events.push(chunk(json!({}), json!(finish)));
     events.push((
         None,
-        json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+        json!({"id": chat_id, "object": "chat.completion.chunk", "created": 1,
         "model": "agent-small", "choices": [], "usage": usage}),
     ));
     sse(events, true)
@@ -233,15 +286,16 @@ fn chat_call(name: &str, args: Value, id: &str) -> Response {
     )
 }
 
-fn messages(call: Option<String>, id: &str, lead: bool, stream: bool, prompt: u64) -> Response {
+fn messages(call: Option<String>, id: &str, reply: Reply, stream: bool, prompt: u64) -> Response {
     let mut content = Vec::new();
-    if lead || call.is_none() {
-        let text = if call.is_some() {
-            "Let me look that up."
-        } else {
-            "final answer"
-        };
+    if let Some(text) = text_of(&call, reply.lead) {
         content.push(json!({"type": "text", "text": text}));
+    }
+    if reply.client_call && call.is_some() {
+        content.push(
+            json!({"type": "tool_use", "id": format!("run_{id}"), "name": "run",
+            "input": {"cmd": "ls"}}),
+        );
     }
     if let Some(k) = &call {
         content.push(json!({"type": "tool_use", "id": id, "name": RECALL, "input": {"key": k}}));
@@ -251,38 +305,54 @@ fn messages(call: Option<String>, id: &str, lead: bool, stream: bool, prompt: u6
     } else {
         "end_turn"
     };
+    let message_id = format!("msg_{id}");
     if !stream {
         return json_body(
-            json!({"id": "msg_1", "type": "message", "role": "assistant",
+            json!({"id": message_id, "type": "message", "role": "assistant",
             "model": "claude-x", "content": content, "stop_reason": stop, "stop_sequence": null,
             "usage": {"input_tokens": prompt, "output_tokens": 5}}),
         );
     }
-    let mut events = vec![(
-        Some("message_start"),
-        json!({"type": "message_start", "message": {"id": "msg_1", "type": "message",
-        "role": "assistant", "model": "claude-x", "content": [], "stop_reason": null,
-        "stop_sequence": null, "usage": {"input_tokens": prompt, "output_tokens": 1}}}),
-    )];
+    let mut events = vec![
+        (
+            Some("message_start"),
+            json!({"type": "message_start", "message": {"id": message_id, "type": "message",
+            "role": "assistant", "model": "claude-x", "content": [], "stop_reason": null,
+            "stop_sequence": null, "usage": {"input_tokens": prompt, "output_tokens": 1}}}),
+        ),
+        (Some("ping"), json!({"type": "ping"})),
+    ];
     for (i, block) in content.iter().enumerate() {
-        let (start, delta) = match block["type"].as_str().unwrap() {
+        let (start, deltas) = match block["type"].as_str().unwrap() {
             "text" => (
                 json!({"type": "text", "text": ""}),
-                json!({"type": "text_delta", "text": block["text"]}),
+                pieces(block["text"].as_str().unwrap())
+                    .into_iter()
+                    .map(|p| json!({"type": "text_delta", "text": p}))
+                    .collect::<Vec<_>>(),
             ),
-            _ => (
-                json!({"type": "tool_use", "id": block["id"], "name": RECALL, "input": {}}),
-                json!({"type": "input_json_delta", "partial_json": block["input"].to_string()}),
-            ),
+            _ => {
+                let input = block["input"].to_string();
+                let (head, tail) = input.split_at(input.len() / 2);
+                (
+                    json!({"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}),
+                    vec![
+                        json!({"type": "input_json_delta", "partial_json": head}),
+                        json!({"type": "input_json_delta", "partial_json": tail}),
+                    ],
+                )
+            }
         };
         events.push((
             Some("content_block_start"),
             json!({"type": "content_block_start", "index": i, "content_block": start}),
         ));
-        events.push((
-            Some("content_block_delta"),
-            json!({"type": "content_block_delta", "index": i, "delta": delta}),
-        ));
+        for delta in deltas {
+            events.push((
+                Some("content_block_delta"),
+                json!({"type": "content_block_delta", "index": i, "delta": delta}),
+            ));
+        }
         events.push((
             Some("content_block_stop"),
             json!({"type": "content_block_stop", "index": i}),
@@ -297,49 +367,96 @@ fn messages(call: Option<String>, id: &str, lead: bool, stream: bool, prompt: u6
     sse(events, false)
 }
 
-fn responses(call: Option<String>, id: &str, lead: bool, stream: bool, prompt: u64) -> Response {
+fn responses(call: Option<String>, id: &str, reply: Reply, stream: bool, prompt: u64) -> Response {
     let mut output = Vec::new();
-    if lead || call.is_none() {
-        let text = if call.is_some() {
-            "Let me look that up."
-        } else {
-            "final answer"
-        };
-        output.push(json!({"type": "message", "id": "msg_1", "status": "completed",
+    if let Some(text) = text_of(&call, reply.lead) {
+        output.push(json!({"type": "message", "id": format!("msg_{id}"), "status": "completed",
             "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}));
+    }
+    if reply.client_call && call.is_some() {
+        output.push(
+            json!({"type": "function_call", "id": format!("fc_run_{id}"), "call_id": format!("run_{id}"),
+            "name": "run", "arguments": RUN_ARGS, "status": "completed"}),
+        );
     }
     if let Some(k) = &call {
         output.push(
-            json!({"type": "function_call", "id": "fc_1", "call_id": id, "name": RECALL,
+            json!({"type": "function_call", "id": format!("fc_{id}"), "call_id": id, "name": RECALL,
             "arguments": json!({"key": k}).to_string(), "status": "completed"}),
         );
     }
-    let response = json!({"id": "resp_1", "object": "response", "status": "completed",
+    let response_id = format!("resp_{id}");
+    let response = json!({"id": response_id, "object": "response", "status": "completed",
         "model": "gpt-x", "output": output,
         "usage": {"input_tokens": prompt, "output_tokens": 5, "total_tokens": prompt + 5}});
     if !stream {
         return json_body(response);
     }
-    let mut events = vec![(
-        Some("response.created"),
-        json!({"type": "response.created", "sequence_number": 0,
-            "response": {"id": "resp_1", "object": "response", "status": "in_progress", "output": []}}),
-    )];
+    let started = json!({"id": response_id, "object": "response", "status": "in_progress",
+        "model": "gpt-x", "output": []});
+    let mut events = vec![
+        json!({"type": "response.created", "response": started}),
+        json!({"type": "response.in_progress", "response": started}),
+    ];
     for (i, item) in output.iter().enumerate() {
-        events.push((
-            Some("response.output_item.added"),
-            json!({"type": "response.output_item.added", "output_index": i, "item": item}),
-        ));
-        events.push((
-            Some("response.output_item.done"),
-            json!({"type": "response.output_item.done", "output_index": i, "item": item}),
-        ));
+        let mut empty = item.clone();
+        empty["status"] = json!("in_progress");
+        match item["type"].as_str().unwrap() {
+            "message" => {
+                empty["content"] = json!([]);
+                let text = item["content"][0]["text"].as_str().unwrap();
+                let item_id = &item["id"];
+                let part = |t: &str| json!({"type": "output_text", "text": t, "annotations": []});
+                events.push(
+                    json!({"type": "response.output_item.added", "output_index": i, "item": empty}),
+                );
+                events.push(
+                    json!({"type": "response.content_part.added", "output_index": i,
+                    "item_id": item_id, "content_index": 0, "part": part("")}),
+                );
+                for p in pieces(text) {
+                    events.push(
+                        json!({"type": "response.output_text.delta", "output_index": i,
+                        "item_id": item_id, "content_index": 0, "delta": p}),
+                    );
+                }
+                events.push(
+                    json!({"type": "response.output_text.done", "output_index": i,
+                    "item_id": item_id, "content_index": 0, "text": text}),
+                );
+                events.push(
+                    json!({"type": "response.content_part.done", "output_index": i,
+                    "item_id": item_id, "content_index": 0, "part": part(text)}),
+                );
+            }
+            _ => {
+                empty["arguments"] = json!("");
+                let args = item["arguments"].as_str().unwrap();
+                events.push(
+                    json!({"type": "response.output_item.added", "output_index": i, "item": empty}),
+                );
+                events.push(
+                    json!({"type": "response.function_call_arguments.delta", "output_index": i,
+                    "item_id": item["id"], "delta": args}),
+                );
+                events.push(
+                    json!({"type": "response.function_call_arguments.done", "output_index": i,
+                    "item_id": item["id"], "arguments": args}),
+                );
+            }
+        }
+        events.push(json!({"type": "response.output_item.done", "output_index": i, "item": item}));
     }
-    events.push((
-        Some("response.completed"),
-        json!({"type": "response.completed", "response": response}),
-    ));
-    sse(events, false)
+    events.push(json!({"type": "response.completed", "response": response}));
+    let named = events
+        .into_iter()
+        .enumerate()
+        .map(|(n, mut e)| {
+            e["sequence_number"] = json!(n);
+            (None, e)
+        })
+        .collect();
+    sse(named, false)
 }
 
 async fn condense(up: &Upstream, tweak: impl FnOnce(&mut Config)) -> Server {
@@ -454,6 +571,146 @@ fn chat_stream_text(sse: &str) -> (String, bool, Vec<Value>) {
     (text, calls, chunks)
 }
 
+/// The events of an SSE body: (event name, data) pairs.
+fn events(sse: &str) -> Vec<Value> {
+    sse.split("\n\n")
+        .filter_map(|e| {
+            let data: Vec<&str> = e.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+            (!data.is_empty() && data != ["[DONE]"])
+                .then(|| serde_json::from_str(&data.join("\n")).unwrap())
+        })
+        .collect()
+}
+
+/// A streamed Messages answer put together as Anthropic's SDK does, after
+/// checking it is one well-formed message: one start, one stop, each block
+/// started, given deltas and stopped in order, indices from 0 on.
+fn messages_stream(sse: &str) -> Value {
+    let events = events(sse);
+    let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "message_start").count(),
+        1,
+        "{sse}"
+    );
+    assert_eq!(kinds.first(), Some(&"message_start"), "{sse}");
+    assert_eq!(kinds.last(), Some(&"message_stop"), "{sse}");
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "message_stop").count(),
+        1,
+        "{sse}"
+    );
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "message_delta").count(),
+        1,
+        "{sse}"
+    );
+    let mut message = events[0]["message"].clone();
+    let mut open: Option<u64> = None;
+    let mut json_parts = String::new();
+    for e in &events[1..] {
+        match e["type"].as_str().unwrap() {
+            "content_block_start" => {
+                let i = e["index"].as_u64().unwrap();
+                assert_eq!(open, None, "a block started inside another: {sse}");
+                assert_eq!(
+                    i as usize,
+                    message["content"].as_array().unwrap().len(),
+                    "{sse}"
+                );
+                message["content"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(e["content_block"].clone());
+                open = Some(i);
+                json_parts.clear();
+            }
+            "content_block_delta" => {
+                let i = e["index"].as_u64().unwrap();
+                assert_eq!(open, Some(i), "{sse}");
+                let block = &mut message["content"][i as usize];
+                match e["delta"]["type"].as_str().unwrap() {
+                    "text_delta" => {
+                        let t = block["text"].as_str().unwrap().to_string();
+                        block["text"] = json!(t + e["delta"]["text"].as_str().unwrap());
+                    }
+                    "input_json_delta" => {
+                        json_parts.push_str(e["delta"]["partial_json"].as_str().unwrap())
+                    }
+                    other => panic!("{other}"),
+                }
+            }
+            "content_block_stop" => {
+                let i = e["index"].as_u64().unwrap();
+                assert_eq!(open, Some(i), "{sse}");
+                if !json_parts.is_empty() {
+                    message["content"][i as usize]["input"] =
+                        serde_json::from_str(&json_parts).unwrap();
+                }
+                open = None;
+            }
+            "message_delta" => {
+                for (k, v) in e["delta"].as_object().unwrap() {
+                    message[k] = v.clone();
+                }
+                // The SDK takes the numbers the end gives.
+                for (k, v) in e["usage"].as_object().unwrap() {
+                    message["usage"][k] = v.clone();
+                }
+            }
+            "ping" | "message_stop" => {}
+            other => panic!("unexpected event {other}: {sse}"),
+        }
+    }
+    message
+}
+
+/// A streamed Responses answer, checked to be one response: one created,
+/// one completed (last), sequence numbers from 0 without a gap, output
+/// indices from 0 on, each item added before its events; returns the
+/// completed response and the text the deltas gave each output index.
+fn responses_stream(sse: &str) -> (Value, Vec<String>) {
+    let events = events(sse);
+    let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "response.created").count(),
+        1,
+        "{sse}"
+    );
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "response.completed").count(),
+        1,
+        "{sse}"
+    );
+    assert_eq!(kinds.last(), Some(&"response.completed"), "{sse}");
+    for (n, e) in events.iter().enumerate() {
+        assert_eq!(e["sequence_number"], json!(n), "{sse}");
+    }
+    let id = &events[0]["response"]["id"];
+    let mut texts: Vec<String> = Vec::new();
+    for e in &events {
+        let Some(i) = e["output_index"].as_u64() else {
+            continue;
+        };
+        if e["type"] == "response.output_item.added" {
+            assert_eq!(i as usize, texts.len(), "{sse}");
+            texts.push(String::new());
+        }
+        assert!((i as usize) < texts.len(), "{sse}");
+        if e["type"] == "response.output_text.delta" {
+            texts[i as usize].push_str(e["delta"].as_str().unwrap());
+        }
+    }
+    let completed = events.last().unwrap()["response"].clone();
+    assert_eq!(&completed["id"], id, "{sse}");
+    assert_eq!(
+        completed["output"].as_array().unwrap().len(),
+        texts.len(),
+        "{sse}"
+    );
+    (completed, texts)
+}
+
 #[tokio::test]
 async fn a_chat_recall_is_answered_inside_the_request_json_and_streamed() {
     let up = upstream().await;
@@ -531,27 +788,235 @@ async fn a_chat_recall_is_answered_inside_the_request_json_and_streamed() {
     server.shutdown().await.unwrap();
 }
 
+/// The prompt tokens the mock counted for the requests it got.
+fn prompts(seen: &[(String, Value)]) -> u64 {
+    seen.iter()
+        .map(|(_, b)| (b.to_string().len() / 4) as u64)
+        .sum()
+}
+
 #[tokio::test]
-async fn a_recall_after_streamed_text_is_taken_out_and_a_limit_holds() {
+async fn a_recall_after_text_goes_on_in_the_same_answer_in_every_format() {
+    let up = upstream().await;
+    let server = condense(&up, |_| {}).await;
+    up.model.text_first.store(true, Ordering::SeqCst);
+    let both = format!("{LEAD}\n\n{FINAL}");
+    for stream in [true, false] {
+        // Chat completions.
+        let before = up.model.requests().len();
+        let (status, body) = send(&server, "/v1/chat/completions", &chat_session(stream)).await;
+        assert_eq!(status, 200, "{body}");
+        let seen = up.model.requests()[before..].to_vec();
+        assert_eq!(seen.len(), 2, "the recall took one more round");
+        // The round after it carries the sentence with the call, then the
+        // original.
+        let m = seen[1].1["messages"].as_array().unwrap().clone();
+        let n = m.len();
+        assert_eq!(m[n - 2]["content"], LEAD);
+        assert_eq!(m[n - 2]["tool_calls"][0]["function"]["name"], RECALL);
+        assert_eq!(m[n - 1]["content"], first_output());
+        assert!(!body.contains(RECALL), "{body}");
+        let sum = prompts(&seen);
+        if stream {
+            let (text, calls, chunks) = chat_stream_text(&body);
+            assert_eq!(text, both);
+            assert!(!calls, "{body}");
+            assert!(chunks.iter().all(|c| c["id"] == chunks[0]["id"]), "{body}");
+            let finishes: Vec<&Value> = chunks
+                .iter()
+                .map(|c| &c["choices"][0]["finish_reason"])
+                .filter(|f| !f.is_null())
+                .collect();
+            assert_eq!(finishes, [&json!("stop")], "{body}");
+            assert_eq!(body.matches("[DONE]").count(), 1, "{body}");
+            assert!(body.trim_end().ends_with("data: [DONE]"));
+            let usage = chunks
+                .iter()
+                .filter(|c| c["usage"].is_object())
+                .collect::<Vec<_>>();
+            assert_eq!(usage.len(), 1, "{body}");
+            let got = usage[0]["usage"]["prompt_tokens"].as_u64().unwrap();
+            assert!(got.abs_diff(sum) < 50, "{got} vs {sum}");
+            assert_eq!(usage[0]["usage"]["completion_tokens"], 10);
+        } else {
+            let v: Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(v["choices"][0]["message"]["content"], json!(both));
+            assert_eq!(v["choices"][0]["finish_reason"], "stop");
+            let got = v["usage"]["prompt_tokens"].as_u64().unwrap();
+            assert!(got.abs_diff(sum) < 50, "{got} vs {sum}");
+        }
+
+        // Messages: the next round's blocks go on from the text's index.
+        let before = up.model.requests().len();
+        let (status, body) = send(&server, "/v1/messages", &messages_session(stream)).await;
+        assert_eq!(status, 200, "{body}");
+        let seen = up.model.requests()[before..].to_vec();
+        assert_eq!(seen.len(), 2);
+        let m = seen[1].1["messages"].as_array().unwrap().clone();
+        let n = m.len();
+        assert_eq!(
+            m[n - 2]["content"][0],
+            json!({"type": "text", "text": LEAD})
+        );
+        assert_eq!(m[n - 2]["content"][1]["name"], RECALL);
+        assert_eq!(m[n - 1]["content"][0]["content"], first_output());
+        assert!(!body.contains(RECALL), "{body}");
+        let message = match stream {
+            true => messages_stream(&body),
+            false => serde_json::from_str(&body).unwrap(),
+        };
+        assert_eq!(
+            message["content"],
+            json!([{"type": "text", "text": LEAD}, {"type": "text", "text": FINAL}]),
+            "{body}"
+        );
+        assert_eq!(message["stop_reason"], "end_turn");
+        let got = message["usage"]["input_tokens"].as_u64().unwrap();
+        let sum = prompts(&seen);
+        assert!(got.abs_diff(sum) < 50, "{got} vs {sum}");
+        assert_eq!(message["usage"]["output_tokens"], 10);
+
+        // Responses: one response, its items numbered on.
+        let before = up.model.requests().len();
+        let (status, body) = send(&server, "/v1/responses", &responses_session(stream)).await;
+        assert_eq!(status, 200, "{body}");
+        let seen = up.model.requests()[before..].to_vec();
+        assert_eq!(seen.len(), 2);
+        let input = seen[1].1["input"].as_array().unwrap().clone();
+        let n = input.len();
+        assert_eq!(input[n - 3]["type"], "message");
+        assert_eq!(input[n - 3]["content"][0]["text"], LEAD);
+        assert_eq!(input[n - 2]["name"], RECALL);
+        assert_eq!(input[n - 1]["output"], first_output());
+        assert!(!body.contains(RECALL), "{body}");
+        let response = match stream {
+            true => {
+                let (response, texts) = responses_stream(&body);
+                assert_eq!(texts, [LEAD, FINAL]);
+                response
+            }
+            false => serde_json::from_str(&body).unwrap(),
+        };
+        let output = response["output"].as_array().unwrap();
+        assert_eq!(output.len(), 2, "{body}");
+        assert_eq!(output[0]["content"][0]["text"], LEAD);
+        assert_eq!(output[1]["content"][0]["text"], FINAL);
+        let got = response["usage"]["input_tokens"].as_u64().unwrap();
+        let sum = prompts(&seen);
+        assert!(got.abs_diff(sum) < 50, "{got} vs {sum}");
+    }
+    assert_eq!(
+        metric(&server, "condense_recalls_total{outcome=\"answered\"}").await,
+        6.0
+    );
+    assert_eq!(
+        metric(&server, "condense_recalls_total{outcome=\"stripped\"}").await,
+        0.0
+    );
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_recall_beside_a_call_the_client_got_goes_on_and_the_client_runs_its_call() {
+    let up = upstream().await;
+    let server = condense(&up, |_| {}).await;
+    up.model.text_first.store(true, Ordering::SeqCst);
+    up.model.client_call.store(true, Ordering::SeqCst);
+    // The model writes a sentence, calls the client's `run`, then
+    // condense's tool: the sentence and the `run` call went out, so the
+    // answer goes on after them, and the client is still told to run it.
+    let (status, body) = send(&server, "/v1/chat/completions", &chat_session(true)).await;
+    assert_eq!(status, 200, "{body}");
+    let seen = up.model.requests();
+    assert_eq!(seen.len(), 2);
+    let m = seen[1].1["messages"].as_array().unwrap().clone();
+    let n = m.len();
+    let calls = m[n - 3]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 2, "both calls stay in the turn");
+    assert_eq!(calls[0]["function"]["name"], "run");
+    assert!(
+        m[n - 2]["content"]
+            .as_str()
+            .unwrap()
+            .contains("went to the client"),
+        "{:?}",
+        m[n - 2]
+    );
+    assert_eq!(m[n - 1]["content"], first_output());
+    let (text, _, chunks) = chat_stream_text(&body);
+    assert_eq!(text, format!("{LEAD}\n\n{FINAL}"));
+    let names: Vec<&Value> = chunks
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["delta"]["tool_calls"]
+                .as_array()
+                .into_iter()
+                .flatten()
+        })
+        .map(|tc| &tc["function"]["name"])
+        .filter(|n| !n.is_null())
+        .collect();
+    assert_eq!(names, [&json!("run")], "{body}");
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .map(|c| &c["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish, [&json!("tool_calls")], "{body}");
+
+    let (status, body) = send(&server, "/v1/messages", &messages_session(true)).await;
+    assert_eq!(status, 200, "{body}");
+    let message = messages_stream(&body);
+    let kinds: Vec<&Value> = message["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| &b["type"])
+        .collect();
+    assert_eq!(
+        kinds,
+        [&json!("text"), &json!("tool_use"), &json!("text")],
+        "{body}"
+    );
+    assert_eq!(message["content"][1]["name"], "run");
+    assert_eq!(message["content"][1]["input"], json!({"cmd": "ls"}));
+    assert_eq!(message["stop_reason"], "tool_use");
+
+    let (status, body) = send(&server, "/v1/responses", &responses_session(true)).await;
+    assert_eq!(status, 200, "{body}");
+    let (response, texts) = responses_stream(&body);
+    assert_eq!(texts, [LEAD, "", FINAL]);
+    let output = response["output"].as_array().unwrap();
+    assert_eq!(output[1]["name"], "run");
+    assert_eq!(output[1]["arguments"], RUN_ARGS);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_limit_holds_and_unknown_keys_are_told() {
     let up = upstream().await;
     let server = condense(&up, |c| c.compaction.max_recalls = 2).await;
-    // Text went out first: the call is taken out of the stream.
+    // A model that writes and calls every time: the answer goes on twice,
+    // then the third call is taken out and the answer ends there.
     up.model.text_first.store(true, Ordering::SeqCst);
+    up.model.always.store(true, Ordering::SeqCst);
     let (status, body) = send(&server, "/v1/chat/completions", &chat_session(true)).await;
-    assert_eq!(status, 200);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(up.model.requests().len(), 3);
     let (text, calls, chunks) = chat_stream_text(&body);
-    assert_eq!(text, "Let me look that up.");
+    assert_eq!(text, [LEAD; 3].join("\n\n"));
     assert!(!calls, "{body}");
     let finish = chunks
         .iter()
         .find_map(|c| c["choices"][0]["finish_reason"].as_str())
         .unwrap();
     assert_eq!(finish, "stop");
-    assert_eq!(up.model.requests().len(), 1);
     assert_eq!(
-        metric(&server, "condense_recalls_total{outcome=\"stripped\"}").await,
+        metric(&server, "condense_recalls_total{outcome=\"limit_reached\"}").await,
         1.0
     );
+    up.model.text_first.store(false, Ordering::SeqCst);
+    up.model.always.store(false, Ordering::SeqCst);
 
     // A model that keeps calling gets max_recalls answers, then the client
     // gets the answer without the call.
@@ -571,7 +1036,7 @@ async fn a_recall_after_streamed_text_is_taken_out_and_a_limit_holds() {
     }
     assert_eq!(
         metric(&server, "condense_recalls_total{outcome=\"limit_reached\"}").await,
-        2.0
+        3.0
     );
 
     // A key condense never gave gets a result saying so.
@@ -624,9 +1089,13 @@ async fn messages_and_responses_recalls_keep_their_apis_rules() {
             assert_ne!(w[0]["role"], w[1]["role"]);
         }
         assert!(!body.contains(RECALL), "{body}");
-        assert!(body.contains("final answer"));
+        let message = match stream {
+            true => messages_stream(&body),
+            false => serde_json::from_str(&body).unwrap(),
+        };
+        assert_eq!(message["content"], json!([{"type": "text", "text": FINAL}]));
         if !stream {
-            let v: Value = serde_json::from_str(&body).unwrap();
+            let v = message;
             let sent: u64 = seen
                 .iter()
                 .map(|(_, b)| (b.to_string().len() / 4) as u64)
@@ -650,16 +1119,13 @@ async fn messages_and_responses_recalls_keep_their_apis_rules() {
         assert_eq!(input[n - 1]["call_id"], input[n - 2]["call_id"]);
         assert_eq!(input[n - 1]["output"], first_output());
         assert!(!body.contains(RECALL), "{body}");
-        assert!(body.contains("final answer"));
+        let response = match stream {
+            true => responses_stream(&body).0,
+            false => serde_json::from_str(&body).unwrap(),
+        };
+        assert_eq!(response["output"][0]["content"][0]["text"], FINAL);
     }
 
-    // A Claude answer that writes text before the call: the stream goes
-    // out, the call is taken out and the stop reason says the turn ended.
-    up.model.text_first.store(true, Ordering::SeqCst);
-    let (_, body) = send(&server, "/v1/messages", &messages_session(true)).await;
-    assert!(body.contains("Let me look that up."));
-    assert!(!body.contains(RECALL), "{body}");
-    assert!(body.contains("\"stop_reason\":\"end_turn\""), "{body}");
     server.shutdown().await.unwrap();
 }
 

@@ -91,6 +91,12 @@ fuzz_target!(|data: &[u8]| {
             let v: Value = serde_json::from_slice(&next).expect("a follow-up is JSON");
             assert!(v.is_object());
         }
+        if let Some(next) = answer.follow_up_shown(&sent(format), &results, "passed on") {
+            let v: Value = serde_json::from_slice(&next).expect("a follow-up is JSON");
+            assert!(v.is_object());
+        }
+        // The text of an earlier round before the answer's own.
+        let answer = answer.clone().after(&[answer]);
         let shown: Value =
             serde_json::from_slice(&answer.for_client(&extra)).expect("the client's answer is JSON");
         assert!(
@@ -120,8 +126,14 @@ fuzz_target!(|data: &[u8]| {
         let _ = answer.ours();
         let _ = answer.follow_up(&sent(format), &[]);
     }
-    let mut filter = Filter::new(format.api(), extra);
-    for mut e in events {
+    let mut filter = Filter::new(format.api(), extra.clone());
+    // Held ends, and a next round that goes on from the middle.
+    filter.continuable = mode & 0x40 != 0;
+    let middle = events.len() / 2;
+    for (n, mut e) in events.into_iter().enumerate() {
+        if filter.continuable && n == middle {
+            filter.next_round(extra.clone());
+        }
         // Only the first choice of a chat stream is edited: condense offers
         // no tools to a request that asks for several.
         if format == Format::Chat

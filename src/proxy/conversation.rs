@@ -138,19 +138,14 @@ impl Proxy {
                     url,
                     headers: upstream_headers(),
                 };
-                let answered = Box::pin(self.answer_tools(
-                    format,
-                    *offer,
-                    prepared.body.clone(),
-                    resp,
-                    again,
-                    upstream,
-                ))
-                .await?;
-                (answered.reply, answered.first_round)
+                let answered =
+                    Box::pin(self.answer_tools(format, *offer, prepared.body.clone(), resp, again))
+                        .await?;
+                (answered.reply, (answered.first_round, answered.continued))
             }
-            _ => (Reply::from(resp), None),
+            _ => (Reply::from(resp), (None, None)),
         };
+        let (first_round, continued) = first_round;
 
         // Respond.
         let tap = match (resp.status.is_success(), resp.is_sse()) {
@@ -181,6 +176,17 @@ impl Proxy {
             && let Some(usage) = first
         {
             learn(usage);
+        }
+        // A stream that went on after its first round: likewise, once it
+        // did.
+        if let Some(cell) = continued
+            && let Some(learn) = on_usage.take()
+        {
+            on_usage = Some(Box::new(move |usage| match cell.get() {
+                Some(Some(first)) => learn(*first),
+                Some(None) => {}
+                None => learn(usage),
+            }));
         }
         let mut response = self.respond(
             format.route(),

@@ -2,17 +2,22 @@
 //! (`condense_recall`, `compress_context`) answered inside the client's
 //! request. The model's turn and the results are appended to the request
 //! and it goes upstream again, at most `compaction.max_recalls` times; the
-//! client receives only the final answer, with the usage of every round.
+//! client receives one answer, with the usage of every round.
 //!
-//! A JSON answer is read whole. A stream is held back only until it tells
-//! whether it starts with one of condense's calls (reasoning is held,
-//! text or a call of the client's tools lets it through); once through, a
-//! call of condense's tools that comes later is taken out of what the
-//! client sees (counted as `stripped`), since text already went out. When
-//! a follow-up request fails, or the limit is reached, the client gets the
-//! answer it would have got, without condense's calls.
+//! A JSON answer is read whole; the text of a round that called condense's
+//! tools comes before the final round's, as one message. A stream is held
+//! back only until it tells whether it starts with one of condense's calls;
+//! once through, a later call goes on in the same stream (`stream.rs`).
+//! When a follow-up request fails, or the limit is reached, the client gets
+//! the answer it would have got, without condense's calls.
 
-use std::time::{Duration, Instant};
+mod stream;
+
+pub use stream::FirstRound;
+use stream::{MAX_ANSWER_BYTES, Read, Rounds};
+
+use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
@@ -23,24 +28,11 @@ use super::read::BodyStream;
 use super::respond::Reply;
 use crate::error::ProxyError;
 use crate::recall::store::{AgentPoint, Originals, within};
-use crate::upstream::{Outgoing, Upstream, UpstreamResponse};
+use crate::upstream::{Outgoing, UpstreamResponse};
 use crate::wire::Format;
-use crate::wire::sse;
-use crate::wire::stream::{Decision, Edit, Filter, Gather};
 use crate::wire::tap::{JsonTap, SseTap};
 use crate::wire::tools::{Answer, COMPRESS_TOOL, Call, RECALL_TOOL};
 use crate::wire::usage::{Sum, Usage};
-
-/// Largest answer read for condense's calls (a larger one is relayed as it
-/// comes).
-const MAX_ANSWER_BYTES: usize = 8 << 20;
-/// Longest a stream is held back before it shows whether it starts with
-/// condense's call (a long reasoning phase then reaches the client as it
-/// comes, and a call after it is taken out).
-const MAX_HOLD: Duration = Duration::from_secs(20);
-/// Longest SSE event the filter edits; past it, the rest of the stream is
-/// relayed as it is.
-const MAX_EVENT_BYTES: usize = 1 << 20;
 
 /// What a request was offered, and what answers the offer.
 pub struct Offer {
@@ -53,19 +45,11 @@ pub struct Offer {
 }
 
 /// Where the follow-up requests go.
+#[derive(Clone)]
 pub struct Again {
     pub method: Method,
     pub url: http::Uri,
     pub headers: HeaderMap,
-}
-
-/// How a stream is read: the usage of earlier rounds, the client's tool
-/// names, whether this is the last round, the idle timeout.
-struct Read<'a> {
-    extra: &'a Sum,
-    client_tools: &'a [String],
-    last: bool,
-    idle: Duration,
 }
 
 /// One upstream answer, read as far as needed.
@@ -89,24 +73,31 @@ pub struct Answered {
     /// round (what the request as prepared cost), if it could be read.
     /// Calibration must not read the final answer's then.
     pub first_round: Option<Option<Usage>>,
+    /// Set when a stream that went out may go on after its first round:
+    /// then that round's usage, once it did.
+    pub continued: Option<FirstRound>,
 }
 
 impl Proxy {
     /// The answer for the client, with condense's calls answered.
     pub(super) async fn answer_tools(
-        &self,
+        self: &Arc<Self>,
         format: Format,
         offer: Offer,
         sent: Bytes,
         resp: UpstreamResponse,
         again: Again,
-        upstream: &Upstream,
     ) -> Result<Answered, ProxyError> {
+        let (upstream, _) = self.endpoint(format.api());
         let max = self.compaction.max_recalls;
         // Told apart from condense's when a name is streamed in pieces.
         let client_tools = crate::wire::tools::client_tool_names(&sent);
+        let offer = Arc::new(offer);
         let mut extra = Sum::default();
         let mut first_round = None;
+        let mut continued = None;
+        // JSON rounds answered, whose text comes before the final one's.
+        let mut earlier: Vec<Answer> = Vec::new();
         let mut body = sent;
         let mut reply = Reply::from(resp);
         let mut room = offer.room_chars;
@@ -116,18 +107,43 @@ impl Proxy {
             round += 1;
             let step = match reply.is_sse() {
                 true => {
+                    // What lets the stream go on after text went out.
+                    let rounds = (!last).then(|| {
+                        let cell = (round == 1).then(FirstRound::default);
+                        continued.clone_from(&cell);
+                        Box::new(Rounds {
+                            proxy: self.clone(),
+                            format,
+                            offer: offer.clone(),
+                            again: again.clone(),
+                            body: body.clone(),
+                            left: (max - round + 1) as usize,
+                            room,
+                            extra: extra.clone(),
+                            first_round: cell,
+                        })
+                    });
                     let read = Read {
                         extra: &extra,
                         client_tools: &client_tools,
-                        last,
                         idle: upstream.idle_timeout(),
+                        rounds,
                     };
                     self.read_stream(format, reply, read).await
                 }
-                false => read_json(format, reply, &extra, upstream.idle_timeout()).await,
+                false => {
+                    let read = (&extra, earlier.as_slice());
+                    read_json(format, reply, read, upstream.idle_timeout()).await
+                }
             };
             let (answer, raw, status, headers, sse) = match step? {
-                Step::Done(reply) => return Ok(Answered { reply, first_round }),
+                Step::Done(reply) => {
+                    return Ok(Answered {
+                        reply,
+                        first_round,
+                        continued,
+                    });
+                }
                 Step::Ours {
                     answer,
                     raw,
@@ -136,6 +152,8 @@ impl Proxy {
                     sse,
                 } => (answer, raw, status, headers, sse),
             };
+            // A stream that did not go out does not go on.
+            continued = None;
             if round == 1 {
                 first_round = Some(usage_of(format, &raw, sse));
             }
@@ -162,18 +180,21 @@ impl Proxy {
                             Reply::prefixed(raw.clone(), Box::pin(futures_util::stream::empty())),
                             extra.clone(),
                             &client_tools,
-                            outcome,
+                            None,
                         ),
                     },
-                    false => {
-                        Reply::whole(status, headers.clone(), answer.clone().for_client(extra))
-                    }
+                    false => Reply::whole(
+                        status,
+                        headers.clone(),
+                        answer.clone().after(&earlier).for_client(extra),
+                    ),
                 }
             };
             if last {
                 return Ok(Answered {
                     reply: fallback("limit_reached", &extra),
                     first_round,
+                    continued,
                 });
             }
             let results = self.results(&answer.ours(), &offer, &mut room).await;
@@ -181,6 +202,7 @@ impl Proxy {
                 return Ok(Answered {
                     reply: fallback("failed", &extra),
                     first_round,
+                    continued,
                 });
             };
             let sent = upstream
@@ -196,12 +218,16 @@ impl Proxy {
                     extra.add(answer.value.get("usage"));
                     reply = Reply::from(r);
                     body = next;
+                    if !sse {
+                        earlier.push(answer);
+                    }
                 }
                 Ok(r) => {
                     tracing::warn!(status = %r.status(), "the request carrying condense's tool results failed; answering without them");
                     return Ok(Answered {
                         reply: fallback("failed", &extra),
                         first_round,
+                        continued,
                     });
                 }
                 Err(e) => {
@@ -209,6 +235,7 @@ impl Proxy {
                     return Ok(Answered {
                         reply: fallback("failed", &extra),
                         first_round,
+                        continued,
                     });
                 }
             }
@@ -267,188 +294,20 @@ impl Proxy {
         }
         out
     }
-
-    /// Reads a stream until it tells whether it starts with one of
-    /// condense's calls: if not (or on the last round), the client gets it
-    /// from the start through the filter; if so, it is read to its end.
-    async fn read_stream(
-        &self,
-        format: Format,
-        reply: Reply,
-        read: Read<'_>,
-    ) -> Result<Step, ProxyError> {
-        let Read {
-            extra,
-            client_tools,
-            last,
-            idle,
-        } = read;
-        let Reply {
-            status,
-            headers,
-            mut body,
-            ..
-        } = reply;
-        let pass = |held: Bytes, body: BodyStream, mut headers: HeaderMap| {
-            // The filter may change the length.
-            headers.remove(http::header::CONTENT_LENGTH);
-            Step::Done(Reply {
-                status,
-                headers,
-                content_length: None,
-                body: self.filtered(
-                    format,
-                    Reply::prefixed(held, body),
-                    extra.clone(),
-                    client_tools,
-                    if last { "limit_reached" } else { "stripped" },
-                ),
-            })
-        };
-        if last {
-            return Ok(pass(Bytes::new(), body, headers));
-        }
-        let mut buf = BytesMut::new();
-        let mut scanned = 0;
-        let mut gather = Gather::new(format.api()).with_client_tools(client_tools.to_vec());
-        let mut decision = Decision::Hold;
-        let hold_until = Instant::now() + MAX_HOLD;
-        loop {
-            // Held back (reasoning) no longer than MAX_HOLD; once it is
-            // condense's call, read under the idle timeout alone.
-            let wait = match decision {
-                Decision::Hold => idle.min(hold_until.saturating_duration_since(Instant::now())),
-                _ => idle,
-            };
-            let next = match tokio::time::timeout(wait, body.next()).await {
-                Ok(Some(Ok(chunk))) => chunk,
-                // The relay reports a failure or a stall as it does for any
-                // stream: what was held goes first.
-                Ok(Some(Err(e))) => {
-                    let failed = futures_util::stream::once(async move { Err(e) });
-                    return Ok(pass(buf.freeze(), Box::pin(failed), headers));
-                }
-                Err(_) => return Ok(pass(buf.freeze(), body, headers)),
-                Ok(None) => break,
-            };
-            buf.extend_from_slice(&next);
-            while let Some(end) = sse::event_end(&buf, scanned) {
-                if let Some((_, data)) = sse::event_json(&buf[scanned..end]) {
-                    decision = gather.event(&data);
-                }
-                scanned = end;
-                if decision == Decision::Pass {
-                    return Ok(pass(buf.freeze(), body, headers));
-                }
-            }
-            if buf.len() > MAX_ANSWER_BYTES {
-                return Ok(pass(buf.freeze(), body, headers));
-            }
-        }
-        if let Some((_, data)) = sse::event_json(&buf[scanned..]) {
-            decision = gather.event(&data);
-        }
-        let raw = buf.freeze();
-        match (decision, gather.answer()) {
-            (Decision::Ours, Some(answer)) if !answer.ours().is_empty() => Ok(Step::Ours {
-                answer,
-                raw,
-                status,
-                headers,
-                sse: true,
-            }),
-            _ => Ok(pass(raw, Box::pin(futures_util::stream::empty()), headers)),
-        }
-    }
-
-    /// `body` with each event edited by a [`Filter`]; the calls it takes
-    /// out are counted under `outcome`.
-    fn filtered(
-        &self,
-        format: Format,
-        body: BodyStream,
-        extra: Sum,
-        client_tools: &[String],
-        outcome: &'static str,
-    ) -> BodyStream {
-        let state = Edited {
-            body,
-            events: sse::Reader::default(),
-            filter: Filter::new(format.api(), extra).with_client_tools(client_tools.to_vec()),
-            raw: false,
-            done: false,
-            metrics: self.metrics.clone(),
-            outcome,
-        };
-        Box::pin(futures_util::stream::unfold(state, |mut st| async move {
-            if st.done {
-                return None;
-            }
-            loop {
-                match st.body.next().await {
-                    Some(Ok(chunk)) if st.raw => return Some((Ok(chunk), st)),
-                    Some(Ok(chunk)) => {
-                        st.events.push(&chunk);
-                        let mut out = Vec::new();
-                        while let Some(event) = st.events.next_event() {
-                            edit(&event, &mut st.filter, &mut out);
-                        }
-                        if st.events.pending() > MAX_EVENT_BYTES {
-                            st.raw = true;
-                            out.extend_from_slice(&st.events.take_rest());
-                        }
-                        if !out.is_empty() {
-                            return Some((Ok(Bytes::from(out)), st));
-                        }
-                    }
-                    Some(Err(e)) => {
-                        st.done = true;
-                        return Some((Err(e), st));
-                    }
-                    None => {
-                        st.done = true;
-                        let mut out = Vec::new();
-                        let rest = st.events.take_rest();
-                        if !rest.is_empty() {
-                            edit(&rest, &mut st.filter, &mut out);
-                        }
-                        if st.filter.stripped > 0 {
-                            st.metrics
-                                .recalls_total
-                                .with_label_values(&[st.outcome])
-                                .inc_by(st.filter.stripped as u64);
-                        }
-                        return (!out.is_empty()).then(|| (Ok(Bytes::from(out)), st));
-                    }
-                }
-            }
-        }))
-    }
-}
-
-/// A stream on its way through the [`Filter`].
-struct Edited {
-    body: BodyStream,
-    /// The stream's events so far, the unfinished one held.
-    events: sse::Reader,
-    filter: Filter,
-    /// An event past MAX_EVENT_BYTES came: the rest goes as it is.
-    raw: bool,
-    done: bool,
-    metrics: std::sync::Arc<crate::metrics::Metrics>,
-    /// The outcome the calls taken out are counted under.
-    outcome: &'static str,
 }
 
 /// Reads a JSON answer whole (one too large, or that stalls longer than
 /// `idle` between chunks, goes to the client as it is, under the relay's
 /// own idle timeout).
+/// `read`: the usage of the rounds before, and the JSON answers whose text
+/// the client is to see before this one's.
 async fn read_json(
     format: Format,
     reply: Reply,
-    extra: &Sum,
+    read: (&Sum, &[Answer]),
     idle: Duration,
 ) -> Result<Step, ProxyError> {
+    let (extra, earlier) = read;
     let Reply {
         status,
         headers,
@@ -491,10 +350,10 @@ async fn read_json(
             headers,
             sse: false,
         }),
-        Some(answer) if !extra.is_empty() => Ok(Step::Done(Reply::whole(
+        Some(answer) if !extra.is_empty() || !earlier.is_empty() => Ok(Step::Done(Reply::whole(
             status,
             headers,
-            answer.for_client(extra),
+            answer.after(earlier).for_client(extra),
         ))),
         _ => Ok(Step::Done(Reply::whole(status, headers, raw))),
     }
@@ -506,20 +365,5 @@ fn usage_of(format: Format, raw: &Bytes, sse: bool) -> Option<Usage> {
         SseTap::usage_of_stream(format.api(), raw)
     } else {
         JsonTap::usage_of_body(format.api(), raw)
-    }
-}
-
-/// One event through the filter, into `out`.
-fn edit(event: &[u8], filter: &mut Filter, out: &mut Vec<u8>) {
-    let Some((text, mut data)) = sse::event_json(event) else {
-        out.extend_from_slice(event);
-        return;
-    };
-    match filter.event(&mut data) {
-        Edit::Keep => out.extend_from_slice(event),
-        Edit::Drop => {}
-        Edit::Changed => {
-            out.extend_from_slice(&sse::rebuild_event(text, data.to_string().as_bytes()))
-        }
     }
 }

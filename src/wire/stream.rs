@@ -1,11 +1,17 @@
 //! condense's tools in a streamed answer: [`Gather`] reads the events of
 //! one answer, tells as early as it can whether the answer starts with a
 //! call of condense's tools, and gathers the events into the answer a JSON
-//! response would have been; [`Filter`] edits the events the client gets
-//! (a call of condense's tools after text already went out is taken out,
-//! and the usage of the rounds condense answered is added). What an event
-//! of each API means is the API's (`StreamEdit`); the
-//! state and what all APIs share is here.
+//! response would have been; [`Filter`] edits the events the client gets.
+//!
+//! The filter takes out a call of condense's tools that comes after text
+//! (or a call of the client's) already went out, and adds the usage of the
+//! rounds condense answered. When the stream may go on (`continuable`), it
+//! holds the events that end the answer (`Edit::Hold`) instead: condense
+//! answers the call and the next round's events continue the same answer
+//! ([`Filter::next_round`]): its start is not repeated, indices go on from
+//! where the client's are, and its end (the final round's stop reason, the
+//! usage of every round) ends the answer. What an event of each API means
+//! is the API's (`StreamEdit`); the state and what all APIs share is here.
 
 use serde_json::{Value, json};
 
@@ -54,6 +60,15 @@ pub(super) fn named(name: &str, client_tools: &[String]) -> Named {
     match client_tools.iter().any(|c| c.starts_with(name)) {
         true => Named::Unknown,
         false => Named::Ours,
+    }
+}
+
+/// `piece` added to the string at `v` (which becomes one when it is not),
+/// in place: a long answer comes in many pieces.
+pub(super) fn append_text(v: &mut Value, piece: &str) {
+    match v {
+        Value::String(s) => s.push_str(piece),
+        other => *other = Value::String(piece.to_string()),
     }
 }
 
@@ -131,6 +146,9 @@ pub enum Edit {
     Keep,
     Drop,
     Changed,
+    /// It ends the answer (as changed, when it was): held until it is
+    /// known whether the answer goes on with another round.
+    Hold,
 }
 
 /// Edits the events of the answer the client gets.
@@ -139,16 +157,42 @@ pub struct Filter {
     /// The usage of the rounds condense answered.
     pub(super) extra: Sum,
     /// Indices (tool call, content block or output item) of condense's
-    /// calls taken out so far.
+    /// calls taken out of this round so far.
     pub(super) dropped: Vec<u64>,
-    /// Whether a call of the client's went by.
+    /// Whether a call of the client's went by (in any round).
     pub(super) client_calls: bool,
-    /// How many calls were taken out.
+    /// How many calls were taken out of this round.
     pub stripped: usize,
     /// The names of the client's tools.
     pub(super) client_tools: Vec<String>,
-    /// Chat: the name of each tool call so far, by index.
+    /// Chat: the name of each tool call of this round so far, by index.
     pub(super) names: Vec<(u64, String)>,
+    /// Whether the events that end the answer are held (another round may
+    /// continue it).
+    pub continuable: bool,
+    /// The rounds the client saw before this one.
+    pub(super) round: usize,
+    /// Indices the client saw in the rounds before: this round's go on
+    /// from there.
+    pub(super) offset: u64,
+    /// Indices the client saw in this round (the highest, plus one).
+    pub(super) shown: u64,
+    /// Chat: whether the client saw text, and whether this round's first
+    /// text is to be set apart from it.
+    pub(super) texted: bool,
+    pub(super) apart: bool,
+    /// The first round's id (chat's chunk id, a response's id): later
+    /// rounds' events carry it.
+    pub(super) first_id: Option<Value>,
+    /// Responses: the next event's sequence number, once renumbered.
+    pub(super) next_seq: Option<u64>,
+    /// Responses: the output items the client saw, in rounds before and in
+    /// the held end of this one.
+    pub(super) output: Vec<Value>,
+    pub(super) round_output: Vec<Value>,
+    /// Messages: the usage of a later round's start (not shown), added to
+    /// its end.
+    pub(super) start_usage: Option<Value>,
 }
 
 impl Filter {
@@ -161,6 +205,17 @@ impl Filter {
             stripped: 0,
             client_tools: Vec::new(),
             names: Vec::new(),
+            continuable: false,
+            round: 0,
+            offset: 0,
+            shown: 0,
+            texted: false,
+            apart: false,
+            first_id: None,
+            next_seq: None,
+            output: Vec::new(),
+            round_output: Vec::new(),
+            start_usage: None,
         }
     }
 
@@ -170,6 +225,27 @@ impl Filter {
     pub fn with_client_tools(mut self, names: Vec<String>) -> Filter {
         self.client_tools = names;
         self
+    }
+
+    /// Whether a call of the client's went out in any round.
+    pub fn client_calls(&self) -> bool {
+        self.client_calls
+    }
+
+    /// The next round continues the answer: its indices go on after the
+    /// ones the client saw, and `extra` (every round before it) is added
+    /// to its usage.
+    pub fn next_round(&mut self, extra: Sum) {
+        self.extra = extra;
+        self.offset += self.shown;
+        self.shown = 0;
+        self.round += 1;
+        self.dropped.clear();
+        self.names.clear();
+        self.stripped = 0;
+        self.start_usage = None;
+        self.apart = self.texted;
+        self.output.append(&mut self.round_output);
     }
 
     /// Takes out the call at `index` (and every later event of it).
@@ -184,14 +260,18 @@ impl Filter {
         }
     }
 
-    /// The index `i` once the calls taken out before it are gone.
-    pub(super) fn shifted(&self, i: u64) -> u64 {
-        i - self.dropped.iter().filter(|&&d| d < i).count() as u64
+    /// The index `i` as the client sees it: moved up past the calls taken
+    /// out before it, after the indices of the rounds before; counted as
+    /// shown.
+    pub(super) fn shifted(&mut self, i: u64) -> u64 {
+        let s = i - self.dropped.iter().filter(|&&d| d < i).count() as u64;
+        self.shown = self.shown.max(s + 1);
+        s + self.offset
     }
 
     /// An event of the block or item at `index` (under `key`): gone with a
-    /// call taken out, else moved up past the ones taken out before it.
-    pub(super) fn reindex(&self, data: &mut Value, key: &str, index: Option<u64>) -> Edit {
+    /// call taken out, else moved as [`Filter::shifted`] says.
+    pub(super) fn reindex(&mut self, data: &mut Value, key: &str, index: Option<u64>) -> Edit {
         let Some(i) = index else {
             return Edit::Keep;
         };
@@ -204,6 +284,15 @@ impl Filter {
         }
         data[key] = json!(s);
         Edit::Changed
+    }
+
+    /// An event that ends the answer: held when another round may go on.
+    pub(super) fn end(&self, changed: bool) -> Edit {
+        match (self.continuable, changed) {
+            (true, _) => Edit::Hold,
+            (false, true) => Edit::Changed,
+            (false, false) => Edit::Keep,
+        }
     }
 
     pub fn event(&mut self, data: &mut Value) -> Edit {

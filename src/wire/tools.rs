@@ -38,16 +38,22 @@ pub trait OwnTools: Sync + std::fmt::Debug {
     /// The tool calls of an answer, with whether each is condense's own.
     fn calls(&self, answer: &Value) -> Vec<(Call, bool)>;
 
-    /// The request that carries the results of condense's calls `ours`:
-    /// `sent` with the answer's turn appended (the client's own calls left
-    /// out) and one result per call.
+    /// The request that carries the results of condense's calls: `sent`
+    /// with the answer's turn appended (its text, and of its calls those
+    /// `kept`) and one result per kept call.
     fn follow_up(
         &self,
         answer: &Value,
-        ours: &[Call],
+        kept: &[Call],
         sent: &Bytes,
         results: &[(String, String)],
     ) -> Option<Bytes>;
+
+    /// `answer` with what the client is to see of `earlier` (an answer
+    /// whose calls of condense's tools were answered: its text and
+    /// reasoning, not its calls) put before its own, as one message;
+    /// unchanged when `earlier` has no text.
+    fn prepend(&self, earlier: &Value, answer: &mut Value);
 
     /// Takes condense's calls out of an answer (the stop reason says
     /// "done" when no call of the client's is left).
@@ -246,9 +252,13 @@ impl Answer {
             .collect()
     }
 
-    /// How many calls of the client's own tools the answer makes.
-    pub fn theirs(&self) -> usize {
-        self.calls().iter().filter(|(_, own)| !own).count()
+    /// The answer's calls of the client's own tools.
+    pub fn theirs(&self) -> Vec<Call> {
+        self.calls()
+            .into_iter()
+            .filter(|(_, own)| !*own)
+            .map(|(c, _)| c)
+            .collect()
     }
 
     /// The numbers of the answer's `usage`.
@@ -264,6 +274,37 @@ impl Answer {
     /// result per call. None when `sent` cannot take it.
     pub fn follow_up(&self, sent: &Bytes, results: &[(String, String)]) -> Option<Bytes> {
         self.api.follow_up(&self.value, &self.ours(), sent, results)
+    }
+
+    /// The request that carries the results of condense's calls of an
+    /// answer the client already saw part of: every call stays in the turn
+    /// (the client runs its own, whose result here is `passed_on`), the
+    /// results in the order of the calls.
+    pub fn follow_up_shown(
+        &self,
+        sent: &Bytes,
+        results: &[(String, String)],
+        passed_on: &str,
+    ) -> Option<Bytes> {
+        let calls = self.calls();
+        let ordered: Vec<(String, String)> = calls
+            .iter()
+            .filter_map(|(c, own)| match own {
+                true => results.iter().find(|(id, _)| *id == c.id).cloned(),
+                false => Some((c.id.clone(), passed_on.to_string())),
+            })
+            .collect();
+        let all: Vec<Call> = calls.into_iter().map(|(c, _)| c).collect();
+        self.api.follow_up(&self.value, &all, sent, &ordered)
+    }
+
+    /// The answer with the text of `earlier` rounds (whose calls of
+    /// condense's tools were answered) before its own, as one message.
+    pub fn after(mut self, earlier: &[Answer]) -> Answer {
+        for e in earlier.iter().rev() {
+            self.api.prepend(&e.value, &mut self.value);
+        }
+        self
     }
 
     /// The answer as the client sees it: condense's calls taken out (the
@@ -390,7 +431,7 @@ mod tests {
                 argument: Some("abcdefgh".into())
             }]
         );
-        assert_eq!(a.theirs(), 1);
+        assert_eq!(a.theirs().len(), 1);
         let sent = body(json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}));
         let next = a
             .follow_up(&sent, &[("a".into(), "the original".into())])

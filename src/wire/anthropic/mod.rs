@@ -78,15 +78,15 @@ impl OwnTools for Messages {
     fn follow_up(
         &self,
         answer: &Value,
-        ours: &[Call],
+        kept: &[Call],
         sent: &Bytes,
         results: &[(String, String)],
     ) -> Option<Bytes> {
-        let is_ours = |id: &str| ours.iter().any(|c| c.id == id);
+        let is_kept = |id: &str| kept.iter().any(|c| c.id == id);
         let content: Vec<Value> = blocks(answer)
             .filter(|b| {
                 b.get("type").and_then(Value::as_str) != Some("tool_use")
-                    || b.get("id").and_then(Value::as_str).is_some_and(is_ours)
+                    || b.get("id").and_then(Value::as_str).is_some_and(is_kept)
             })
             .cloned()
             .collect();
@@ -99,6 +99,25 @@ impl OwnTools for Messages {
             json!({"role": "user", "content": results}),
         ];
         append(sent, "messages", &turn)
+    }
+
+    fn prepend(&self, earlier: &Value, answer: &mut Value) {
+        let is = |b: &Value, kind: &str| b.get("type").and_then(Value::as_str) == Some(kind);
+        let shown: Vec<Value> = blocks(earlier)
+            .filter(|b| !is(b, "tool_use"))
+            .cloned()
+            .collect();
+        let texted = shown.iter().any(|b| {
+            is(b, "text")
+                && b.get("text")
+                    .and_then(Value::as_str)
+                    .is_some_and(|t| !t.is_empty())
+        });
+        if let Some(content) = answer.get_mut("content").and_then(Value::as_array_mut)
+            && texted
+        {
+            content.splice(0..0, shown);
+        }
     }
 
     fn strip_own_calls(&self, answer: &mut Value) {

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use super::usage::{AnthropicUsage, usage};
 use crate::wire::sse::data_of;
-use crate::wire::stream::{Decision, Edit, Filter, Gather, ours, str_at};
+use crate::wire::stream::{Decision, Edit, Filter, Gather, append_text, ours, str_at};
 use crate::wire::tap::{SseTap, member};
 use crate::wire::usage::Usage;
 
@@ -110,8 +110,7 @@ pub(super) fn gather(g: &mut Gather, data: &Value) -> Decision {
                         .filter(|b| b.is_object())
                     {
                         let piece = str_at(delta, &format!("/{field}")).unwrap_or("");
-                        let before = block[field].as_str().unwrap_or("").to_string();
-                        block[field] = json!(before + piece);
+                        append_text(&mut block[field], piece);
                     }
                 }
                 None => {}
@@ -168,24 +167,49 @@ pub(super) fn filter(f: &mut Filter, data: &mut Value) -> Edit {
         }
     }
     match kind {
-        "message_start" => {
-            return match f.usage(data.pointer_mut("/message/usage")) {
-                true => Edit::Changed,
-                false => Edit::Keep,
-            };
+        // A later round's start is not shown: its usage goes to its end.
+        "message_start" if f.round > 0 => {
+            f.start_usage = data.pointer("/message/usage").cloned();
+            Edit::Drop
         }
+        "message_start" => match f.usage(data.pointer_mut("/message/usage")) {
+            true => Edit::Changed,
+            false => Edit::Keep,
+        },
         "message_delta" => {
-            let mut changed = f.usage(data.get_mut("usage"));
-            if str_at(data, "/delta/stop_reason") == Some("tool_use")
-                && !f.client_calls
-                && !f.dropped.is_empty()
-            {
-                data["delta"]["stop_reason"] = json!("end_turn");
-                changed = true;
+            let mut changed = false;
+            // The usage of the round's start that its end does not repeat
+            // (the end's numbers are the whole message's).
+            if let Some(Value::Object(start)) = f.start_usage.take() {
+                if !data.get("usage").is_some_and(Value::is_object) {
+                    data["usage"] = json!({});
+                }
+                if let Some(usage) = data.get_mut("usage").and_then(Value::as_object_mut) {
+                    for (k, v) in start {
+                        if v.is_number() && !usage.contains_key(&k) {
+                            usage.insert(k, v);
+                            changed = true;
+                        }
+                    }
+                }
             }
-            return if changed { Edit::Changed } else { Edit::Keep };
+            changed |= f.usage(data.get_mut("usage"));
+            match str_at(data, "/delta/stop_reason") {
+                // Only condense's calls were made: the turn is done.
+                Some("tool_use") if !f.client_calls && !f.dropped.is_empty() => {
+                    data["delta"]["stop_reason"] = json!("end_turn");
+                    changed = true;
+                }
+                // A call of the client's went out in a round before.
+                Some("end_turn") if f.client_calls => {
+                    data["delta"]["stop_reason"] = json!("tool_use");
+                    changed = true;
+                }
+                _ => {}
+            }
+            f.end(changed)
         }
-        _ => {}
+        "message_stop" => f.end(false),
+        _ => f.reindex(data, "index", index),
     }
-    f.reindex(data, "index", index)
 }

@@ -75,17 +75,17 @@ impl OwnTools for Chat {
     fn follow_up(
         &self,
         answer: &Value,
-        ours: &[Call],
+        kept: &[Call],
         sent: &Bytes,
         results: &[(String, String)],
     ) -> Option<Bytes> {
-        let is_ours = |id: &str| ours.iter().any(|c| c.id == id);
+        let is_kept = |id: &str| kept.iter().any(|c| c.id == id);
         let message = answer.pointer("/choices/0/message")?;
         let calls: Vec<Value> = message
             .get("tool_calls")?
             .as_array()?
             .iter()
-            .filter(|c| c.get("id").and_then(Value::as_str).is_some_and(is_ours))
+            .filter(|c| c.get("id").and_then(Value::as_str).is_some_and(is_kept))
             .cloned()
             .collect();
         let content = message.get("content").cloned().unwrap_or(Value::Null);
@@ -103,6 +103,22 @@ impl OwnTools for Chat {
             turn.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
         }
         append(sent, "messages", &turn)
+    }
+
+    fn prepend(&self, earlier: &Value, answer: &mut Value) {
+        let Some(text) = earlier
+            .pointer("/choices/0/message/content")
+            .and_then(Value::as_str)
+            .filter(|t| !t.is_empty())
+        else {
+            return;
+        };
+        if let Some(content) = answer.pointer_mut("/choices/0/message/content") {
+            *content = match content.as_str() {
+                Some(later) if !later.is_empty() => json!(format!("{text}\n\n{later}")),
+                _ => json!(text),
+            };
+        }
     }
 
     fn strip_own_calls(&self, answer: &mut Value) {

@@ -24,7 +24,7 @@ use serde_json::{Value, json};
 use crate::chat::RawObject;
 use crate::chat::object::members;
 use crate::wire::sse::{event_data, rebuild_event, single_data_line};
-use crate::wire::stream::{Decision, Edit, Filter, Gather, Named, named, str_at};
+use crate::wire::stream::{Decision, Edit, Filter, Gather, Named, append_text, named, str_at};
 use crate::wire::tap::SseTap;
 use crate::wire::tools::is_own_tool;
 use crate::wire::usage::Usage;
@@ -262,18 +262,14 @@ pub(super) fn gather(g: &mut Gather, data: &Value) -> Decision {
         if !text.is_empty() {
             now = Decision::Pass;
         }
-        let message = &mut g.value["choices"][0]["message"];
-        let before = message["content"].as_str().unwrap_or("").to_string();
-        message["content"] = json!(before + text);
+        append_text(&mut g.value["choices"][0]["message"]["content"], text);
     }
     if delta.get("refusal").is_some_and(|r| !r.is_null()) {
         now = Decision::Pass;
     }
     for key in REASONING_FIELDS {
         if let Some(piece) = delta.get(*key).and_then(Value::as_str) {
-            let message = &mut g.value["choices"][0]["message"];
-            let before = message[*key].as_str().unwrap_or("").to_string();
-            message[*key] = json!(before + piece);
+            append_text(&mut g.value["choices"][0]["message"][*key], piece);
         }
     }
     for tc in delta
@@ -306,11 +302,7 @@ pub(super) fn gather(g: &mut Gather, data: &Value) -> Decision {
             call["function"]["name"] = json!(full);
         }
         if let Some(args) = str_at(tc, "/function/arguments") {
-            let full = format!(
-                "{}{args}",
-                call["function"]["arguments"].as_str().unwrap_or("")
-            );
-            call["function"]["arguments"] = json!(full);
+            append_text(&mut call["function"]["arguments"], args);
         }
     }
     if let Some(reason) = choice.get("finish_reason").filter(|r| !r.is_null()) {
@@ -324,8 +316,44 @@ pub(super) fn gather(g: &mut Gather, data: &Value) -> Decision {
 
 pub(super) fn filter(f: &mut Filter, data: &mut Value) -> Edit {
     let mut changed = f.usage(data.get_mut("usage"));
+    // A later round's chunks carry the first round's id.
+    match (&f.first_id, data.get_mut("id")) {
+        (None, Some(id)) => f.first_id = Some(id.clone()),
+        (Some(first), Some(id)) if f.round > 0 && id != first => {
+            *id = first.clone();
+            changed = true;
+        }
+        _ => {}
+    }
     let mut empty = false;
+    let mut ends = false;
+    if data
+        .get("choices")
+        .and_then(Value::as_array)
+        .is_some_and(Vec::is_empty)
+    {
+        // The usage-only chunk comes after the one that ends the answer.
+        ends = data.get("usage").is_some_and(Value::is_object);
+    }
     if let Some(choice) = data.pointer_mut("/choices/0") {
+        if let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) {
+            if f.round > 0 && delta.remove("role").is_some() {
+                changed = true;
+                empty = delta.is_empty();
+            }
+            if let Some(Value::String(text)) = delta.get_mut("content")
+                && !text.is_empty()
+            {
+                // A later round's text is set apart from the text before.
+                if f.apart {
+                    text.insert_str(0, "\n\n");
+                    f.apart = false;
+                    changed = true;
+                }
+                f.texted = true;
+                empty = false;
+            }
+        }
         if let Some(calls) = choice
             .pointer_mut("/delta/tool_calls")
             .and_then(Value::as_array_mut)
@@ -344,7 +372,7 @@ pub(super) fn filter(f: &mut Filter, data: &mut Value) -> Edit {
                         }
                     };
                     // A client that replaces the name with each piece
-                    // would see the piece itf.
+                    // would see the piece itself.
                     let named = match is_own_tool(piece) {
                         true => Named::Ours,
                         false => named(&full, &f.client_tools),
@@ -380,16 +408,28 @@ pub(super) fn filter(f: &mut Filter, data: &mut Value) -> Edit {
                 empty = delta.keys().all(|k| k == "role");
             }
         }
-        if choice.get("finish_reason").and_then(Value::as_str) == Some("tool_calls")
-            && !f.client_calls
-            && !f.dropped.is_empty()
-        {
-            choice["finish_reason"] = json!("stop");
-            changed = true;
+        match choice.get("finish_reason").and_then(Value::as_str) {
+            // Only condense's calls were made: the turn is done.
+            Some("tool_calls") if !f.client_calls && !f.dropped.is_empty() => {
+                choice["finish_reason"] = json!("stop");
+                changed = true;
+            }
+            // A call of the client's went out in a round before: the
+            // client is to run it.
+            Some("stop") if f.client_calls => {
+                choice["finish_reason"] = json!("tool_calls");
+                changed = true;
+            }
+            _ => {}
         }
-        if empty && choice.get("finish_reason").is_none_or(Value::is_null) {
+        if choice.get("finish_reason").is_some_and(|r| !r.is_null()) {
+            ends = true;
+        } else if empty {
             return Edit::Drop;
         }
+    }
+    if ends {
+        return f.end(changed);
     }
     if changed { Edit::Changed } else { Edit::Keep }
 }

@@ -87,11 +87,11 @@ impl OwnTools for Responses {
     fn follow_up(
         &self,
         answer: &Value,
-        ours: &[Call],
+        kept: &[Call],
         sent: &Bytes,
         results: &[(String, String)],
     ) -> Option<Bytes> {
-        let is_ours = |id: &str| ours.iter().any(|c| c.id == id);
+        let is_kept = |id: &str| kept.iter().any(|c| c.id == id);
         let mut turn = Vec::new();
         for item in answer.get("output")?.as_array()? {
             let kind = item.get("type").and_then(Value::as_str).unwrap_or("");
@@ -106,7 +106,7 @@ impl OwnTools for Responses {
                 "reasoning" => {}
                 "function_call" => {
                     let id = item.get("call_id").and_then(Value::as_str);
-                    if !id.is_some_and(is_ours) {
+                    if !id.is_some_and(is_kept) {
                         continue;
                     }
                     strip_id(&mut item);
@@ -120,6 +120,23 @@ impl OwnTools for Responses {
             turn.push(json!({"type": "function_call_output", "call_id": id, "output": text}));
         }
         append(sent, "input", &turn)
+    }
+
+    fn prepend(&self, earlier: &Value, answer: &mut Value) {
+        let is = |i: &Value, kind: &str| i.get("type").and_then(Value::as_str) == Some(kind);
+        let shown: Vec<Value> = earlier
+            .get("output")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter(|i| !is(i, "function_call"))
+            .cloned()
+            .collect();
+        if let Some(output) = answer.get_mut("output").and_then(Value::as_array_mut)
+            && shown.iter().any(|i| is(i, "message"))
+        {
+            output.splice(0..0, shown);
+        }
     }
 
     fn strip_own_calls(&self, answer: &mut Value) {

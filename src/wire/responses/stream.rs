@@ -6,7 +6,7 @@ use std::sync::LazyLock;
 
 use bytes::BytesMut;
 use memchr::memmem::Finder;
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use crate::wire::sse::data_of;
 use crate::wire::stream::{Decision, Edit, Filter, Gather, ours, str_at};
@@ -77,8 +77,16 @@ pub(super) fn gather(g: &mut Gather, data: &Value) -> Decision {
 }
 
 pub(super) fn filter(f: &mut Filter, data: &mut Value) -> Edit {
-    let kind = data.get("type").and_then(Value::as_str).unwrap_or("");
+    let kind = data
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let kind = kind.as_str();
     let index = data.get("output_index").and_then(Value::as_u64);
+    if f.first_id.is_none() {
+        f.first_id = data.pointer("/response/id").cloned();
+    }
     // An event that carries one of condense's calls (`added`, or a
     // `done` without it) goes, and takes its output index with it.
     if str_at(data, "/item/type") == Some("function_call") {
@@ -90,12 +98,17 @@ pub(super) fn filter(f: &mut Filter, data: &mut Value) -> Edit {
             f.client_calls = true;
         }
     }
+    // A later round's start is not shown.
+    if f.round > 0 && matches!(kind, "response.created" | "response.in_progress") {
+        return Edit::Drop;
+    }
+    let mut changed = false;
     // The whole response (`response.completed`, `incomplete`, `failed`).
     if data
         .pointer("/response/output")
         .is_some_and(Value::is_array)
     {
-        let mut changed = f.usage(data.pointer_mut("/response/usage"));
+        changed |= f.usage(data.pointer_mut("/response/usage"));
         if let Some(output) = data
             .pointer_mut("/response/output")
             .and_then(Value::as_array_mut)
@@ -105,8 +118,47 @@ pub(super) fn filter(f: &mut Filter, data: &mut Value) -> Edit {
                 !(str_at(i, "/type") == Some("function_call") && ours(str_at(i, "/name")))
             });
             changed |= output.len() != before;
+            // It holds every item the client saw, of every round.
+            if !f.output.is_empty() {
+                output.splice(0..0, f.output.iter().cloned());
+                changed = true;
+            }
         }
-        return if changed { Edit::Changed } else { Edit::Keep };
+        if f.round > 0
+            && let (Some(first), Some(id)) = (&f.first_id, data.pointer_mut("/response/id"))
+            && id != first
+        {
+            *id = first.clone();
+            changed = true;
+        }
+    } else {
+        match f.reindex(data, "output_index", index) {
+            Edit::Drop => return Edit::Drop,
+            edit => changed |= edit == Edit::Changed,
+        }
     }
-    f.reindex(data, "output_index", index)
+    // The events the client gets are numbered without a gap where one was
+    // taken out, and later rounds' on from the first round's.
+    if let Some(seq) = data.get("sequence_number").and_then(Value::as_u64) {
+        let next = *f.next_seq.get_or_insert(seq);
+        if seq != next {
+            data["sequence_number"] = json!(next);
+            changed = true;
+        }
+        f.next_seq = Some(next + 1);
+    }
+    if kind == "response.completed" {
+        // Held: another round may go on from here.
+        if f.continuable {
+            if let Some(output) = data.pointer("/response/output").and_then(Value::as_array) {
+                f.round_output = output[f.output.len().min(output.len())..].to_vec();
+            }
+            // Its number is the next round's, should it be dropped.
+            if let Some(next) = f.next_seq.as_mut() {
+                *next -= 1;
+            }
+        }
+        return f.end(changed);
+    }
+    if changed { Edit::Changed } else { Edit::Keep }
 }
