@@ -45,6 +45,8 @@ struct Model {
     stall: AtomicBool,
     /// Call the client's `run` too, before condense's tool.
     client_call: AtomicBool,
+    /// Answer a request carrying a recall result with a 500.
+    fail_follow_up: AtomicBool,
 }
 
 /// How the model writes an answer that calls condense's tool.
@@ -129,6 +131,13 @@ async fn answer(State(model): State<Arc<Model>>, req: Request) -> Response {
         Some(k) if offered && (!answered || model.always.load(Ordering::SeqCst)) => Some(k),
         _ => None,
     };
+    if answered && model.fail_follow_up.load(Ordering::SeqCst) {
+        return (
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            json_body(json!({"error": {"message": "The server had an error while processing your request.", "type": "server_error"}})),
+        )
+            .into_response();
+    }
     if model.stall.load(Ordering::SeqCst) {
         let start = futures_util::stream::once(async { Ok::<_, std::io::Error>("{\"id\":") });
         let body = Body::from_stream(start.chain(futures_util::stream::pending()));
@@ -912,6 +921,66 @@ async fn a_recall_after_text_goes_on_in_the_same_answer_in_every_format() {
     assert_eq!(
         metric(&server, "condense_recalls_total{outcome=\"stripped\"}").await,
         0.0
+    );
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_stream_that_cannot_go_on_ends_as_it_came_and_calibration_reads_the_first_round() {
+    let up = upstream().await;
+    let server = condense(&up, |_| {}).await;
+    up.model.text_first.store(true, Ordering::SeqCst);
+    let label = "condense_upstream_prompt_tokens_total{model=\"agent-small\"}";
+    // It goes on: the usage learned is the first round's alone, the
+    // request condense measured.
+    let (_, body) = send(&server, "/v1/messages", &messages_session(true)).await;
+    let seen = up.model.requests();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(
+        messages_stream(&body)["content"].as_array().unwrap().len(),
+        2
+    );
+    let first = prompts(&seen[..1]) as f64;
+    assert_eq!(metric(&server, label).await, first);
+
+    // The follow-up fails: the client gets the first round as it came,
+    // without condense's call, ended as the upstream ended it.
+    up.model.fail_follow_up.store(true, Ordering::SeqCst);
+    for path in ["/v1/chat/completions", "/v1/messages", "/v1/responses"] {
+        let session = match path {
+            "/v1/chat/completions" => chat_session(true),
+            "/v1/messages" => messages_session(true),
+            _ => responses_session(true),
+        };
+        let (status, body) = send(&server, path, &session).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(!body.contains(RECALL), "{body}");
+        match path {
+            "/v1/chat/completions" => {
+                let (text, _, chunks) = chat_stream_text(&body);
+                assert_eq!(text, LEAD);
+                assert!(
+                    chunks
+                        .iter()
+                        .any(|c| c["choices"][0]["finish_reason"] == "stop")
+                );
+                assert!(body.trim_end().ends_with("data: [DONE]"));
+            }
+            "/v1/messages" => {
+                let message = messages_stream(&body);
+                assert_eq!(message["content"], json!([{"type": "text", "text": LEAD}]));
+                assert_eq!(message["stop_reason"], "end_turn");
+            }
+            _ => {
+                let (response, texts) = responses_stream(&body);
+                assert_eq!(texts, [LEAD]);
+                assert_eq!(response["output"].as_array().unwrap().len(), 1);
+            }
+        }
+    }
+    assert_eq!(
+        metric(&server, "condense_recalls_total{outcome=\"failed\"}").await,
+        3.0
     );
     server.shutdown().await.unwrap();
 }
