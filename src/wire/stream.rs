@@ -462,4 +462,46 @@ mod tests {
         let reasoning = json!({"type": "response.output_item.added", "output_index": 0, "item": {"type": "reasoning"}});
         assert_eq!(run(Format::Responses.api(), &[reasoning]).0, Decision::Hold);
     }
+
+    #[test]
+    fn a_continued_messages_answer_goes_on_from_the_blocks_the_client_saw() {
+        let mut f = Filter::new(Format::Messages.api(), Sum::default());
+        f.continuable = true;
+        let start = |input: u64| {
+            json!({"type": "message_start", "message": {"id": "m", "content": [],
+                "usage": {"input_tokens": input, "output_tokens": 1}}})
+        };
+        let block = |i: u64, kind: &str, name: &str| {
+            json!({"type": "content_block_start", "index": i,
+                "content_block": {"type": kind, "name": name, "id": "t"}})
+        };
+        let end = |stop: &str| {
+            json!({"type": "message_delta", "delta": {"stop_reason": stop}, "usage": {"output_tokens": 5}})
+        };
+        assert_eq!(f.event(&mut start(100)), Edit::Keep);
+        assert_eq!(f.event(&mut block(0, "text", "")), Edit::Keep);
+        assert_eq!(f.event(&mut block(1, "tool_use", RECALL_TOOL)), Edit::Drop);
+        assert_eq!(f.event(&mut end("tool_use")), Edit::Hold);
+        assert_eq!(f.event(&mut json!({"type": "message_stop"})), Edit::Hold);
+        // The next round: no second start, its first block is the client's
+        // second, its end has every round's usage.
+        let mut extra = Sum::default();
+        extra.add(Some(&json!({"input_tokens": 100, "output_tokens": 5})));
+        f.next_round(extra);
+        f.continuable = false;
+        assert_eq!(f.event(&mut start(150)), Edit::Drop);
+        let mut text = block(0, "text", "");
+        assert_eq!(f.event(&mut text), Edit::Changed);
+        assert_eq!(text["index"], 1);
+        let mut delta = json!({"type": "content_block_delta", "index": 0,
+            "delta": {"type": "text_delta", "text": "x"}});
+        assert_eq!(f.event(&mut delta), Edit::Changed);
+        assert_eq!(delta["index"], 1);
+        let mut last = end("end_turn");
+        assert_eq!(f.event(&mut last), Edit::Changed);
+        assert_eq!(last["usage"]["input_tokens"], 250);
+        assert_eq!(last["usage"]["output_tokens"], 10);
+        assert_eq!(last["delta"]["stop_reason"], "end_turn");
+        assert_eq!(f.event(&mut json!({"type": "message_stop"})), Edit::Keep);
+    }
 }
