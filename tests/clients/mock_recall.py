@@ -20,6 +20,10 @@ came before, since condense may rewrite old turns):
 - otherwise the final text: "done: read <READS> logs", followed by
   "; recalled <K> (<chars> chars)" when a recall was answered, so the
   client's last answer tells what the model got back.
+
+Started with lead=True, it writes a sentence before every call, as Claude
+and GPT models mostly do (streamed word by word before the call's deltas):
+"Reading log <n>." and, before the recall, LEAD_RECALL.
 """
 
 import itertools
@@ -35,6 +39,7 @@ READS = 14
 RECALL_TOOL = "condense_recall"
 RECALL_PREFIX = "recall_"
 KEY = re.compile(r"recall key: ([A-Za-z0-9_-]{6,64})(?![A-Za-z0-9_-])")
+LEAD_RECALL = "Let me look at that earlier log again."
 _ids = itertools.count(1)
 
 
@@ -73,15 +78,21 @@ def tool_call(call_id, name, arguments):
         "id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
 
 
-def answer(body):
+def answer(body, lead=False):
     """The assistant message for a request and its finish_reason."""
     messages = body["messages"]
     done = reads_done(messages)
     if done < READS:
-        return tool_call("call_read_%d" % (done + 1), "read_log", {"n": done + 1}), "tool_calls"
+        call = tool_call("call_read_%d" % (done + 1), "read_log", {"n": done + 1})
+        if lead:
+            call["content"] = "Reading log %d." % (done + 1)
+        return call, "tool_calls"
     key = recall_key(body)
     if key:
-        return tool_call("%s%d" % (RECALL_PREFIX, next(_ids)), RECALL_TOOL, {"key": key}), "tool_calls"
+        call = tool_call("%s%d" % (RECALL_PREFIX, next(_ids)), RECALL_TOOL, {"key": key})
+        if lead:
+            call["content"] = LEAD_RECALL
+        return call, "tool_calls"
     text = "done: read %d logs" % done
     # The recall this conversation had: the call and its result.
     calls = {c["id"]: json.loads(c["function"]["arguments"])["key"]
@@ -96,6 +107,7 @@ def answer(body):
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     recorder = None  # set by start()
+    lead = False  # set by start()
 
     def log_message(self, *args):
         pass
@@ -125,7 +137,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send_json(404, {"error": {"message": "not found", "type": "invalid_request_error",
                                             "param": None, "code": None}})
             return
-        message, finish = answer(body)
+        message, finish = answer(body, self.lead)
         prompt_tokens = len(raw) // 4
         completion_tokens = max(1, len(json.dumps(message)) // 4)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -161,20 +173,23 @@ class Handler(BaseHTTPRequestHandler):
             return c
 
         events = []
-        if message.get("tool_calls"):
-            call = message["tool_calls"][0]
-            arguments = call["function"]["arguments"]
-            half = len(arguments) // 2
-            events.append(chunk({"role": "assistant", "content": None, "tool_calls": [{
-                "index": 0, "id": call["id"], "type": "function",
-                "function": {"name": call["function"]["name"], "arguments": ""}}]}))
-            for piece in (arguments[:half], arguments[half:]):
-                events.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}))
-        else:
+        if message.get("content"):
             events.append(chunk({"role": "assistant", "content": ""}))
             words = message["content"].split(" ")
             for i, word in enumerate(words):
                 events.append(chunk({"content": word if i == len(words) - 1 else word + " "}))
+        if message.get("tool_calls"):
+            call = message["tool_calls"][0]
+            arguments = call["function"]["arguments"]
+            half = len(arguments) // 2
+            start = {"tool_calls": [{
+                "index": 0, "id": call["id"], "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": ""}}]}
+            if not events:
+                start = {"role": "assistant", "content": None, **start}
+            events.append(chunk(start))
+            for piece in (arguments[:half], arguments[half:]):
+                events.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}))
         events.append(chunk({}, finish))
         if include_usage:
             events.append({"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -189,11 +204,12 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
-def start():
+def start(lead=False):
     """Starts the mock on a free port; returns (server, recorder, base_url),
-    base_url in condense's upstream shape http://127.0.0.1:PORT/v1."""
+    base_url in condense's upstream shape http://127.0.0.1:PORT/v1. With
+    lead, the model writes a sentence before every call."""
     recorder = Recorder()
-    handler = type("BoundRecallHandler", (Handler,), {"recorder": recorder})
+    handler = type("BoundRecallHandler", (Handler,), {"recorder": recorder, "lead": lead})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -9,7 +9,9 @@ the client's request: the SDK only ever sees `read_log` calls and the final
 text, the upstream gets the original output back verbatim, and the usage
 the client gets covers both upstream calls. Run once with stream=False,
 once with stream=True (accumulated by the SDK's stream helper, with
-stream_options.include_usage).
+stream_options.include_usage), and both again with a model that writes a
+sentence before every call: the sentence before condense_recall reaches
+the client, and the answer goes on after it in the same message.
 """
 
 import json
@@ -65,9 +67,9 @@ def _complete(client, messages, stream):
     return completion, chunks, deltas + list(completion.choices[0].message.tool_calls or [])
 
 
-def _run(tmp_path, stream):
+def _run(tmp_path, stream, lead=False):
     (tmp_path / "condense.toml").write_text(CONFIG)
-    server, recorder, url = mock_recall.start()
+    server, recorder, url = mock_recall.start(lead)
     condense = Condense(url, args=("--config", str(tmp_path / "condense.toml")))
     client = OpenAI(base_url=condense.base_url, api_key=API_KEY, max_retries=0, timeout=60)
     r = Run()
@@ -83,7 +85,7 @@ def _run(tmp_path, stream):
             message = completion.choices[0].message
             if not message.tool_calls:
                 break
-            messages.append({"role": "assistant", "tool_calls": [
+            messages.append({"role": "assistant", "content": message.content, "tool_calls": [
                 {"id": tc.id, "type": "function",
                  "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
                 for tc in message.tool_calls]})
@@ -97,7 +99,9 @@ def _run(tmp_path, stream):
         condense.stop()
         server.shutdown()
     r.posts = [q for q in recorder.requests if q["method"] == "POST"]
-    print("\nrecall via the OpenAI SDK (stream=%s): %.1fs, %d upstream requests" % (stream, r.seconds, len(r.posts)))
+    r.lead = lead
+    print("\nrecall via the OpenAI SDK (stream=%s, lead=%s): %.1fs, %d upstream requests"
+          % (stream, lead, r.seconds, len(r.posts)))
     return r
 
 
@@ -109,6 +113,19 @@ def run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def streamed_run(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("recall_stream"), stream=True)
+
+
+@pytest.fixture(scope="module")
+def lead_run(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("recall_lead_json"), stream=False, lead=True)
+
+
+@pytest.fixture(scope="module")
+def lead_streamed_run(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("recall_lead_stream"), stream=True, lead=True)
+
+
+RUNS = ["run", "streamed_run", "lead_run", "lead_streamed_run"]
 
 
 def recalled(r):
@@ -127,13 +144,16 @@ def recalled(r):
     return i, call, key, holders[0]
 
 
-@pytest.mark.parametrize("which", ["run", "streamed_run"])
+@pytest.mark.parametrize("which", RUNS)
 def test_the_loop_ends_with_the_final_text(which, request):
     r = request.getfixturevalue(which)
     _, _, key, holder = recalled(r)
-    # The mock's final text names what it got back from the recall.
-    assert r.final.choices[0].message.content == "done: read %d logs; recalled %s (%d chars)" % (
-        mock_recall.READS, key, len(r.outputs[holder]))
+    # The mock's final text names what it got back from the recall; the
+    # sentence it wrote before the recall comes first, in the same message.
+    final = "done: read %d logs; recalled %s (%d chars)" % (mock_recall.READS, key, len(r.outputs[holder]))
+    if r.lead:
+        final = mock_recall.LEAD_RECALL + "\n\n" + final
+    assert r.final.choices[0].message.content == final
     assert r.final.choices[0].finish_reason == "stop"
     assert len(r.outputs) == mock_recall.READS
     # One upstream request per client request, one more for the recall: no
@@ -142,7 +162,7 @@ def test_the_loop_ends_with_the_final_text(which, request):
     assert all(q["path"] == "/v1/chat/completions" for q in r.posts)
 
 
-@pytest.mark.parametrize("which", ["run", "streamed_run"])
+@pytest.mark.parametrize("which", RUNS)
 def test_the_client_never_sees_condense_recall(which, request):
     r = request.getfixturevalue(which)
     # Streamed, the name comes in the call's first delta (None after it).
@@ -156,7 +176,7 @@ def test_the_client_never_sees_condense_recall(which, request):
     assert holding == [len(r.posts) - 1]
 
 
-@pytest.mark.parametrize("which", ["run", "streamed_run"])
+@pytest.mark.parametrize("which", RUNS)
 def test_the_recalled_output_goes_upstream_verbatim(which, request):
     r = request.getfixturevalue(which)
     i, call, key, holder = recalled(r)
@@ -177,12 +197,13 @@ def test_the_recalled_output_goes_upstream_verbatim(which, request):
     assert again["messages"][:-2] == asked["messages"]
     turn, result = again["messages"][-2:]
     assert turn["role"] == "assistant" and turn["tool_calls"] == [call]
+    assert turn["content"] == (mock_recall.LEAD_RECALL if r.lead else None)
     assert set(result) == {"role", "tool_call_id", "content"}
     assert (result["role"], result["tool_call_id"]) == ("tool", call["id"])
     assert [cid for cid, text in r.outputs.items() if text == result["content"]] == [holder]
 
 
-@pytest.mark.parametrize("which", ["run", "streamed_run"])
+@pytest.mark.parametrize("which", RUNS)
 def test_metrics_count_the_masking_and_the_recall(which, request):
     r = request.getfixturevalue(which)
     *_, holder = recalled(r)
@@ -197,13 +218,13 @@ def test_metrics_count_the_masking_and_the_recall(which, request):
     assert sample("condense_recalled_bytes_total") == len(r.outputs[holder])
 
 
-@pytest.mark.parametrize("which", ["run", "streamed_run"])
+@pytest.mark.parametrize("which", RUNS)
 def test_the_usage_covers_both_upstream_calls(which, request):
     r = request.getfixturevalue(which)
     i = recalled(r)[0]
     first, second = (r.posts[k]["answer"]["usage"] for k in (i, i + 1))
     usage = r.final.usage
-    if which == "streamed_run":
+    if which.endswith("streamed_run"):
         # The stream's last chunk is the usage chunk (choices empty).
         assert r.last_chunks[-1].choices == []
         usage = r.last_chunks[-1].usage
