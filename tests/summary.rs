@@ -662,3 +662,91 @@ async fn send_summarized_messages(h: &Harness, body: &Value) {
     assert!(actions(&resp).contains("summarize"), "{}", actions(&resp));
     let _ = resp.text().await.unwrap();
 }
+
+/// A Codex-like Responses session: AGENTS.md instructions and the
+/// environment as user messages before the task, then 14 rounds of text
+/// and a tool call with a large output.
+fn codex_session() -> Value {
+    let mut input = vec![
+        serde_json::json!({"type": "message", "role": "user", "content": [{"type": "input_text",
+            "text": "# AGENTS.md instructions for /repo\n\nRun the tests before you finish."}]}),
+        serde_json::json!({"type": "message", "role": "user", "content": [{"type": "input_text",
+            "text": "<environment_context>\n  <cwd>/repo</cwd>\n  <shell>bash</shell>\n</environment_context>"}]}),
+        serde_json::json!({"type": "message", "role": "user", "content": [{"type": "input_text",
+            "text": "Fix the failing test in parser.py"}]}),
+    ];
+    for t in 0..14 {
+        let thought: String = (0..120).map(|w| format!("idea{t}x{w} ")).collect();
+        input.push(
+            serde_json::json!({"type": "message", "role": "assistant", "content": [
+            {"type": "output_text", "text": format!("Step {t}. {thought}")}]}),
+        );
+        input.push(
+            serde_json::json!({"type": "function_call", "call_id": format!("call_{t}"),
+            "name": "shell", "arguments": format!("{{\"cmd\":\"cat src/f{t}.py\"}}")}),
+        );
+        let lines: String = (0..30)
+            .map(|l| format!("{l:>4} value_{t}_{l} = parse(data[{l}:])\n"))
+            .collect();
+        input.push(
+            serde_json::json!({"type": "function_call_output", "call_id": format!("call_{t}"),
+            "output": lines}),
+        );
+    }
+    serde_json::json!({"model": "agent-small", "instructions": "You are Codex.", "input": input,
+        "store": false, "stream": false,
+        "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}}]})
+}
+
+/// A Responses request that needs a checkpoint gets one from the
+/// upstream's Responses API, in its format (stateless), with the client's
+/// own key: an upstream that speaks Responses may speak nothing else. The
+/// instructions, environment and task stay first and whole.
+#[tokio::test]
+async fn a_responses_checkpoint_is_written_by_the_responses_api_with_the_clients_key() {
+    let h = Harness::with(by_messages(20.0)).await;
+    let body = codex_session();
+    let resp = h
+        .client
+        .post(h.url("/v1/responses"))
+        .header("authorization", "Bearer sk-client-key")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(actions(&resp).contains("summarize"), "{}", actions(&resp));
+    let _ = resp.text().await.unwrap();
+    let calls = h.mock.summary_calls();
+    assert!(!calls.is_empty());
+    for call in &calls {
+        assert_eq!(call.path, "/v1/responses");
+        assert_eq!(call.headers["authorization"], "Bearer sk-client-key");
+        let v = call.json();
+        assert_eq!(v["store"], false, "{v}");
+        assert!(v["max_output_tokens"].as_u64().is_some(), "{v}");
+        assert!(v.get("messages").is_none() && v.get("stream").is_none());
+    }
+    let ask = calls[0].json()["input"][0]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(!ask.contains("environment_context"), "{ask}");
+    let sent = h
+        .mock
+        .requests()
+        .into_iter()
+        .rfind(|r| r.path == "/v1/responses" && !common::is_summary_call(&r.body))
+        .unwrap()
+        .json();
+    let sent = sent["input"].as_array().unwrap();
+    let original = body["input"].as_array().unwrap();
+    assert_eq!(sent[..3], original[..3]);
+    assert!(
+        sent[3].to_string().contains("; checkpoint. The"),
+        "{}",
+        sent[3]
+    );
+    assert!(sent.len() < original.len());
+    assert_eq!(sent.last(), original.last());
+}

@@ -79,6 +79,8 @@ pub struct Proxy {
     summarizer: Option<Summarizer>,
     /// Messages requests' summarizer: Anthropic's API, in its format.
     anthropic_summarizer: Option<Summarizer>,
+    /// Responses requests' summarizer: the upstream's Responses API.
+    responses_summarizer: Option<Summarizer>,
     pub state: Arc<StateStore>,
     /// Recall originals and agent points, apart from `state` so that they
     /// never crowd checkpoints out of the in-process store's bytes (the
@@ -172,27 +174,34 @@ impl Proxy {
                 config.upstream.anthropic_api_key.as_ref(),
             ),
         };
-        // Messages requests get checkpoints from Anthropic's API in its own
-        // format, with the key their request carries, unless a summarizer
-        // of its own is configured (`summary.base_url`/`summary.api_key`).
+        // Messages and Responses requests get checkpoints from their own
+        // API, in its format, with the key their request carries (an
+        // upstream that speaks Responses may speak nothing else), unless a
+        // summarizer of its own is configured (`summary.base_url`,
+        // `summary.api_key`).
         let own_summarizer = config.summary.base_url.is_some() || config.summary.api_key.is_some();
-        let anthropic_summarizer = if config.summary.enabled && !own_summarizer {
-            Some(Summarizer::new(
-                &crate::wire::anthropic::Messages,
+        let own_format = |api, upstream: &Upstream| -> Result<Option<Summarizer>, SetupError> {
+            if !config.summary.enabled || own_summarizer {
+                return Ok(None);
+            }
+            Ok(Some(Summarizer::new(
+                api,
                 &config.summary,
-                anthropic.upstream.base_url(),
-                anthropic.upstream.trust(),
+                upstream.base_url(),
+                upstream.trust(),
                 state.clone(),
                 Some(metrics.clone()),
-            )?)
-        } else {
-            None
+            )?))
         };
+        let anthropic_summarizer =
+            own_format(&crate::wire::anthropic::Messages, &anthropic.upstream)?;
+        let responses_summarizer = own_format(&crate::wire::responses::Responses, &upstream)?;
         Ok(Proxy {
             upstream,
             anthropic,
             summarizer,
             anthropic_summarizer,
+            responses_summarizer,
             state,
             recall_state,
             window_checks: Bounded::hashed(4096, 4096, one),
@@ -219,13 +228,18 @@ impl Proxy {
         })
     }
 
-    /// The summarizer for requests of `api`, and whether the client's
+    /// The summarizer for requests of `format`, and whether the client's
     /// credentials may go to it (it is their upstream's own API).
-    fn summarizer_for(&self, api: &dyn Api) -> Option<(&Summarizer, bool)> {
-        match (api.provider(), &self.anthropic_summarizer) {
-            (Provider::Anthropic, Some(s)) => Some((s, true)),
-            (Provider::Anthropic, None) => self.summarizer.as_ref().map(|s| (s, false)),
-            (Provider::OpenAi, _) => self.summarizer.as_ref().map(|s| (s, true)),
+    fn summarizer_for(&self, format: Format) -> Option<(&Summarizer, bool)> {
+        let own_format = match format {
+            Format::Messages => self.anthropic_summarizer.as_ref(),
+            Format::Responses => self.responses_summarizer.as_ref(),
+            Format::Chat => None,
+        };
+        match (own_format, format.api().provider()) {
+            (Some(s), _) => Some((s, true)),
+            (None, Provider::Anthropic) => self.summarizer.as_ref().map(|s| (s, false)),
+            (None, Provider::OpenAi) => self.summarizer.as_ref().map(|s| (s, true)),
         }
     }
 

@@ -202,7 +202,7 @@ impl Proxy {
     ) -> Result<Measured, Box<Prepared>> {
         let Own { tools, due } = own;
         let replacement = self
-            .summarizer_for(format.api())
+            .summarizer_for(format)
             .map_or(Replacement::Digest, |(s, _)| s.replacement());
         let (upstream, _) = self.endpoint(format.api());
         let subject = pipeline::Subject {
@@ -286,7 +286,7 @@ impl Proxy {
         headers: &HeaderMap,
         mechanical_fallback: bool,
     ) -> Option<pipeline::Processed> {
-        match (&p.pending, self.summarizer_for(format.api())) {
+        match (&p.pending, self.summarizer_for(format)) {
             (None, _) => Some(p),
             (Some(_), None) => Some(pipeline::finish(&self.tokens, p, None)),
             (Some(_), Some((summarizer, own_upstream))) => {

@@ -475,9 +475,7 @@ mod tests {
             json!({"type": "content_block_start", "index": i,
                 "content_block": {"type": kind, "name": name, "id": "t"}})
         };
-        let end = |stop: &str| {
-            json!({"type": "message_delta", "delta": {"stop_reason": stop}, "usage": {"output_tokens": 5}})
-        };
+        let end = |stop: &str| json!({"type": "message_delta", "delta": {"stop_reason": stop}, "usage": {"output_tokens": 5}});
         assert_eq!(f.event(&mut start(100)), Edit::Keep);
         assert_eq!(f.event(&mut block(0, "text", "")), Edit::Keep);
         assert_eq!(f.event(&mut block(1, "tool_use", RECALL_TOOL)), Edit::Drop);

@@ -20,7 +20,9 @@
 //!   `checkpoint-N`; "error": a 500; "hang": never; "unusable": an answer
 //!   without the sections; "echo_key": a 401 quoting the Authorization it
 //!   got), after `summary_delay_ms`. A Messages request whose first
-//!   message holds `<conversation>` is one too, answered in Messages' shape.
+//!   message holds `<conversation>` is one too, answered in Messages' shape,
+//!   and so is a Responses request whose first input item does, answered
+//!   in Responses' shape.
 //! - `x-mock-window: N` rejects a chat request whose prompt tokens plus
 //!   `max_tokens` exceed N with OpenAI's `context_length_exceeded` error
 //!   (counted in `MockState::overflows`); `x-mock-always-overflow: 1`
@@ -199,7 +201,7 @@ async fn handle(State(state): State<Arc<MockState>>, req: Request) -> Response {
     if let Some(sim) = provider
         && (parts.uri.path() == "/v1/models"
             || (parts.uri.path() == "/v1/messages" && !is_summary_call(&body))
-            || parts.uri.path() == "/v1/responses"
+            || (parts.uri.path() == "/v1/responses" && !is_summary_call(&body))
             || (parts.uri.path() == "/v1/chat/completions" && !is_summary_call(&body)))
     {
         return sim
@@ -209,13 +211,16 @@ async fn handle(State(state): State<Arc<MockState>>, req: Request) -> Response {
     }
     if parts.uri.path() == "/v1/messages" && parts.method == "POST" {
         if is_summary_call(&body) {
-            return summary(state, h, true).await;
+            return summary(state, h, Speaks::Messages).await;
         }
         return messages(state, h, &body);
     }
+    if parts.uri.path() == "/v1/responses" && parts.method == "POST" && is_summary_call(&body) {
+        return summary(state, h, Speaks::Responses).await;
+    }
     if parts.uri.path() == "/v1/chat/completions" && parts.method == "POST" {
         if is_summary_call(&body) {
-            return summary(state, h, false).await;
+            return summary(state, h, Speaks::Chat).await;
         }
         return chat(state, h, &body);
     }
@@ -242,12 +247,20 @@ pub fn is_summary_call(body: &[u8]) -> bool {
     let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     v["messages"][0]["content"]
         .as_str()
+        .or_else(|| v["input"][0]["content"].as_str())
         .is_some_and(|c| c.contains("<conversation>"))
 }
 
-/// A summarizer's answer, in Anthropic's Messages shape with `anthropic`,
-/// else as a chat completion.
-async fn summary(state: Arc<MockState>, h: &HeaderMap, anthropic: bool) -> Response {
+/// The API a summarizer call speaks, by its path.
+#[derive(Clone, Copy, PartialEq)]
+enum Speaks {
+    Chat,
+    Messages,
+    Responses,
+}
+
+/// A summarizer's answer, in the shape of the API it was asked in.
+async fn summary(state: Arc<MockState>, h: &HeaderMap, speaks: Speaks) -> Response {
     let n = state
         .requests
         .lock()
@@ -277,7 +290,16 @@ async fn summary(state: Arc<MockState>, h: &HeaderMap, anthropic: bool) -> Respo
             "## Task intent\nFix the failing test.\n## Files and artifacts\nsrc/parser.rs\n## Decisions\nnone\n## Errors and blockers\nerror[E0308]\n## Current state\nreading files\n## Next steps\nfix it\n## Critical identifiers\ncheckpoint-{n}\n"
         ),
     };
-    if anthropic {
+    if speaks == Speaks::Responses {
+        return json_response(json!({
+            "id": "resp_sum", "object": "response", "status": "completed", "model": "m",
+            "output": [{"type": "message", "id": "msg_sum", "status": "completed", "role": "assistant",
+                "content": [{"type": "output_text", "text": content, "annotations": []}]}],
+            "usage": {"input_tokens": 1000, "output_tokens": 60, "total_tokens": 1060},
+        }))
+        .into_response();
+    }
+    if speaks == Speaks::Messages {
         return json_response(json!({
             "id": "msg_sum", "type": "message", "role": "assistant", "model": "m",
             "content": [{"type": "text", "text": content}], "stop_reason": "end_turn",
