@@ -21,6 +21,7 @@ use super::text::{
 };
 use super::{Counter, Work};
 use crate::chat::Message;
+use crate::chat::object::{elements, member_value, members, write_json_string};
 
 /// Tool-call arguments longer than this are shortened below the frontier.
 const ARGS_MAX_CHARS: usize = 600;
@@ -114,37 +115,30 @@ pub fn args_chars(m: &Message) -> usize {
 /// `max_chars` shortened: long string values inside the JSON cut to
 /// `keep` characters (the arguments stay valid JSON, which gateways that
 /// translate tool calls for other providers require), or, for arguments that
-/// are not JSON, the whole string cut.
+/// are not JSON, the whole string cut. Only the arguments strings change:
+/// every call and its `function` keep the client's bytes and key order.
 pub fn shorten_args(m: &Message, max_chars: usize, value_max: usize, keep: usize) -> Option<Bytes> {
     // Most messages have no long arguments: nothing is written for them.
     if args_chars(m) <= max_chars {
         return None;
     }
-    // The calls one at a time, each written back as the array of them all
-    // would write it (`[a,b]` is `[`, `a`, `,`, `b`, `]`).
+    let raw_calls = raw_member(m.raw(), "tool_calls")?;
+    let mut calls = Vec::new();
+    elements(raw_calls, |c| calls.push(c))?;
     let mut changed = false;
-    let mut out = vec![b'['];
-    for (i, mut call) in m.tool_calls().enumerate() {
-        let args = call.pointer("/function/arguments").and_then(Value::as_str);
-        if let Some(args) = args.filter(|a| a.len() > max_chars) {
-            let short = match serde_json::from_str::<Value>(args) {
-                Ok(mut v) => {
-                    shorten_strings(&mut v, value_max, keep);
-                    v.to_string()
-                }
-                Err(_) => head_tail(args, keep),
-            };
-            if short.len() < args.len() {
-                changed = true;
-                if let Some(slot) = call.pointer_mut("/function/arguments") {
-                    *slot = Value::String(short);
-                }
-            }
-        }
+    let mut out = Vec::with_capacity(raw_calls.len());
+    out.push(b'[');
+    for (i, call) in calls.into_iter().enumerate() {
         if i > 0 {
             out.push(b',');
         }
-        serde_json::to_writer(&mut out, &call).ok()?;
+        match shorten_call(call, max_chars, value_max, keep) {
+            Some(short) => {
+                changed = true;
+                out.extend_from_slice(&short);
+            }
+            None => out.extend_from_slice(call),
+        }
     }
     out.push(b']');
     if !changed {
@@ -153,13 +147,85 @@ pub fn shorten_args(m: &Message, max_chars: usize, value_max: usize, keep: usize
     with_raw_field(m.raw(), "tool_calls", Bytes::from(out))
 }
 
-fn shorten_strings(v: &mut Value, max: usize, keep: usize) {
-    match v {
-        Value::String(s) if s.len() > max => *s = extractive_cut(s, keep),
-        Value::Array(a) => a.iter_mut().for_each(|x| shorten_strings(x, max, keep)),
-        Value::Object(o) => o.values_mut().for_each(|x| shorten_strings(x, max, keep)),
-        _ => {}
+/// One call (its exact bytes) with its arguments shortened; None when they
+/// are short enough (or the call is not as expected).
+fn shorten_call(call: &[u8], max_chars: usize, value_max: usize, keep: usize) -> Option<Bytes> {
+    let function = raw_member(call, "function")?;
+    let args: String = member_value(function, "arguments")?;
+    if args.len() <= max_chars {
+        return None;
     }
+    // Valid JSON (nested no deeper than serde_json reads) is shortened
+    // member by member, in its order.
+    let short = match serde_json::from_str::<serde::de::IgnoredAny>(&args) {
+        Ok(_) => {
+            let mut out = Vec::with_capacity(args.len().min(max_chars * 2));
+            shorten_strings(args.as_bytes(), value_max, keep, &mut out)
+                .and_then(|()| String::from_utf8(out).ok())
+                .unwrap_or_else(|| head_tail(&args, keep))
+        }
+        Err(_) => head_tail(&args, keep),
+    };
+    if short.len() >= args.len() {
+        return None;
+    }
+    let function = with_string_field(function, "arguments", &short)?;
+    with_raw_field(call, "function", function)
+}
+
+/// The exact bytes of the last `key` member of the object `raw`.
+fn raw_member<'a>(raw: &'a [u8], key: &str) -> Option<&'a [u8]> {
+    let mut found = None;
+    members(raw, |k, v| {
+        if k == key {
+            found = Some(v);
+        }
+    })?;
+    found
+}
+
+/// The JSON value `raw` written to `out` compactly, each string longer than
+/// `max` cut to about `keep` characters; keys keep their order. `raw` must
+/// be valid JSON.
+fn shorten_strings(raw: &[u8], max: usize, keep: usize, out: &mut Vec<u8>) -> Option<()> {
+    let raw = raw.trim_ascii();
+    match raw.first()? {
+        b'{' => {
+            let mut entries = Vec::new();
+            members(raw, |k, v| entries.push((k.to_string(), v)))?;
+            out.push(b'{');
+            for (i, (k, v)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_json_string(out, &k);
+                out.push(b':');
+                shorten_strings(v, max, keep, out)?;
+            }
+            out.push(b'}');
+        }
+        b'[' => {
+            let mut items = Vec::new();
+            elements(raw, |v| items.push(v))?;
+            out.push(b'[');
+            for (i, v) in items.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                shorten_strings(v, max, keep, out)?;
+            }
+            out.push(b']');
+        }
+        b'"' if raw.len() > max => {
+            let s: String = serde_json::from_slice(raw).ok()?;
+            match s.len() > max {
+                true => write_json_string(out, &extractive_cut(&s, keep)),
+                false => out.extend_from_slice(raw),
+            }
+        }
+        _ => out.extend_from_slice(raw),
+    }
+    Some(())
 }
 
 /// A long string (typically code an agent wrote) cut to about `keep`
@@ -256,6 +322,39 @@ mod tests {
         assert_eq!(v["content"], "Creating it.");
         // Idempotent.
         assert!(shorten_args(&msg(std::str::from_utf8(&out).unwrap()), 600, 300, 200).is_none());
+    }
+
+    #[test]
+    fn shortened_calls_keep_the_clients_bytes_and_key_order() {
+        let text = "y".repeat(5000);
+        // Keys in an order no sorting gives, a short call left as it is.
+        let args = format!(
+            "{{\"path\":\"/repo/a.py\",\"file_text\":\"{text}\",\"mode\":[\"w\",{{\"z\":1,\"a\":2}}]}}"
+        );
+        let long = format!(
+            "{{\"type\":\"function\",\"id\":\"c1\",\"function\":{{\"name\":\"edit\",\"arguments\":{}}}}}",
+            serde_json::to_string(&args).unwrap()
+        );
+        let short =
+            r#"{"type": "function", "id": "c2", "function": {"name": "ls", "arguments": "{}"}}"#;
+        let raw = format!(r#"{{"role":"assistant","content":null,"tool_calls":[{long},{short}]}}"#);
+        let out = shorten_args(&msg(&raw), 600, 300, 200).unwrap();
+        let out = std::str::from_utf8(&out).unwrap();
+        assert!(
+            out.starts_with(r#"{"role":"assistant","content":null,"tool_calls":[{"type":"function","id":"c1","function":{"name":"edit","arguments":"{\"path\":\"/repo/a.py\",\"file_text\":"#),
+            "{out}"
+        );
+        assert!(
+            out.contains(r#",\"mode\":[\"w\",{\"z\":1,\"a\":2}]}"}}"#),
+            "{out}"
+        );
+        assert!(out.ends_with(&format!(",{short}]}}")), "{out}");
+        let v: Value = serde_json::from_str(out).unwrap();
+        let args = v["tool_calls"][0]["function"]["arguments"]
+            .as_str()
+            .unwrap();
+        assert!(serde_json::from_str::<Value>(args).is_ok());
+        assert!(args.len() < 1000);
     }
 
     #[test]
