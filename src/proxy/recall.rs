@@ -27,7 +27,7 @@ use super::Proxy;
 use super::read::BodyStream;
 use super::respond::Reply;
 use crate::error::ProxyError;
-use crate::recall::store::{AgentPoint, Originals, within};
+use crate::recall::store::{AgentPoint, Originals};
 use crate::upstream::{Outgoing, UpstreamResponse};
 use crate::wire::Format;
 use crate::wire::tap::{JsonTap, SseTap};
@@ -258,7 +258,7 @@ impl Proxy {
                     let key = call.argument.as_deref().unwrap_or("").trim();
                     match offer.originals.get(&self.recall_state, key).await {
                         Some(original) => {
-                            let text = within(&original, share);
+                            let text = crate::recall::read::read(&original, key, &call.part, share);
                             *room = room.saturating_sub(text.len());
                             self.metrics
                                 .recalls_total

@@ -13,7 +13,10 @@
 //!   `condense_recall` (and, when enabled, `compress_context`) offered to
 //!   the model, their calls found in its answer and answered inside
 //!   condense (`src/proxy/recall.rs`).
+//! - *Reading* ([`read`]): what a recall returns, the whole original or
+//!   the part asked for (a line range, a search), within the room left.
 
+pub mod read;
 pub mod store;
 
 use serde_json::Value;

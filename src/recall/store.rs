@@ -13,7 +13,6 @@ use http::HeaderMap;
 use super::Recallable;
 use crate::cache::{Bounded, PreHashed};
 use crate::chat::Message;
-use crate::compaction::text::cut_middle;
 use crate::proxy::auth::{self, CREDENTIAL_HEADERS};
 use crate::state::StateStore;
 
@@ -181,19 +180,6 @@ fn fold(hashes: &[u64]) -> u64 {
     h.digest()
 }
 
-/// A recalled text within `max_chars`: cut in the middle, saying so, when
-/// it is longer.
-pub fn within(text: &str, max_chars: usize) -> String {
-    if text.len() <= max_chars {
-        return text.to_string();
-    }
-    format!(
-        "[condense: the original is {} chars; cut to fit the context window]\n{}",
-        text.len(),
-        cut_middle(text, max_chars)
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -347,17 +333,5 @@ mod tests {
                 .await,
             None
         );
-    }
-
-    #[test]
-    fn long_originals_are_cut_saying_so() {
-        let text = "line\n".repeat(1000);
-        let cut = within(&text, 500);
-        assert!(cut.starts_with("[condense: the original is 5000 chars"));
-        assert!(cut.len() < 700);
-        assert_eq!(within("short", 500), "short");
-        // An original that holds condense's own markers is cut too.
-        let marked = format!("[condense: x]\n{text}");
-        assert!(within(&marked, 500).len() < 700);
     }
 }

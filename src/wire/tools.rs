@@ -9,10 +9,11 @@
 //! a tool pay for it, and the answer is small next to the request.
 
 use bytes::Bytes;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 
 use super::usage::Sum;
 use crate::chat::{ChatRequest, RawObject};
+use crate::recall::read::Part;
 
 /// The tool the model recalls an original with.
 pub const RECALL_TOOL: &str = "condense_recall";
@@ -24,8 +25,13 @@ pub fn is_own_tool(name: &str) -> bool {
     name == RECALL_TOOL || name == COMPRESS_TOOL
 }
 
-const RECALL_DESCRIPTION: &str = "Returns the original text of something condense shortened or removed to fit the context window: a tool output, call arguments or earlier turns. Pass the key shown as `recall key: K` next to what was cut. Call it alone, when you need the exact text again.";
+const RECALL_DESCRIPTION: &str = "Returns the original text of something condense shortened or removed to fit the context window: a tool output, call arguments or earlier turns. Pass the key shown as `recall key: K` next to what was cut, and for a long original a line range or a search. Call it alone, when you need the exact text again.";
 const KEY_DESCRIPTION: &str = "The recall key, as shown after `recall key:`.";
+const START_DESCRIPTION: &str = "First line to return, from 1.";
+const END_DESCRIPTION: &str = "Last line to return (inclusive).";
+// Its "2 lines" is recall::read::CONTEXT (a test checks).
+const SEARCH_DESCRIPTION: &str =
+    "Return only the lines holding this text (ignoring case), numbered, with 2 lines around each.";
 const COMPRESS_DESCRIPTION: &str = "Tells condense that a task or subtask is finished: the conversation up to here may then be compacted (older tool output shortened or summarized) from the next request on. Call it alone, at a task boundary, when the details so far will not be needed verbatim.";
 const REASON_DESCRIPTION: &str = "What was finished, in a few words.";
 
@@ -93,18 +99,35 @@ fn non_empty_list(raw: &[u8]) -> bool {
     t.first() == Some(&b'[') && t[1..].trim_ascii() != b"]"
 }
 
-/// One of condense's tools in `api`'s shape.
+/// One of condense's tools in `api`'s shape. Made of constants only, so
+/// its bytes are the same on every request (a `Value`'s keys are written
+/// in one fixed order).
 pub fn definition(api: &dyn OwnTools, name: &str) -> Value {
-    let (description, param, param_description) = match name {
-        COMPRESS_TOOL => (COMPRESS_DESCRIPTION, "reason", REASON_DESCRIPTION),
-        _ => (RECALL_DESCRIPTION, "key", KEY_DESCRIPTION),
+    let (description, schema) = match name {
+        COMPRESS_TOOL => (
+            COMPRESS_DESCRIPTION,
+            json!({
+                "type": "object",
+                "properties": {"reason": {"type": "string", "description": REASON_DESCRIPTION}},
+                "required": ["reason"],
+                "additionalProperties": false,
+            }),
+        ),
+        _ => (
+            RECALL_DESCRIPTION,
+            json!({
+                "type": "object",
+                "properties": {
+                    "key": {"type": "string", "description": KEY_DESCRIPTION},
+                    "start_line": {"type": "integer", "description": START_DESCRIPTION},
+                    "end_line": {"type": "integer", "description": END_DESCRIPTION},
+                    "search": {"type": "string", "description": SEARCH_DESCRIPTION},
+                },
+                "required": ["key"],
+                "additionalProperties": false,
+            }),
+        ),
     };
-    let schema = json!({
-        "type": "object",
-        "properties": {param: {"type": "string", "description": param_description}},
-        "required": [param],
-        "additionalProperties": false,
-    });
     api.tool(name, description, schema)
 }
 
@@ -174,8 +197,11 @@ fn contains(haystack: &[u8], name: &str) -> bool {
 pub struct Call {
     pub id: String,
     pub name: String,
-    /// The call's one string argument (`key` or `reason`), if it gave one.
+    /// The call's string argument (`key` or `reason`), if it gave one.
     pub argument: Option<String>,
+    /// The part of the original a recall asks for (`start_line`,
+    /// `end_line`, `search`).
+    pub part: Part,
 }
 
 impl Call {
@@ -186,13 +212,25 @@ impl Call {
         name: Option<&Value>,
         arguments: Option<&Value>,
     ) -> (Call, bool) {
+        let args = arguments.and_then(object);
         let call = Call {
             id: text(id),
             name: text(name),
-            argument: argument(arguments),
+            argument: args.as_ref().and_then(argument),
+            part: args.as_ref().map(part).unwrap_or_default(),
         };
         let own = is_own_tool(&call.name);
         (call, own)
+    }
+
+    /// A call condense does not read the arguments of.
+    pub(super) fn bare(id: String, name: String) -> Call {
+        Call {
+            id,
+            name,
+            argument: None,
+            part: Part::default(),
+        }
     }
 }
 
@@ -201,19 +239,80 @@ pub(super) fn text(v: Option<&Value>) -> String {
     v.and_then(Value::as_str).unwrap_or("").to_string()
 }
 
-/// The one string argument of a call (`key` or `reason`) in its
-/// arguments, a JSON object or a string holding one.
-fn argument(v: Option<&Value>) -> Option<String> {
-    let obj = match v? {
-        Value::String(s) => serde_json::from_str::<Value>(s).ok()?,
-        other => other.clone(),
-    };
-    let o = obj.as_object()?;
+/// A call's arguments: a JSON object, or a string holding one.
+fn object(v: &Value) -> Option<Map<String, Value>> {
+    match v {
+        Value::String(s) => match serde_json::from_str::<Value>(s).ok()? {
+            Value::Object(o) => Some(o),
+            _ => None,
+        },
+        Value::Object(o) => Some(o.clone()),
+        _ => None,
+    }
+}
+
+/// The string argument of a call (`key` or `reason`).
+fn argument(o: &Map<String, Value>) -> Option<String> {
     // A key of digits may come back as a number.
     match o.get("key").or_else(|| o.get("reason"))? {
         Value::String(s) => Some(s.clone()),
         Value::Number(n) => Some(n.to_string()),
         _ => None,
+    }
+}
+
+/// The part of an original a recall asks for. A value that is not what it
+/// should be is kept as what was given, for the result to say so; null,
+/// and an empty string, stand for "not given" (models that fill every
+/// field send them).
+fn part(o: &Map<String, Value>) -> Part {
+    Part {
+        start_line: line_number(o.get("start_line")),
+        end_line: line_number(o.get("end_line")),
+        search: match o.get("search") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(Ok(s.clone())),
+            Some(Value::Number(n)) => Some(Ok(n.to_string())),
+            Some(other) => Some(Err(shown(other))),
+        },
+    }
+}
+
+/// A line number: a whole number, or a string holding one (`"120"`; one
+/// too large for 64 bits is read as the largest, past any end).
+fn line_number(v: Option<&Value>) -> Option<Result<u64, String>> {
+    let whole = |f: f64| (f.is_finite() && f >= 0.0 && f.fract() == 0.0).then_some(f as u64);
+    let v = v?;
+    let n = match v {
+        Value::Null => return None,
+        Value::Number(n) => n.as_u64().or_else(|| n.as_f64().and_then(whole)),
+        Value::String(s) => {
+            let t = s.trim();
+            if t.is_empty() {
+                return None;
+            }
+            t.parse::<u64>()
+                .ok()
+                .or_else(|| t.bytes().all(|b| b.is_ascii_digit()).then_some(u64::MAX))
+                .or_else(|| t.parse::<f64>().ok().and_then(whole))
+        }
+        _ => None,
+    };
+    Some(n.ok_or_else(|| shown(v)))
+}
+
+/// A value as a result names it: short ones as JSON, strings cut to 40
+/// characters, lists and objects by kind.
+fn shown(v: &Value) -> String {
+    const MAX: usize = 40;
+    match v {
+        Value::Array(_) => "a list".into(),
+        Value::Object(_) => "an object".into(),
+        Value::String(s) if s.chars().nth(MAX).is_some() => {
+            let head: String = s.chars().take(MAX).collect();
+            format!("{}…", Value::String(head))
+        }
+        other => other.to_string(),
     }
 }
 
@@ -428,7 +527,8 @@ mod tests {
             vec![Call {
                 id: "a".into(),
                 name: RECALL_TOOL.into(),
-                argument: Some("abcdefgh".into())
+                argument: Some("abcdefgh".into()),
+                part: Part::default(),
             }]
         );
         assert_eq!(a.theirs().len(), 1);
@@ -455,6 +555,94 @@ mod tests {
         assert_eq!(calls.len(), 1);
         assert_eq!(calls[0]["function"]["name"], "read");
         assert_eq!(shown["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    #[test]
+    fn the_tools_are_the_same_bytes_on_every_request() {
+        let chat = |name| definition(Format::Chat.api(), name).to_string();
+        assert_eq!(chat(RECALL_TOOL), chat(RECALL_TOOL));
+        // Keys in one fixed (alphabetical) order: a change here changes
+        // every request's tools, and their cached prefix, once.
+        assert_eq!(
+            chat(RECALL_TOOL),
+            r#"{"function":{"description":"Returns the original text of something condense shortened or removed to fit the context window: a tool output, call arguments or earlier turns. Pass the key shown as `recall key: K` next to what was cut, and for a long original a line range or a search. Call it alone, when you need the exact text again.","name":"condense_recall","parameters":{"additionalProperties":false,"properties":{"end_line":{"description":"Last line to return (inclusive).","type":"integer"},"key":{"description":"The recall key, as shown after `recall key:`.","type":"string"},"search":{"description":"Return only the lines holding this text (ignoring case), numbered, with 2 lines around each.","type":"string"},"start_line":{"description":"First line to return, from 1.","type":"integer"}},"required":["key"],"type":"object"}},"type":"function"}"#
+        );
+        // compress_context as it was before the recall tool took a range.
+        assert_eq!(
+            chat(COMPRESS_TOOL),
+            json!({"type": "function", "function": {"name": COMPRESS_TOOL,
+                "description": COMPRESS_DESCRIPTION, "parameters": {"type": "object",
+                "properties": {"reason": {"type": "string", "description": REASON_DESCRIPTION}},
+                "required": ["reason"], "additionalProperties": false}}})
+            .to_string()
+        );
+        assert!(SEARCH_DESCRIPTION.contains(&format!(
+            "with {} lines around",
+            crate::recall::read::CONTEXT
+        )));
+        // Responses: strict only where every parameter is required (OpenAI
+        // rejects a strict schema with optional ones).
+        let responses = |name| definition(Format::Responses.api(), name);
+        assert_eq!(responses(RECALL_TOOL)["strict"], false);
+        assert_eq!(responses(COMPRESS_TOOL)["strict"], true);
+        let messages = definition(Format::Messages.api(), RECALL_TOOL);
+        assert_eq!(messages["input_schema"]["required"], json!(["key"]));
+    }
+
+    #[test]
+    fn recall_arguments_are_read_from_a_string_or_an_object() {
+        let read = |args: Value| Call::read(None, Some(&json!(RECALL_TOOL)), Some(&args)).0;
+        let string = read(json!(
+            r#"{"key":"abcdefgh","start_line":120,"end_line":"180","search":"Error"}"#
+        ));
+        let object = read(
+            json!({"key": "abcdefgh", "start_line": "120", "end_line": 180.0,
+            "search": "Error"}),
+        );
+        assert_eq!(string, object);
+        assert_eq!(string.argument.as_deref(), Some("abcdefgh"));
+        assert_eq!(
+            string.part,
+            Part {
+                start_line: Some(Ok(120)),
+                end_line: Some(Ok(180)),
+                search: Some(Ok("Error".into())),
+            }
+        );
+        // Null and empty are "not given"; a key alone asks for all of it.
+        let blank = read(
+            json!({"key": "abcdefgh", "start_line": null, "end_line": " ",
+            "search": null}),
+        );
+        assert_eq!(blank.part, Part::default());
+        assert_eq!(
+            read(json!({"key": 12345678})).argument.as_deref(),
+            Some("12345678")
+        );
+        // What is not a line number is kept, shortened, to be named.
+        let bad = read(json!({"key": "k", "start_line": "ten", "end_line": -3,
+            "search": {"a": 1}}));
+        assert_eq!(bad.part.start_line, Some(Err("\"ten\"".into())));
+        assert_eq!(bad.part.end_line, Some(Err("-3".into())));
+        assert_eq!(bad.part.search, Some(Err("an object".into())));
+        let long = read(json!({"key": "k", "start_line": "x".repeat(1000), "end_line": 1.5}));
+        assert_eq!(
+            long.part.start_line,
+            Some(Err(format!("\"{}\"…", "x".repeat(40))))
+        );
+        assert_eq!(long.part.end_line, Some(Err("1.5".into())));
+        let huge = read(json!({"key": "k", "start_line": "99999999999999999999999"}));
+        assert_eq!(huge.part.start_line, Some(Ok(u64::MAX)));
+        // Arguments that are no object: nothing read.
+        assert_eq!(read(json!("{not json")).part, Part::default());
+        assert_eq!(read(json!([1, 2])).argument, None);
+        // compress_context's reason still reads.
+        let reason = Call::read(
+            None,
+            Some(&json!(COMPRESS_TOOL)),
+            Some(&json!({"reason": "done"})),
+        );
+        assert_eq!(reason.0.argument.as_deref(), Some("done"));
     }
 
     #[test]

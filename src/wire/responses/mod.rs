@@ -32,6 +32,16 @@ fn strip_id(item: &mut Value) {
     }
 }
 
+/// Whether a JSON schema's `required` names each of its `properties`.
+fn every_property_required(schema: &Value) -> bool {
+    let required = schema.get("required").and_then(Value::as_array);
+    let named = |k: &String| required.is_some_and(|r| r.iter().any(|n| n.as_str() == Some(k)));
+    schema
+        .get("properties")
+        .and_then(Value::as_object)
+        .is_none_or(|p| p.keys().all(named))
+}
+
 impl Errors for Responses {
     fn error_body(&self, f: &Failure) -> String {
         super::chat::error_body(f.message, f.kind, f.code)
@@ -56,8 +66,13 @@ impl TapRead for Responses {
 
 impl OwnTools for Responses {
     fn tool(&self, name: &str, description: &str, schema: Value) -> Value {
+        // Strict only when every parameter is required: OpenAI rejects a
+        // strict schema with an optional one (condense_recall's range and
+        // search), and left out, `strict` defaults to true here and makes
+        // them mandatory. Said explicitly either way.
+        let strict = every_property_required(&schema);
         json!({"type": "function", "name": name,
-            "description": description, "parameters": schema, "strict": true})
+            "description": description, "parameters": schema, "strict": strict})
     }
 
     fn calls(&self, answer: &Value) -> Vec<(Call, bool)> {
@@ -71,11 +86,7 @@ impl OwnTools for Responses {
                     item.get("arguments"),
                 )),
                 Some("custom_tool_call" | "local_shell_call" | "computer_call") => out.push((
-                    Call {
-                        id: text(item.get("call_id")),
-                        name: text(item.get("name")),
-                        argument: None,
-                    },
+                    Call::bare(text(item.get("call_id")), text(item.get("name"))),
                     false,
                 )),
                 _ => {}
