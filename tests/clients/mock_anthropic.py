@@ -264,7 +264,7 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/v1/messages":
             if scripted_model.is_summary_call(body):
                 request["summary"] = True
-                answer = reply([text(scripted_model.checkpoint(body["messages"][0]["content"]))])
+                answer = reply([text(scripted_model.checkpoint(scripted_model.summary_prompt(body)))])
             else:
                 answer = self.responder(request)
             if isinstance(answer, Error):

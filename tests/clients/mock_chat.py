@@ -172,7 +172,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         if scripted_model.is_summary_call(body):
             request["summary"] = True
-            answer = {"role": "assistant", "content": scripted_model.checkpoint(body["messages"][0]["content"])}
+            answer = {"role": "assistant", "content": scripted_model.checkpoint(scripted_model.summary_prompt(body))}
         else:
             answer = self.responder(request)
         if isinstance(answer, Error):

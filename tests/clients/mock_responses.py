@@ -8,10 +8,12 @@ GET /v1/models; errors in OpenAI's shape
 400 the API answers on overflow, param "input", code
 "context_length_exceeded".
 
-condense's summarizer calls for Responses requests come as chat
-completions (POST /v1/chat/completions, one user message quoting a
-<conversation>): they are answered with a checkpoint holding every section
-it asks for (scripted_model.checkpoint); any other chat request gets 404.
+condense's summarizer calls for Responses requests (one user message
+quoting a <conversation>, no tools) are answered with a checkpoint holding
+every section it asks for (scripted_model.checkpoint), whatever the
+responder: on /v1/responses, and on POST /v1/chat/completions, where
+condense sent them before it learned to ask the Responses API (any other
+chat request gets 404).
 
 Every request it receives is recorded (method, path with query string,
 headers, parsed body, raw bytes, and the response it answered), and any
@@ -365,7 +367,7 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?")[0]
         if path == "/v1/chat/completions" and scripted_model.is_summary_call(body):
             request["summary"] = True
-            content = scripted_model.checkpoint(body["messages"][0]["content"])
+            content = scripted_model.checkpoint(scripted_model.summary_prompt(body))
             self._send_json(200, {
                 "id": _id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model"),
@@ -387,6 +389,9 @@ class Handler(BaseHTTPRequestHandler):
                            "previous_response_not_found", "previous_response_id")
         elif self.window_tokens is not None and input_tokens(raw) > self.window_tokens:
             answer = overflow()
+        elif scripted_model.is_summary_call(body):
+            request["summary"] = True
+            answer = [message(scripted_model.checkpoint(scripted_model.summary_prompt(body)))]
         else:
             answer = self.responder(request)
         if isinstance(answer, Error):

@@ -231,13 +231,22 @@ def text_before_recall(parts):
 
 def is_summary_call(body):
     """Whether a request is condense's summarizer call: one user message
-    asking for a checkpoint of the <conversation> it quotes, no tools (the
-    same in chat completions and Messages)."""
-    messages = body.get("messages") if isinstance(body, dict) else None
-    if not messages or body.get("tools"):
-        return False
-    content = messages[0].get("content")
-    return isinstance(content, str) and "<conversation>" in content and "## Task intent" in content
+    asking for a checkpoint of the <conversation> it quotes, no tools (chat
+    completions and Messages: `messages`; Responses: `input`)."""
+    return summary_prompt(body) is not None
+
+
+def summary_prompt(body):
+    """The prompt of condense's summarizer call, or None."""
+    if not isinstance(body, dict) or body.get("tools"):
+        return None
+    items = body.get("messages") or body.get("input")
+    if not isinstance(items, list) or not items or not isinstance(items[0], dict):
+        return None
+    content = items[0].get("content")
+    if isinstance(content, str) and "<conversation>" in content and "## Task intent" in content:
+        return content
+    return None
 
 
 def checkpoint(prompt):

@@ -263,8 +263,9 @@ def test_the_mock_drove_every_step(which, request):
     stream = which == "streamed_run"
     for q in r.requests:
         if q.get("summary"):
-            # condense's summarizer: chat completions, with the client's key.
-            assert (q["method"], q["path"]) == ("POST", "/v1/chat/completions")
+            # condense's summarizer, with the client's key: Responses calls
+            # (chat completions in condense before it asked the Responses API).
+            assert q["method"] == "POST" and q["path"] in ("/v1/responses", "/v1/chat/completions")
             assert q["headers"]["authorization"] == "Bearer " + API_KEY
             continue
         assert (q["method"], q["path"]) == ("POST", "/v1/responses"), _paths(r)

@@ -7,7 +7,7 @@ one step and after a sentence at the end, then a final answer that needs
 a fact from the first command output, long masked by then. condense's
 window for gpt models is set so masking starts after about ten turns, and
 its summary trigger so checkpoints replace the oldest turns in the second
-half (condense's summarizer speaks chat completions to the same mock).
+half (condense's summarizer asks the same mock, which answers it).
 
 Codex is pointed at condense with a custom model provider in
 $CODEX_HOME/config.toml (wire_api "responses", the key from an environment
@@ -264,11 +264,12 @@ def test_only_the_responses_api_was_called(run):
     # included, one prompt_cache_key (the session id) for the whole run, no
     # previous_response_id: the whole conversation goes up every turn. So do
     # the rounds condense sends with a recall's result. condense's own
-    # summarizer calls are chat completions, with Codex's key.
+    # summarizer calls go to the same upstream with Codex's key (Responses
+    # calls; chat completions in condense before it asked the Responses API).
     for q in run.requests:
         assert q["headers"].get("authorization") == "Bearer " + API_KEY
         if q.get("summary"):
-            assert (q["method"], q["path"]) == ("POST", "/v1/chat/completions")
+            assert q["method"] == "POST" and q["path"] in ("/v1/responses", "/v1/chat/completions"), _paths(run)
             continue
         assert (q["method"], q["path"]) == ("POST", "/v1/responses"), _paths(run)
         assert q["headers"].get("originator") == "codex_exec"
