@@ -418,17 +418,42 @@ impl Answer {
 }
 
 /// `sent` with `items` appended to its list `key` (a string `input` becomes
-/// a list first).
+/// a list first). The list's elements keep the bytes the client sent: only
+/// the new items are written, so the round condense sends shares its
+/// prefix with the request it follows, and the provider's prompt cache
+/// holds (re-serializing the list would reorder every object's keys).
 pub(super) fn append(sent: &Bytes, key: &str, items: &[Value]) -> Option<Bytes> {
     let mut obj = RawObject::parse(sent).ok()?;
-    let list = obj.get(key)?;
-    let mut list: Vec<Value> = match serde_json::from_slice::<Value>(list).ok()? {
-        Value::Array(a) => a,
-        Value::String(s) if key == "input" => vec![json!({"role": "user", "content": s})],
+    let list = obj.get(key)?.trim_ascii();
+    let mut out = Vec::with_capacity(list.len() + 256);
+    match list.first()? {
+        // A parsed array: it ends with its closing bracket.
+        b'[' => {
+            let open = &list[..list.len() - 1];
+            out.extend_from_slice(open);
+            if !open[1..].trim_ascii().is_empty() {
+                out.push(b',');
+            }
+        }
+        b'"' if key == "input" => {
+            let s: String = serde_json::from_slice(list).ok()?;
+            out.push(b'[');
+            out.extend_from_slice(json!({"role": "user", "content": s}).to_string().as_bytes());
+            out.push(b',');
+        }
         _ => return None,
-    };
-    list.extend(items.iter().cloned());
-    obj.set(key, Bytes::from(Value::Array(list).to_string()));
+    }
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(item.to_string().as_bytes());
+    }
+    if items.is_empty() && out.last() == Some(&b',') {
+        out.pop();
+    }
+    out.push(b']');
+    obj.set(key, Bytes::from(out));
     Some(Bytes::from(obj.to_vec()))
 }
 
@@ -681,5 +706,36 @@ mod tests {
         assert_eq!(input[1]["id"], "rs_2");
         assert!(input[2].get("id").is_none());
         assert_eq!(input[3]["output"], "orig");
+    }
+
+    #[test]
+    fn an_appended_turn_leaves_the_clients_bytes_as_they_were() {
+        // Keys out of order and spaces, as a client may write them.
+        let first = r#"{"role":"user","content":[{"type":"text","text":"<system-reminder>\u00e9</system-reminder>"}]}"#;
+        let sent = Bytes::from(format!(
+            r#"{{"model":"m","messages":[ {first} , {{"role":"assistant","content":"ok"}} ],"stream":true}}"#
+        ));
+        let turn = [json!({"role": "user", "content": "more"})];
+        let out = append(&sent, "messages", &turn).unwrap();
+        let text = std::str::from_utf8(&out).unwrap();
+        assert!(
+            text.contains(&format!(
+                r#"[ {first} , {{"role":"assistant","content":"ok"}} ,{{"#
+            )),
+            "{text}"
+        );
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["messages"].as_array().unwrap().len(), 3);
+        assert_eq!(v["messages"][2]["content"], "more");
+        assert_eq!(v["stream"], true);
+        // An empty list, and a string input, take the items alone.
+        let empty = append(&Bytes::from(r#"{"input":[ ]}"#), "input", &turn).unwrap();
+        let v: Value = serde_json::from_slice(&empty).unwrap();
+        assert_eq!(v["input"], json!([{"role": "user", "content": "more"}]));
+        let string = append(&Bytes::from(r#"{"input":"hi"}"#), "input", &turn).unwrap();
+        let v: Value = serde_json::from_slice(&string).unwrap();
+        assert_eq!(v["input"][0]["content"], "hi");
+        assert_eq!(v["input"][1]["content"], "more");
+        assert!(append(&Bytes::from(r#"{"messages":"hi"}"#), "messages", &turn).is_none());
     }
 }

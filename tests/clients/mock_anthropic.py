@@ -5,8 +5,12 @@ JSON message, or with Server-Sent Events when "stream" is true;
 POST /v1/messages/count_tokens; GET /v1/models; errors in Anthropic's shape
 `{"type":"error","error":{"type":...,"message":...},"request_id":...}`.
 Every request it receives is recorded (method, path with query string,
-headers, parsed body, raw byte length, and the message it answered) so
-tests can check what condense forwarded.
+headers, parsed body, raw bytes and their length, and the message it
+answered) so tests can check what condense forwarded.
+
+condense's summarizer calls (one user message quoting a <conversation>,
+no tools) are answered with a checkpoint holding every section it asks
+for (scripted_model.checkpoint), whatever the responder.
 
 What to answer to a /v1/messages request is decided by a responder, a
 function of the recorded request returning a message (`reply(...)`) or an
@@ -19,6 +23,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import scripted_model
 from mock_upstream import Recorder
 
 MOCK_REQUEST_ID = "req_mock_anthropic_1"
@@ -84,6 +89,44 @@ def request_text(msg):
             else:
                 parts.extend(b.get("text", "") for b in inner or [] if b.get("type") == "text")
     return "\n".join(parts)
+
+
+def prompt_of(body):
+    """The request as a scripted model reads it (scripted_model.Prompt):
+    text blocks (and string contents), tool_use blocks and tool_result
+    blocks in order; thinking is the model's own and not read back."""
+    entries = []
+    for msg in body.get("messages") or []:
+        content = msg.get("content")
+        if isinstance(content, str):
+            entries.append(scripted_model.Entry("text", content))
+            continue
+        for block in content or []:
+            kind = block.get("type")
+            if kind == "text":
+                entries.append(scripted_model.Entry("text", block.get("text", "")))
+            elif kind == "tool_use":
+                entries.append(scripted_model.Entry("call", call_id=block.get("id", ""), name=block.get("name", ""),
+                                                    args=block.get("input") or {}))
+            elif kind == "tool_result":
+                entries.append(scripted_model.Entry("result", request_text({"content": [block]}),
+                                                    call_id=block.get("tool_use_id", "")))
+    tools = [t.get("name") for t in body.get("tools") or []]
+    return scripted_model.Prompt(tools, entries)
+
+
+def content_of(parts):
+    """A scripted model's parts as content blocks: think as a thinking
+    block, text as a text block, a call as a tool_use block."""
+    blocks = []
+    for p in parts:
+        if p.kind == "think":
+            blocks.append(thinking(p.text))
+        elif p.kind == "text":
+            blocks.append(text(p.text))
+        else:
+            blocks.append(tool_use(p.call_id, p.name, p.args))
+    return blocks
 
 
 def keyword_responder(request):
@@ -168,10 +211,10 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-    def _record(self, body, size):
+    def _record(self, body, raw):
         request = {"method": self.command, "path": self.path,
                    "headers": {k.lower(): v for k, v in self.headers.items()},
-                   "body": body, "bytes": size}
+                   "body": body, "raw": raw, "bytes": len(raw)}
         self.recorder.add(request)
         return request
 
@@ -192,11 +235,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_HEAD(self):
         # Clients probe the base URL for reachability with HEAD.
-        self._record(None, 0)
+        self._record(None, b"")
         self._send_json(200, {})
 
     def do_GET(self):
-        self._record(None, 0)
+        self._record(None, b"")
         path = self.path.split("?")[0]
         if path == "/v1/models":
             models = [{"type": "model", "id": m, "display_name": m, "created_at": "2025-01-01T00:00:00Z"}
@@ -212,14 +255,18 @@ class Handler(BaseHTTPRequestHandler):
             body = json.loads(raw)
         except ValueError:
             body = None
-        request = self._record(body, len(raw))
+        request = self._record(body, raw)
         path = self.path.split("?")[0]  # Claude Code adds ?beta=true
         if body is None:
             self._send_json(400, Error(400, "invalid_request_error", "body is not JSON").body())
         elif path == "/v1/messages/count_tokens":
             self._send_json(200, {"input_tokens": input_tokens(raw)})
         elif path == "/v1/messages":
-            answer = self.responder(request)
+            if scripted_model.is_summary_call(body):
+                request["summary"] = True
+                answer = reply([text(scripted_model.checkpoint(scripted_model.summary_prompt(body)))])
+            else:
+                answer = self.responder(request)
             if isinstance(answer, Error):
                 self._send_json(answer.status, answer.body(), answer.headers)
                 return
@@ -265,3 +312,49 @@ def start(responder=keyword_responder):
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, recorder, "http://127.0.0.1:%d/v1" % server.server_address[1]
+
+
+def read_stream(raw):
+    """What a client makes of a Messages event stream (bytes): the events
+    as (name, data) pairs, and the message they build: its id, content
+    blocks in index order (text, thinking, tool_use with input parsed),
+    stop_reason and usage, and checks a test may want: how many
+    message_start and message_stop events came, the index of each
+    content_block_start in order, and the deltas per block."""
+    import client_tap
+    events = [(name, json.loads(data)) for name, data in client_tap.sse_events(raw)]
+    msg = {"id": None, "content": {}, "stop_reason": None, "usage": {}, "starts": 0, "stops": 0,
+           "indices": [], "deltas": {}, "deltas_events": 0}
+    partial = {}
+    for _, e in events:
+        kind = e.get("type")
+        if kind == "message_start":
+            msg["starts"] += 1
+            msg["id"] = e["message"]["id"]
+            msg["usage"].update(e["message"].get("usage") or {})
+        elif kind == "content_block_start":
+            i = e["index"]
+            msg["indices"].append(i)
+            msg["content"][i] = dict(e["content_block"])
+            msg["deltas"][i] = 0
+        elif kind == "content_block_delta":
+            i, d = e["index"], e["delta"]
+            block = msg["content"][i]
+            msg["deltas"][i] += 1
+            if d["type"] == "text_delta":
+                block["text"] += d["text"]
+            elif d["type"] == "thinking_delta":
+                block["thinking"] += d["thinking"]
+            elif d["type"] == "signature_delta":
+                block["signature"] = d["signature"]
+            elif d["type"] == "input_json_delta":
+                partial[i] = partial.get(i, "") + d["partial_json"]
+        elif kind == "message_delta":
+            msg["stop_reason"] = e["delta"].get("stop_reason")
+            msg["usage"].update(e.get("usage") or {})
+        elif kind == "message_stop":
+            msg["stops"] += 1
+    for i, text in partial.items():
+        msg["content"][i]["input"] = json.loads(text) if text else {}
+    msg["blocks"] = [msg["content"][i] for i in sorted(msg["content"])]
+    return events, msg

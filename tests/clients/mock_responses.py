@@ -8,6 +8,13 @@ GET /v1/models; errors in OpenAI's shape
 400 the API answers on overflow, param "input", code
 "context_length_exceeded".
 
+condense's summarizer calls for Responses requests (one user message
+quoting a <conversation>, no tools) are answered with a checkpoint holding
+every section it asks for (scripted_model.checkpoint), whatever the
+responder: on /v1/responses, and on POST /v1/chat/completions, where
+condense sent them before it learned to ask the Responses API (any other
+chat request gets 404).
+
 Every request it receives is recorded (method, path with query string,
 headers, parsed body, raw bytes, and the response it answered), and any
 path it does not serve is answered 404 and recorded too, so a test sees
@@ -31,6 +38,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import scripted_model
 from mock_upstream import Recorder
 
 MOCK_REQUEST_ID = "req_mock_responses_1"
@@ -127,6 +135,44 @@ def last_user_text(body):
         if item.get("role") == "user" and item.get("type", "message") == "message":
             return item_text(item)
     return ""
+
+
+def prompt_of(body):
+    """The request as a scripted model reads it (scripted_model.Prompt):
+    messages' text, function_call items (arguments parsed) and
+    function_call_output items, in order; reasoning is the model's own and
+    not read back."""
+    entries = []
+    for it in input_items(body):
+        kind = it.get("type", "message")
+        if kind == "message":
+            entries.append(scripted_model.Entry("text", item_text(it)))
+        elif kind == "function_call":
+            try:
+                args = json.loads(it.get("arguments") or "{}")
+            except ValueError:
+                args = {}
+            entries.append(scripted_model.Entry("call", call_id=it.get("call_id", ""), name=it.get("name", ""),
+                                                args=args if isinstance(args, dict) else {}))
+        elif kind == "function_call_output":
+            entries.append(scripted_model.Entry("result", item_text(it), call_id=it.get("call_id", "")))
+    tools = [t.get("name") for t in body.get("tools") or []]
+    return scripted_model.Prompt(tools, entries)
+
+
+def output_of(parts, encrypted=None):
+    """A scripted model's parts as output items: think as a reasoning item
+    (with `encrypted` as its encrypted_content), text as a message, a call
+    as a function_call."""
+    items = []
+    for p in parts:
+        if p.kind == "think":
+            items.append(reasoning(p.text, encrypted))
+        elif p.kind == "text":
+            items.append(message(p.text))
+        else:
+            items.append(function_call(p.call_id, p.name, p.args))
+    return items
 
 
 def keyword_responder(request):
@@ -319,6 +365,17 @@ class Handler(BaseHTTPRequestHandler):
             body = None
         request = self._record(body, raw)
         path = self.path.split("?")[0]
+        if path == "/v1/chat/completions" and scripted_model.is_summary_call(body):
+            request["summary"] = True
+            content = scripted_model.checkpoint(scripted_model.summary_prompt(body))
+            self._send_json(200, {
+                "id": _id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+                "model": body.get("model"),
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": content}}],
+                "usage": {"prompt_tokens": input_tokens(raw), "completion_tokens": len(content) // 4,
+                          "total_tokens": input_tokens(raw) + len(content) // 4}})
+            return
         if path != "/v1/responses":
             self._not_found()
             return
@@ -332,6 +389,9 @@ class Handler(BaseHTTPRequestHandler):
                            "previous_response_not_found", "previous_response_id")
         elif self.window_tokens is not None and input_tokens(raw) > self.window_tokens:
             answer = overflow()
+        elif scripted_model.is_summary_call(body):
+            request["summary"] = True
+            answer = [message(scripted_model.checkpoint(scripted_model.summary_prompt(body)))]
         else:
             answer = self.responder(request)
         if isinstance(answer, Error):
@@ -377,3 +437,30 @@ def start(responder=keyword_responder, window_tokens=None):
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, recorder, "http://127.0.0.1:%d/v1" % server.server_address[1]
+
+
+def read_stream(raw):
+    """What a client makes of a Responses event stream (bytes): the events
+    as (name, data) pairs, and a summary: how many response.created and
+    response.completed events came, the output_index of each
+    output_item.added in order, the items by output_index as
+    output_item.done gave them, the text deltas per item, and the
+    response of response.completed."""
+    import client_tap
+    events = [(name, json.loads(data)) for name, data in client_tap.sse_events(raw)]
+    out = {"created": 0, "completed": 0, "indices": [], "items": {}, "deltas": {}, "response": None}
+    for _, e in events:
+        kind = e.get("type")
+        if kind == "response.created":
+            out["created"] += 1
+        elif kind == "response.output_item.added":
+            out["indices"].append(e["output_index"])
+        elif kind == "response.output_item.done":
+            out["items"][e["output_index"]] = e["item"]
+        elif kind == "response.output_text.delta":
+            out["deltas"][e["output_index"]] = out["deltas"].get(e["output_index"], 0) + 1
+        elif kind == "response.completed":
+            out["completed"] += 1
+            out["response"] = e["response"]
+    out["output"] = [out["items"][i] for i in sorted(out["items"])]
+    return events, out

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs the real-client agent tests through condense on a fresh machine:
-# installs the pinned agents from their lockfiles with npm ci (Claude Code
-# in claude_code/, Codex CLI in codex/), then runs test_claude_code.py,
-# test_codex.py and test_agents_sdk.py (the OpenAI Agents SDK, pinned in
-# requirements.txt) with REQUIRE_CLIENT_AGENTS=1, so a missing piece fails
-# instead of skipping. Arguments go to pytest.
+# installs the pinned agents from their lockfiles (Claude Code in
+# claude_code/, Codex CLI in codex/, opencode in opencode/), then runs
+# test_claude_code.py, test_codex.py, test_opencode.py and
+# test_agents_sdk.py (the OpenAI Agents SDK, pinned in requirements.txt)
+# with REQUIRE_CLIENT_AGENTS=1, so a missing piece fails instead of
+# skipping. Arguments go to pytest.
 #
 # Needs node and npm on PATH, and a built condense (CONDENSE_BIN, default
 # target/debug/condense). PYTHON is a Python with the packages of
@@ -27,6 +28,15 @@ for agent in claude_code:claude codex:codex; do
   (cd "$here/$dir" && npm ci --no-audit --no-fund --loglevel=error)
   "$here/$dir/node_modules/.bin/$bin" --version
 done
+# opencode-ai is a launcher too: its postinstall links the platform's binary
+# (opencode-linux-x64 and the like, optional dependencies) over
+# bin/opencode.exe. The registry this project reaches lacks most of those
+# platform packages (no darwin, no arm64 at this version), so the lockfile
+# holds only the ones it has, and npm ci refuses a lockfile without every
+# optional dependency: npm install --no-save installs the locked versions
+# (integrity checked) and skips the rest, leaving the lockfile as it is.
+(cd "$here/opencode" && npm install --no-save --no-audit --no-fund --loglevel=error)
+"$here/opencode/node_modules/.bin/opencode" --version
 
 python="${PYTHON:-}"
 if [ -z "$python" ]; then
@@ -39,4 +49,4 @@ fi
 export CONDENSE_BIN="${CONDENSE_BIN:-$root/target/debug/condense}"
 cd "$here"
 REQUIRE_CLIENT_AGENTS=1 "$python" -m pytest -q -p no:cacheprovider \
-  test_claude_code.py test_codex.py test_agents_sdk.py "$@"
+  test_claude_code.py test_codex.py test_opencode.py test_agents_sdk.py "$@"
