@@ -391,6 +391,13 @@ pub struct ServerConfig {
     /// After SIGTERM/SIGINT, how long in-flight requests and streams may run
     /// before condense exits anyway.
     pub shutdown_grace_seconds: f64,
+    /// Responses WebSockets open at once (`GET /v1/responses` upgraded, as
+    /// Codex prefers); beyond it an upgrade gets a 503 and the client falls
+    /// back to HTTP.
+    pub max_websockets: usize,
+    /// A WebSocket on which the client sends nothing this long is closed
+    /// (1000); Codex opens a new one for its next turn.
+    pub websocket_idle_seconds: f64,
 }
 
 impl Default for ServerConfig {
@@ -404,6 +411,8 @@ impl Default for ServerConfig {
             max_inflight_requests: 10_000,
             idle_timeout_seconds: 60.0,
             shutdown_grace_seconds: 30.0,
+            max_websockets: 1000,
+            websocket_idle_seconds: 900.0,
         }
     }
 }

@@ -54,6 +54,9 @@ pub mod labels {
         "shutting_down",
     ];
 
+    /// The `outcome` label of `condense_websocket_responses_total`.
+    pub const WEBSOCKET_OUTCOMES: &[&str] = &["completed", "warmup", "failed", "refused"];
+
     /// The `cause` label of `condense_stream_interruptions_total`.
     pub const INTERRUPTION_CAUSES: &[&str] = &["idle_timeout", "upstream_error", "shutdown"];
 
@@ -223,6 +226,15 @@ metrics! {
         name: "condense_inflight_requests",
         help: "Proxied requests currently in flight, streams included.",
     },
+    websockets_open: IntGauge {
+        name: "condense_websockets_open",
+        help: "Responses WebSockets open now.",
+    },
+    websocket_responses_total: IntCounterVec {
+        name: "condense_websocket_responses_total",
+        help: "response.create messages on Responses WebSockets, by outcome: completed (streamed to its end, its output remembered), warmup (generate: false, answered at once), failed (the request got an error, or its stream ended early), refused (not a response.create condense reads, an unknown previous_response_id, or too large).",
+        labels: [("outcome", WEBSOCKET_OUTCOMES)],
+    },
     open_connections: IntGauge {
         name: "condense_open_connections",
         help: "Client connections open now.",
@@ -328,7 +340,7 @@ metrics! {
     },
     recalls_total: IntCounterVec {
         name: "condense_recalls_total",
-        help: "Calls of condense_recall, by outcome: answered (the original went back to the model), unknown_key (no original under that key, or it expired), limit_reached (compaction.max_recalls answered already; taken out of the answer), stripped (made after text was streamed to the client; taken out), failed (the request carrying the result failed; the answer went to the client without the call).",
+        help: "Calls of condense_recall, by outcome: answered (the original went back to the model), unknown_key (no original under that key, or it expired), limit_reached (compaction.max_recalls answered already; taken out of the answer), stripped (made in a stream that went out and could not go on: an event or answer past condense's limits; taken out), failed (the request carrying the result failed; the answer went to the client without the call).",
         labels: [("outcome", RECALL_OUTCOMES)],
     },
     recalled_bytes_total: IntCounter {

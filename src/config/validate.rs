@@ -40,6 +40,10 @@ impl Config {
                 "server.idle_timeout_seconds",
                 self.server.idle_timeout_seconds,
             ),
+            (
+                "server.websocket_idle_seconds",
+                self.server.websocket_idle_seconds,
+            ),
             ("summary.timeout_seconds", self.summary.timeout_seconds),
             ("summary.cooldown_seconds", self.summary.cooldown_seconds),
             (

@@ -6,7 +6,8 @@
 //! summarize, offer condense's tools), `send` (the upstream request),
 //! `recover` (one retry after a context overflow), `recall` (the model's
 //! calls of condense's tools answered), `respond` (the answer relayed with
-//! the usage tap). Any other request is streamed upstream and back
+//! the usage tap). A Responses WebSocket (`socket.rs`) sends each of its
+//! turns through the same phases. Any other request is streamed upstream and back
 //! untouched (`send.rs`, `passthrough`). What differs between the APIs is
 //! asked of `crate::wire`.
 
@@ -22,6 +23,7 @@ mod recall;
 mod recover;
 pub mod respond;
 mod send;
+pub mod socket;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -100,6 +102,8 @@ pub struct Proxy {
     recall_written: crate::recall::store::Written,
     /// Turns true when the shutdown grace is over: open streams end.
     streams_end: tokio::sync::watch::Sender<bool>,
+    /// The Responses WebSockets open.
+    pub sockets: socket::Sockets,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -225,6 +229,10 @@ impl Proxy {
                 Duration::from_secs(config.state.ttl_seconds),
             ),
             streams_end: tokio::sync::watch::Sender::new(false),
+            sockets: socket::Sockets::new(
+                config.server.max_websockets,
+                Duration::from_secs_f64(config.server.websocket_idle_seconds),
+            ),
         })
     }
 

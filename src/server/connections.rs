@@ -548,6 +548,10 @@ pub async fn serve(
             _ = deadlines.tick() => registry.check_deadlines(limits.idle),
         }
     }
+    // Responses WebSockets live on the workers' event loops, off hyper's
+    // connections: they close (once their response is done) before the
+    // loops stop.
+    app.proxy.sockets.close_all().await;
     workers.stop().await;
 }
 
@@ -582,7 +586,8 @@ async fn connection(tcp: TcpStream, serving: Serving) {
         conn: conn.clone(),
         registry: registry.clone(),
     };
-    let served = builder.serve_connection(TokioIo::new(io), service);
+    // Upgrades: a Responses WebSocket (see `proxy/socket.rs`).
+    let served = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     tokio::pin!(served);
     let mut draining = false;
     let closed = std::future::poll_fn(|cx| {

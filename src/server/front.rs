@@ -191,6 +191,12 @@ fn route_of(req: &Request) -> &'static str {
         path if req.method() == Method::POST => {
             Format::of_path(path).map_or(ROUTE_PASSTHROUGH, Format::route)
         }
+        // A Responses WebSocket: condense serves it.
+        path if Format::of_path(path) == Some(Format::Responses)
+            && crate::proxy::socket::is_upgrade(req) =>
+        {
+            Format::Responses.route()
+        }
         _ => ROUTE_PASSTHROUGH,
     }
 }
@@ -236,6 +242,9 @@ fn denied(app: &AppState, route: &str, req: &Request) -> Option<Response> {
 /// request by the connection) stays small.
 async fn dispatch(app: &AppState, route: &'static str, req: Request, saturated: bool) -> Response {
     if let Some(format) = Format::of_route(route) {
+        if req.method() == Method::GET {
+            return Box::pin(app.proxy.clone().socket(req)).await;
+        }
         return Box::pin(app.proxy.clone().conversation(format, req)).await;
     }
     match route {

@@ -1,8 +1,10 @@
 //! OpenAI Responses (`/v1/responses`), stateless: the request read
 //! without loss and written back (`request.rs`), its usage, its errors,
-//! condense's tools in its shape, and its streams (`stream.rs`).
+//! condense's tools in its shape, its streams (`stream.rs`), and its
+//! WebSocket mode's messages and history (`socket.rs`).
 
 mod request;
+pub mod socket;
 mod stream;
 
 pub use request::{Origins, ParseError, ResponsesRequest, WriteError};
