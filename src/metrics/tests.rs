@@ -96,7 +96,7 @@ fn every_metric_is_exported_with_its_labels_and_help() {
         (
             "condense_recalls_total",
             &["outcome"],
-            "Calls of condense_recall, by outcome: answered (the original went back to the model), unknown_key (no original under that key, or it expired), limit_reached (compaction.max_recalls answered already; taken out of the answer), stripped (made after text was streamed to the client; taken out), failed (the request carrying the result failed; the answer went to the client without the call).",
+            "Calls of condense_recall, by outcome: answered (the original went back to the model), unknown_key (no original under that key, or it expired), limit_reached (compaction.max_recalls answered already; taken out of the answer), stripped (made in a stream that went out and could not go on: an event or answer past condense's limits; taken out), failed (the request carrying the result failed; the answer went to the client without the call).",
         ),
         (
             "condense_requests_total",
@@ -177,6 +177,16 @@ fn every_metric_is_exported_with_its_labels_and_help() {
             "condense_upstream_seconds",
             &["route"],
             "Upstream time to first byte: from sending the request to its response headers.",
+        ),
+        (
+            "condense_websocket_responses_total",
+            &["outcome"],
+            "response.create messages on Responses WebSockets, by outcome: completed (streamed to its end, its output remembered), warmup (generate: false, answered at once), failed (the request got an error, or its stream ended early), refused (not a response.create condense reads, an unknown previous_response_id, or too large).",
+        ),
+        (
+            "condense_websockets_open",
+            &[],
+            "Responses WebSockets open now.",
         ),
     ];
     assert_eq!(exported.len(), expected.len());
