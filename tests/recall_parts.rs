@@ -133,24 +133,17 @@ fn results(path: &str, body: &Value) -> Vec<String> {
 struct Upstream {
     addr: SocketAddr,
     model: Arc<Model>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Upstream {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _served: common::Served,
 }
 
 async fn upstream() -> Upstream {
     let model = Arc::new(Model::default());
-    let app = Router::new().fallback(answer).with_state(model.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let task = tokio::spawn(async move {
-        axum::serve(listener, app).await.unwrap();
-    });
-    Upstream { addr, model, task }
+    let served = common::serve(Router::new().fallback(answer).with_state(model.clone())).await;
+    Upstream {
+        addr: served.addr,
+        model,
+        _served: served,
+    }
 }
 
 async fn answer(State(model): State<Arc<Model>>, req: Request) -> Response {

@@ -54,24 +54,17 @@ impl Mock {
 struct Upstream {
     addr: SocketAddr,
     mock: Arc<Mock>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Upstream {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    _served: common::Served,
 }
 
 async fn upstream() -> Upstream {
     let mock = Arc::new(Mock::default());
-    let app = Router::new().fallback(answer).with_state(mock.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let task = tokio::spawn(async move {
-        axum::serve(listener, app).await.unwrap();
-    });
-    Upstream { addr, mock, task }
+    let served = common::serve(Router::new().fallback(answer).with_state(mock.clone())).await;
+    Upstream {
+        addr: served.addr,
+        mock,
+        _served: served,
+    }
 }
 
 /// Counts a stream as open until it is dropped.

@@ -575,6 +575,28 @@ pub async fn metric_at(addr: SocketAddr, series: &str) -> f64 {
     series_value(&text, series).unwrap_or(0.0)
 }
 
+/// An axum app served on 127.0.0.1, port 0, until dropped: the scripted
+/// upstreams of the tests.
+pub struct Served {
+    pub addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+pub async fn serve(app: Router) -> Served {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    Served { addr, task }
+}
+
 /// A `[[models]]` profile: `pattern` gets a `window`-token context window.
 pub fn profile(pattern: &str, window: u64) -> condense::config::ModelProfile {
     condense::config::ModelProfile {
