@@ -24,6 +24,7 @@ mod recover;
 pub mod respond;
 mod send;
 pub mod socket;
+mod sockets;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -103,7 +104,7 @@ pub struct Proxy {
     /// Turns true when the shutdown grace is over: open streams end.
     streams_end: tokio::sync::watch::Sender<bool>,
     /// The Responses WebSockets open.
-    pub sockets: socket::Sockets,
+    pub sockets: sockets::Sockets,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -229,7 +230,7 @@ impl Proxy {
                 Duration::from_secs(config.state.ttl_seconds),
             ),
             streams_end: tokio::sync::watch::Sender::new(false),
-            sockets: socket::Sockets::new(
+            sockets: sockets::Sockets::new(
                 config.server.max_websockets,
                 Duration::from_secs_f64(config.server.websocket_idle_seconds),
             ),

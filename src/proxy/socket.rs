@@ -23,7 +23,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
@@ -34,7 +34,7 @@ use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde_json::Value;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::{OwnedSemaphorePermit, watch};
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
@@ -57,36 +57,6 @@ const MAX_ERROR_BYTES: usize = 64 * 1024;
 type Socket = WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>;
 type Tx = SplitSink<Socket, Message>;
 type Rx = SplitStream<Socket>;
-
-/// The sockets open, their cap and their settings.
-pub struct Sockets {
-    permits: Arc<Semaphore>,
-    max: u32,
-    idle: Duration,
-    /// Turns true on shutdown: sockets close once their response is done.
-    closing: watch::Sender<bool>,
-}
-
-impl Sockets {
-    pub fn new(max: usize, idle: Duration) -> Sockets {
-        let max = u32::try_from(max)
-            .unwrap_or(u32::MAX)
-            .min(Semaphore::MAX_PERMITS as u32);
-        Sockets {
-            permits: Arc::new(Semaphore::new(max as usize)),
-            max,
-            idle,
-            closing: watch::Sender::new(false),
-        }
-    }
-
-    /// Asks every socket to close once its response is done, and resolves
-    /// once all are closed.
-    pub async fn close_all(&self) {
-        self.closing.send_replace(true);
-        let _ = self.permits.acquire_many(self.max).await;
-    }
-}
 
 /// Whether `req` asks to upgrade its connection to a WebSocket.
 pub fn is_upgrade(req: &Request<Body>) -> bool {

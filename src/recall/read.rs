@@ -42,7 +42,7 @@ use memchr::memmem::Finder;
 use serde_json::Value;
 
 use crate::compaction::text::floor_boundary;
-use crate::wire::tools::RECALL_TOOL;
+use crate::wire::tools::{Part, RECALL_TOOL};
 
 /// Lines shown before and after each line a search finds.
 pub const CONTEXT: usize = 2;
@@ -55,16 +55,6 @@ pub const MAX_SEARCH_CHARS: usize = 200;
 pub const LONG_LINE: usize = 300;
 /// What marks a line a search shows in part.
 const ELLIPSIS: &str = "…";
-
-/// What part of an original a recall asks for, as the model gave it: a
-/// value that is not what it should be is kept as `Err` with what was
-/// given (shortened), for the result to say so.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Part {
-    pub start_line: Option<Result<u64, String>>,
-    pub end_line: Option<Result<u64, String>>,
-    pub search: Option<Result<String, String>>,
-}
 
 /// What a recall of `key` returns from `original` for `part`, in at most
 /// `room` bytes.

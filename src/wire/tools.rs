@@ -13,7 +13,6 @@ use serde_json::{Map, Value, json};
 
 use super::usage::Sum;
 use crate::chat::{ChatRequest, RawObject};
-use crate::recall::read::Part;
 
 /// The tool the model recalls an original with.
 pub const RECALL_TOOL: &str = "condense_recall";
@@ -190,6 +189,16 @@ pub fn client_tool_names(body: &Bytes) -> Vec<String> {
 
 fn contains(haystack: &[u8], name: &str) -> bool {
     memchr::memmem::find(haystack, format!("\"{name}\"").as_bytes()).is_some()
+}
+
+/// What part of an original a recall asks for, as the model gave it: a
+/// value that is not what it should be is kept as `Err` with what was
+/// given (shortened), for the result to say so (`recall::read`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Part {
+    pub start_line: Option<Result<u64, String>>,
+    pub end_line: Option<Result<u64, String>>,
+    pub search: Option<Result<String, String>>,
 }
 
 /// A call of one of condense's tools.

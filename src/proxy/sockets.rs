@@ -1,0 +1,37 @@
+//! The Responses WebSockets open (`socket.rs` serves each): their cap,
+//! their idle deadline, and the signal that closes them on shutdown.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{Semaphore, watch};
+
+/// The sockets open, their cap and their settings.
+pub struct Sockets {
+    pub(super) permits: Arc<Semaphore>,
+    max: u32,
+    pub(super) idle: Duration,
+    /// Turns true on shutdown: sockets close once their response is done.
+    pub(super) closing: watch::Sender<bool>,
+}
+
+impl Sockets {
+    pub fn new(max: usize, idle: Duration) -> Sockets {
+        let max = u32::try_from(max)
+            .unwrap_or(u32::MAX)
+            .min(Semaphore::MAX_PERMITS as u32);
+        Sockets {
+            permits: Arc::new(Semaphore::new(max as usize)),
+            max,
+            idle,
+            closing: watch::Sender::new(false),
+        }
+    }
+
+    /// Asks every socket to close once its response is done, and resolves
+    /// once all are closed.
+    pub async fn close_all(&self) {
+        self.closing.send_replace(true);
+        let _ = self.permits.acquire_many(self.max).await;
+    }
+}
