@@ -2,6 +2,7 @@
 //! their idle deadline, and the signal that closes them on shutdown.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{Semaphore, watch};
@@ -9,7 +10,7 @@ use tokio::sync::{Semaphore, watch};
 /// The sockets open, their cap and their settings.
 pub struct Sockets {
     pub(super) permits: Arc<Semaphore>,
-    max: u32,
+    max: AtomicU32,
     pub(super) idle: Duration,
     /// Turns true on shutdown: sockets close once their response is done.
     pub(super) closing: watch::Sender<bool>,
@@ -22,7 +23,7 @@ impl Sockets {
             .min(Semaphore::MAX_PERMITS as u32);
         Sockets {
             permits: Arc::new(Semaphore::new(max as usize)),
-            max,
+            max: AtomicU32::new(max),
             idle,
             closing: watch::Sender::new(false),
         }
@@ -32,6 +33,21 @@ impl Sockets {
     /// once all are closed.
     pub async fn close_all(&self) {
         self.closing.send_replace(true);
-        let _ = self.permits.acquire_many(self.max).await;
+        let _ = self
+            .permits
+            .acquire_many(self.max.load(Ordering::Relaxed))
+            .await;
+    }
+
+    /// Lowers the cap to `max` (the open-file limit's room for client
+    /// sockets), before any socket opened; the cap it has now.
+    pub fn lower_to(&self, max: usize) -> usize {
+        let max = u32::try_from(max).unwrap_or(u32::MAX).max(1);
+        let now = self.max.load(Ordering::Relaxed);
+        if max < now {
+            let gone = self.permits.forget_permits((now - max) as usize);
+            self.max.store(now - gone as u32, Ordering::Relaxed);
+        }
+        self.max.load(Ordering::Relaxed) as usize
     }
 }

@@ -125,6 +125,16 @@ impl Server {
                 "the open-file limit allows fewer client connections than server.max_connections; raise it (ulimit -n) to serve more"
             );
         }
+        // A WebSocket holds a descriptor as a connection does (and one more
+        // upstream while it answers): it shares the connections' room.
+        let max_websockets = state.proxy.sockets.lower_to(limits.max_connections);
+        if max_websockets < config.server.max_websockets {
+            tracing::warn!(
+                max_websockets,
+                configured = config.server.max_websockets,
+                "the open-file limit allows fewer WebSockets than server.max_websockets; raise it (ulimit -n) to serve more"
+            );
+        }
         let (stop, stopped) = watch::channel(false);
         let flag = state.shutting_down.clone();
         let mut on_stop = stopped.clone();
