@@ -51,3 +51,31 @@ impl Sockets {
         self.max.load(Ordering::Relaxed) as usize
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_cap_lowers_and_closing_waits_for_every_socket() {
+        let s = Sockets::new(10, Duration::from_secs(1));
+        assert_eq!(s.lower_to(20), 10);
+        assert_eq!(s.lower_to(3), 3);
+        let held: Vec<_> = (0..3)
+            .map(|_| s.permits.clone().try_acquire_owned().unwrap())
+            .collect();
+        assert!(s.permits.clone().try_acquire_owned().is_err());
+        let closing = s.close_all();
+        tokio::pin!(closing);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), &mut closing)
+                .await
+                .is_err()
+        );
+        assert!(*s.closing.borrow());
+        drop(held);
+        tokio::time::timeout(Duration::from_secs(1), closing)
+            .await
+            .unwrap();
+    }
+}
