@@ -55,7 +55,8 @@ pub mod labels {
     ];
 
     /// The `outcome` label of `condense_websocket_responses_total`.
-    pub const WEBSOCKET_OUTCOMES: &[&str] = &["completed", "warmup", "failed", "refused"];
+    pub const WEBSOCKET_OUTCOMES: &[&str] =
+        &["completed", "incomplete", "warmup", "failed", "refused"];
 
     /// The `cause` label of `condense_stream_interruptions_total`.
     pub const INTERRUPTION_CAUSES: &[&str] = &["idle_timeout", "upstream_error", "shutdown"];
@@ -232,7 +233,7 @@ metrics! {
     },
     websocket_responses_total: IntCounterVec {
         name: "condense_websocket_responses_total",
-        help: "response.create messages on Responses WebSockets, by outcome: completed (streamed to its end, its output remembered), warmup (generate: false, answered at once), failed (the request got an error, or its stream ended early), refused (not a response.create condense reads, an unknown previous_response_id, or too large).",
+        help: "response.create messages on Responses WebSockets, by outcome: completed (streamed to its end, its output remembered), incomplete (ended with response.incomplete, at max_output_tokens say; its output remembered too, as it can be continued), warmup (generate: false, answered at once), failed (the request got an error, or its stream ended early), refused (not a response.create condense reads, an unknown previous_response_id, or too large).",
         labels: [("outcome", WEBSOCKET_OUTCOMES)],
     },
     open_connections: IntGauge {

@@ -43,6 +43,8 @@ struct Mock {
     stall: std::sync::atomic::AtomicBool,
     /// Answer with this status and an OpenAI error body.
     status: AtomicUsize,
+    /// End the stream with response.incomplete (cut at max_output_tokens).
+    incomplete: std::sync::atomic::AtomicBool,
 }
 
 impl Mock {
@@ -113,7 +115,13 @@ async fn answer(State(mock): State<Arc<Mock>>, req: Request) -> Response {
     done["status"] = json!("completed");
     done["output"] = json!([msg]);
     done["usage"] = json!({"input_tokens": bytes.len() / 4, "output_tokens": 5, "total_tokens": bytes.len() / 4 + 5});
-    events.push(json!({"type": "response.completed", "response": done}));
+    if mock.incomplete.load(Ordering::SeqCst) {
+        done["status"] = json!("incomplete");
+        done["incomplete_details"] = json!({"reason": "max_output_tokens"});
+        events.push(json!({"type": "response.incomplete", "response": done}));
+    } else {
+        events.push(json!({"type": "response.completed", "response": done}));
+    }
     let sse: Vec<String> = events
         .into_iter()
         .enumerate()
@@ -195,7 +203,8 @@ async fn next_event(ws: &mut Ws) -> Value {
     }
 }
 
-/// The events of one response, up to its end (completed, or an error).
+/// The events of one response, up to its end (completed, incomplete,
+/// failed, or an error).
 async fn response(ws: &mut Ws, create: Value) -> Vec<Value> {
     ws.send(Message::text(create.to_string())).await.unwrap();
     let mut events = Vec::new();
@@ -203,7 +212,7 @@ async fn response(ws: &mut Ws, create: Value) -> Vec<Value> {
         let e = next_event(ws).await;
         let end = matches!(
             e["type"].as_str(),
-            Some("response.completed" | "response.failed" | "error")
+            Some("response.completed" | "response.incomplete" | "response.failed" | "error")
         );
         events.push(e);
         if end {
@@ -331,6 +340,42 @@ async fn an_unknown_previous_response_and_upstream_errors_are_error_events_and_t
     // The socket still serves.
     let events = response(&mut ws, create(vec![user("hi")], None)).await;
     assert_eq!(events.last().unwrap()["type"], "response.completed");
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_incomplete_response_is_remembered_and_can_be_continued() {
+    // A response cut at max_output_tokens ends with response.incomplete;
+    // the client may go on from it ("continue"), as it can on OpenAI's
+    // socket. Until condense remembered it, that got
+    // previous_response_not_found.
+    let up = upstream().await;
+    let server = condense(&up, |_| {}).await;
+    let mut ws = connect(&server).await;
+    up.mock.incomplete.store(true, Ordering::SeqCst);
+    let events = response(&mut ws, create(vec![user("write it all")], None)).await;
+    let end = events.last().unwrap();
+    assert_eq!(end["type"], "response.incomplete", "{end}");
+    let id = end["response"]["id"].as_str().unwrap().to_string();
+    up.mock.incomplete.store(false, Ordering::SeqCst);
+    let events = response(&mut ws, create(vec![user("go on")], Some(&id))).await;
+    let end = events.last().unwrap();
+    assert_eq!(end["type"], "response.completed", "{end}");
+    let seen = up.mock.seen();
+    assert_eq!(seen.len(), 2);
+    let input = seen[1].1["input"].as_array().unwrap();
+    assert_eq!(input.len(), 3, "{input:?}");
+    assert_eq!(input[0], user("write it all"));
+    assert_eq!(input[1]["content"][0]["text"], "answer 1 to 1 items");
+    assert_eq!(input[2], user("go on"));
+    for (outcome, n) in [("incomplete", 1.0), ("completed", 1.0), ("failed", 0.0)] {
+        let name = format!("condense_websocket_responses_total{{outcome=\"{outcome}\"}}");
+        assert_eq!(
+            common::metric_at(server.local_addr(), &name).await,
+            n,
+            "{name}"
+        );
+    }
     server.shutdown().await.unwrap();
 }
 

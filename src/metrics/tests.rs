@@ -181,7 +181,7 @@ fn every_metric_is_exported_with_its_labels_and_help() {
         (
             "condense_websocket_responses_total",
             &["outcome"],
-            "response.create messages on Responses WebSockets, by outcome: completed (streamed to its end, its output remembered), warmup (generate: false, answered at once), failed (the request got an error, or its stream ended early), refused (not a response.create condense reads, an unknown previous_response_id, or too large).",
+            "response.create messages on Responses WebSockets, by outcome: completed (streamed to its end, its output remembered), incomplete (ended with response.incomplete, at max_output_tokens say; its output remembered too, as it can be continued), warmup (generate: false, answered at once), failed (the request got an error, or its stream ended early), refused (not a response.create condense reads, an unknown previous_response_id, or too large).",
         ),
         (
             "condense_websockets_open",

@@ -367,11 +367,15 @@ impl Proxy {
         }
         match (outcome.finished, outcome.id.clone()) {
             (true, Some(id)) => {
+                let label = match outcome.incomplete {
+                    true => "incomplete",
+                    false => "completed",
+                };
                 let previous = create.previous.as_deref();
                 socket
                     .history
                     .record(&id, previous, create.input, outcome.output());
-                outcomes.with_label_values(&["completed"]).inc();
+                outcomes.with_label_values(&[label]).inc();
             }
             _ => outcomes.with_label_values(&["failed"]).inc(),
         }

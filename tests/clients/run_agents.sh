@@ -2,10 +2,11 @@
 # Runs the real-client agent tests through condense on a fresh machine:
 # installs the pinned agents from their lockfiles (Claude Code in
 # claude_code/, Codex CLI in codex/, opencode in opencode/), then runs
-# test_claude_code.py, test_codex.py, test_opencode.py and
-# test_agents_sdk.py (the OpenAI Agents SDK, pinned in requirements.txt)
-# with REQUIRE_CLIENT_AGENTS=1, so a missing piece fails instead of
-# skipping. Arguments go to pytest.
+# test_claude_code.py, test_codex.py, test_codex_websocket.py (Codex on its
+# Responses WebSocket transport), test_opencode.py and test_agents_sdk.py
+# (the OpenAI Agents SDK, pinned in requirements.txt) with
+# REQUIRE_CLIENT_AGENTS=1, so a missing piece fails instead of skipping.
+# Arguments go to pytest.
 #
 # Needs node and npm on PATH, and a built condense (CONDENSE_BIN, default
 # target/debug/condense). PYTHON is a Python with the packages of
@@ -49,4 +50,4 @@ fi
 export CONDENSE_BIN="${CONDENSE_BIN:-$root/target/debug/condense}"
 cd "$here"
 REQUIRE_CLIENT_AGENTS=1 "$python" -m pytest -q -p no:cacheprovider \
-  test_claude_code.py test_codex.py test_opencode.py test_agents_sdk.py "$@"
+  test_claude_code.py test_codex.py test_codex_websocket.py test_opencode.py test_agents_sdk.py "$@"

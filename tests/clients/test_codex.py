@@ -86,9 +86,11 @@ trigger = {{ kind = "messages", value = {SUMMARY_AFTER_MESSAGES} }}
 """
 
 
-def codex_config(base_url):
+def codex_config(base_url, websockets=False):
     """$CODEX_HOME/config.toml for Codex 0.169.0 (checked with
-    --strict-config, which rejects unknown keys)."""
+    --strict-config, which rejects unknown keys). With websockets, the
+    provider says it serves the Responses WebSocket mode, and Codex talks
+    to it over a socket (test_codex_websocket.py)."""
     return f"""
 model = "{MODEL}"
 model_provider = "condense"
@@ -121,7 +123,36 @@ name = "condense"
 base_url = "{base_url}"
 wire_api = "responses"
 env_key = "CONDENSE_E2E_API_KEY"
-"""
+""" + ("supports_websockets = true\n" if websockets else "")
+
+
+def codex_env(home, codex_home, rust_log="warn"):
+    """The environment Codex runs in: HOME and CODEX_HOME in the test's
+    temp dir, the key in CONDENSE_E2E_API_KEY, and every proxy variable at
+    a dead proxy, so anything that is not for 127.0.0.1 fails fast instead
+    of leaving. rust_log is Codex's RUST_LOG: warnings and up go to stderr,
+    where a failed connection is logged."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "SHELL": "/bin/bash",
+        "TERM": "dumb",
+        "HOME": str(home),
+        "CODEX_HOME": str(codex_home),
+        "CONDENSE_E2E_API_KEY": API_KEY,
+        "RUST_LOG": rust_log,
+        "NO_COLOR": "1",
+        **{k: DEAD_PROXY for k in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy",
+                                   "all_proxy")},
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+    }
+
+
+def codex_command(last_message):
+    """`codex exec` on the task, events as JSON lines on stdout, the last
+    message written to last_message."""
+    return [str(CODEX), "exec", "--strict-config", "--skip-git-repo-check", "--ephemeral", "--json",
+            "--output-last-message", str(last_message), agent.TASK]
 
 
 def _require(ok, why):
@@ -154,29 +185,10 @@ def run(tmp_path_factory):
     (codex_home / "config.toml").write_text(codex_config(tap_url + "/v1"))
     r = Run()
     r.last_message = tmp / "last-message.txt"
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "SHELL": "/bin/bash",
-        "TERM": "dumb",
-        "HOME": str(home),
-        "CODEX_HOME": str(codex_home),
-        "CONDENSE_E2E_API_KEY": API_KEY,
-        # Warnings and up go to stderr: a failed connection is logged there.
-        "RUST_LOG": "warn",
-        "NO_COLOR": "1",
-        # Anything that is not for condense fails fast instead of leaving.
-        **{k: DEAD_PROXY for k in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy",
-                                   "all_proxy")},
-        "NO_PROXY": "127.0.0.1,localhost",
-        "no_proxy": "127.0.0.1,localhost",
-    }
-    cmd = [str(CODEX), "exec", "--strict-config", "--skip-git-repo-check", "--ephemeral", "--json",
-           "--output-last-message", str(r.last_message),
-           agent.TASK]
     start = time.monotonic()
     try:
-        r.proc = subprocess.run(cmd, env=env, cwd=work, stdin=subprocess.DEVNULL,
-                                capture_output=True, text=True, timeout=600)
+        r.proc = subprocess.run(codex_command(r.last_message), env=codex_env(home, codex_home), cwd=work,
+                                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
         r.seconds = time.monotonic() - start
         r.metrics = scrape_metrics(condense)
     finally:

@@ -231,10 +231,15 @@ pub struct Outcome {
     pub id: Option<String>,
     /// The items of `response.output_item.done` events, by output index.
     done: Vec<(u64, Bytes)>,
-    /// The `output` of `response.completed`, when it had one.
+    /// The `output` of `response.completed` (or `response.incomplete`),
+    /// when it had one.
     completed: Option<Vec<Bytes>>,
-    /// Whether the response completed.
+    /// Whether the response ended: completed, or incomplete (cut at
+    /// `max_output_tokens`, say). Either can be continued with
+    /// `previous_response_id`, so either is remembered.
     pub finished: bool,
+    /// Whether it ended incomplete.
+    pub incomplete: bool,
 }
 
 impl Outcome {
@@ -255,8 +260,9 @@ impl Outcome {
                     self.done.push((i, Bytes::from(item.to_string())));
                 }
             }
-            "response.completed" => {
+            "response.completed" | "response.incomplete" => {
                 self.finished = true;
+                self.incomplete = kind == "response.incomplete";
                 if let Some(id) = data.pointer("/response/id").and_then(Value::as_str) {
                     self.id = Some(id.to_string());
                 }
@@ -496,12 +502,29 @@ mod tests {
         );
         assert!(!o.finished);
         o.event(&json!({"type": "response.completed", "response": {"id": "resp_1", "output": []}}));
-        assert!(o.finished);
+        assert!(o.finished && !o.incomplete);
         assert_eq!(o.id.as_deref(), Some("resp_1"));
         let out = o.output();
         assert_eq!(
             out,
             [Bytes::from(r#"{"id":"a"}"#), Bytes::from(r#"{"id":"b"}"#)]
+        );
+        // A response cut at max_output_tokens ends with response.incomplete
+        // and its output so far: it ended, and can be continued.
+        let mut o = Outcome::default();
+        o.event(&json!({"type": "response.created", "response": {"id": "resp_2", "output": []}}));
+        o.event(
+            &json!({"type": "response.incomplete", "response": {"id": "resp_2",
+            "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
+            "output": [{"id": "rs_1", "type": "reasoning", "summary": []}]}}),
+        );
+        assert!(o.finished && o.incomplete);
+        assert_eq!(o.id.as_deref(), Some("resp_2"));
+        assert_eq!(
+            o.output(),
+            [Bytes::from(
+                r#"{"id":"rs_1","summary":[],"type":"reasoning"}"#
+            )]
         );
         let [created, done] = warmup_events("resp_w", Some("m"), 1);
         assert_eq!(created["response"]["status"], "in_progress");
