@@ -297,6 +297,8 @@ async fn each_create_goes_upstream_as_the_whole_conversation_and_events_come_bac
     let events = response(&mut ws, create(vec![output.clone()], Some(&first_id))).await;
     assert_eq!(events.last().unwrap()["type"], "response.completed");
     let seen = up.mock.seen();
+    // Each turn is a request with an id of its own.
+    assert_ne!(seen[0].0["x-request-id"], seen[1].0["x-request-id"]);
     let input = seen[1].1["input"].as_array().unwrap();
     assert_eq!(input.len(), 4);
     assert_eq!(input[2]["content"][0]["text"], "answer 1 to 2 items");

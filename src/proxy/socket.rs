@@ -291,6 +291,10 @@ impl Proxy {
             .parse()
             .unwrap_or_else(|_| http::Uri::from_static("/v1/responses"));
         *req.headers_mut() = socket.held.headers.clone();
+        // Each turn is a request of its own, with an id of its own.
+        if let Ok(id) = HeaderValue::from_str(&fresh_uuid().to_string()) {
+            req.headers_mut().insert("x-request-id", id);
+        }
         req.headers_mut().insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
@@ -355,9 +359,7 @@ impl Proxy {
                 if data.trim_ascii() == b"[DONE]" || data.trim_ascii().is_empty() {
                     continue;
                 }
-                if let Ok(v) = serde_json::from_slice::<Value>(&data) {
-                    outcome.event(&v);
-                }
+                outcome.event(&data);
                 let text = String::from_utf8_lossy(&data).into_owned();
                 tx.send(Message::text(text)).await.map_err(|_| None)?;
             }
@@ -465,19 +467,20 @@ async fn closed(closing: &mut watch::Receiver<bool>) {
     let _ = closing.wait_for(|c| *c).await;
 }
 
-/// A response id of condense's own (a warm-up's): `resp_` and 32 hex
-/// digits, unlike any other this process gives.
-fn fresh_id() -> String {
+/// A random UUID, unlike any other this process gives.
+fn fresh_uuid() -> uuid::Uuid {
     use std::hash::{BuildHasher, RandomState};
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let keys = RandomState::new();
-    format!(
-        "resp_{:016x}{:016x}",
-        keys.hash_one((n, 0u8)),
-        keys.hash_one((n, 1u8))
-    )
+    let bits = (u128::from(keys.hash_one((n, 0u8))) << 64) | u128::from(keys.hash_one((n, 1u8)));
+    uuid::Builder::from_random_bytes(bits.to_le_bytes()).into_uuid()
+}
+
+/// A response id of condense's own (a warm-up's).
+fn fresh_id() -> String {
+    format!("resp_{}", fresh_uuid().simple())
 }
 
 async fn send(tx: &mut Tx, event: &Value) -> Result<(), WsError> {

@@ -23,7 +23,11 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use crate::chat::RawObject;
@@ -243,34 +247,56 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    /// Reads one event's data.
-    pub fn event(&mut self, data: &Value) {
-        let kind = data.get("type").and_then(Value::as_str).unwrap_or("");
-        if let Some(id) = data.pointer("/response/id").and_then(Value::as_str)
+    /// Reads one event's data. The items are kept as the upstream wrote
+    /// them (the client sends them back so after a reconnect, and condense
+    /// compacts by their bytes).
+    pub fn event(&mut self, data: &[u8]) {
+        #[derive(Deserialize)]
+        struct Event<'a> {
+            #[serde(rename = "type", borrow)]
+            kind: Option<Cow<'a, str>>,
+            output_index: Option<u64>,
+            #[serde(borrow)]
+            item: Option<&'a RawValue>,
+            #[serde(borrow)]
+            response: Option<Response<'a>>,
+        }
+        #[derive(Deserialize)]
+        struct Response<'a> {
+            #[serde(borrow)]
+            id: Option<Cow<'a, str>>,
+            #[serde(borrow)]
+            output: Option<Vec<&'a RawValue>>,
+        }
+        let Ok(e) = serde_json::from_slice::<Event>(data) else {
+            return;
+        };
+        let raw = |v: &RawValue| Bytes::copy_from_slice(v.get().as_bytes());
+        let id = e.response.as_ref().and_then(|r| r.id.as_deref());
+        if let Some(id) = id
             && self.id.is_none()
         {
             self.id = Some(id.to_string());
         }
-        match kind {
-            "response.output_item.done" => {
-                if let (Some(i), Some(item)) = (
-                    data.get("output_index").and_then(Value::as_u64),
-                    data.get("item").filter(|i| i.is_object()),
-                ) {
-                    self.done.push((i, Bytes::from(item.to_string())));
+        match e.kind.as_deref() {
+            Some("response.output_item.done") => {
+                if let (Some(i), Some(item)) = (e.output_index, e.item)
+                    && item.get().starts_with('{')
+                {
+                    self.done.push((i, raw(item)));
                 }
             }
-            "response.completed" | "response.incomplete" => {
+            Some(kind @ ("response.completed" | "response.incomplete")) => {
                 self.finished = true;
                 self.incomplete = kind == "response.incomplete";
-                if let Some(id) = data.pointer("/response/id").and_then(Value::as_str) {
+                if let Some(id) = id {
                     self.id = Some(id.to_string());
                 }
-                self.completed = data
-                    .pointer("/response/output")
-                    .and_then(Value::as_array)
+                self.completed = e
+                    .response
+                    .and_then(|r| r.output)
                     .filter(|o| !o.is_empty())
-                    .map(|o| o.iter().map(|i| Bytes::from(i.to_string())).collect());
+                    .map(|o| o.into_iter().map(raw).collect());
             }
             _ => {}
         }
@@ -491,39 +517,39 @@ mod tests {
     }
 
     #[test]
-    fn an_outcome_reads_the_id_and_the_output() {
+    fn an_outcome_reads_the_id_and_the_output_as_the_upstream_wrote_it() {
         let mut o = Outcome::default();
-        o.event(&json!({"type": "response.created", "response": {"id": "resp_1", "output": []}}));
+        o.event(br#"{"type":"response.created","response":{"id":"resp_1","output":[]}}"#);
         o.event(
-            &json!({"type": "response.output_item.done", "output_index": 1, "item": {"id": "b"}}),
+            br#"{"type":"response.output_item.done","output_index":1,"item":{"id":"b","a":1}}"#,
         );
-        o.event(
-            &json!({"type": "response.output_item.done", "output_index": 0, "item": {"id": "a"}}),
-        );
+        o.event(br#"{"type":"response.output_item.done","output_index":0,"item":{"id":"a"}}"#);
+        o.event(b"not json");
         assert!(!o.finished);
-        o.event(&json!({"type": "response.completed", "response": {"id": "resp_1", "output": []}}));
+        o.event(br#"{"type":"response.completed","response":{"id":"resp_1","output":[]}}"#);
         assert!(o.finished && !o.incomplete);
         assert_eq!(o.id.as_deref(), Some("resp_1"));
-        let out = o.output();
+        // In output-index order, each item's bytes (and key order) kept.
         assert_eq!(
-            out,
-            [Bytes::from(r#"{"id":"a"}"#), Bytes::from(r#"{"id":"b"}"#)]
+            o.output(),
+            [
+                Bytes::from(r#"{"id":"a"}"#),
+                Bytes::from(r#"{"id":"b","a":1}"#)
+            ]
         );
         // A response cut at max_output_tokens ends with response.incomplete
         // and its output so far: it ended, and can be continued.
         let mut o = Outcome::default();
-        o.event(&json!({"type": "response.created", "response": {"id": "resp_2", "output": []}}));
+        o.event(br#"{"type":"response.created","response":{"id":"resp_2","output":[]}}"#);
         o.event(
-            &json!({"type": "response.incomplete", "response": {"id": "resp_2",
-            "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
-            "output": [{"id": "rs_1", "type": "reasoning", "summary": []}]}}),
+            br#"{"type":"response.incomplete","response":{"id":"resp_2","status":"incomplete","incomplete_details":{"reason":"max_output_tokens"},"output":[{"type":"reasoning","id":"rs_1","summary":[]}]}}"#,
         );
         assert!(o.finished && o.incomplete);
         assert_eq!(o.id.as_deref(), Some("resp_2"));
         assert_eq!(
             o.output(),
             [Bytes::from(
-                r#"{"id":"rs_1","summary":[],"type":"reasoning"}"#
+                r#"{"type":"reasoning","id":"rs_1","summary":[]}"#
             )]
         );
         let [created, done] = warmup_events("resp_w", Some("m"), 1);
