@@ -399,6 +399,25 @@ async fn the_conversation_on_a_socket_is_compacted_like_any_other() {
         let end = events.last().unwrap();
         assert_eq!(end["type"], "response.completed", "{end}");
         previous = Some(end["response"]["id"].as_str().unwrap().to_string());
+        // What condense did, as the HTTP route's headers say it, is in the
+        // response's metadata at its start and its end.
+        for e in [&events[0], end] {
+            let meta = &e["response"]["metadata"];
+            assert!(
+                meta["condense_tokens_before"]
+                    .as_str()
+                    .unwrap()
+                    .parse::<u64>()
+                    .is_ok()
+            );
+            assert!(meta["condense_actions"].is_string(), "{e}");
+        }
+        if t == 15 {
+            let actions = end["response"]["metadata"]["condense_actions"]
+                .as_str()
+                .unwrap();
+            assert!(actions.contains("mask"), "{actions}");
+        }
     }
     let seen = up.mock.seen();
     let last = seen.last().unwrap().1.to_string();

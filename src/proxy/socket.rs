@@ -7,7 +7,9 @@
 //! request that goes through [`Proxy::conversation`], the same path as an
 //! HTTP request (compaction, recall, overflow recovery, calibration,
 //! metrics), upstream over HTTP; the events of its streamed answer go back
-//! as WebSocket text messages, in order. A `generate: false` warm-up is
+//! as WebSocket text messages, in order (what condense did, the HTTP
+//! route's `x-condense-*` headers, in the `metadata` of the response each
+//! turn's first and last events carry). A `generate: false` warm-up is
 //! answered at once, as OpenAI does, and its input remembered.
 //!
 //! Bounds: at most `server.max_websockets` sockets (503 beyond); a message
@@ -40,11 +42,11 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 
-use super::Proxy;
+use super::{Proxy, X_ACTIONS, X_TOKENS_AFTER, X_TOKENS_BEFORE};
 use crate::error::ProxyError;
 use crate::wire::Format;
 use crate::wire::responses::socket::{
-    Create, History, Outcome, Refusal, http_error_event, warmup_events,
+    Create, History, Outcome, Refusal, http_error_event, warmup_events, with_report,
 };
 use crate::wire::sse;
 
@@ -304,6 +306,18 @@ impl Proxy {
             resp = answer => resp,
             gone = watch_client(rx, &mut socket.queue) => return Err(gone),
         };
+        // What condense did to this turn, for the response's metadata.
+        let report: Vec<(&str, String)> = [
+            ("condense_tokens_before", X_TOKENS_BEFORE),
+            ("condense_tokens_after", X_TOKENS_AFTER),
+            ("condense_actions", X_ACTIONS),
+        ]
+        .into_iter()
+        .filter_map(|(key, name)| {
+            let v = resp.headers().get(name)?.to_str().ok()?;
+            Some((key, v.to_string()))
+        })
+        .collect();
         let status = resp.status();
         let is_sse = resp
             .headers()
@@ -360,7 +374,10 @@ impl Proxy {
                     continue;
                 }
                 outcome.event(&data);
-                let text = String::from_utf8_lossy(&data).into_owned();
+                let text = match with_report(&data, &report) {
+                    Some(edited) => String::from_utf8_lossy(&edited).into_owned(),
+                    None => String::from_utf8_lossy(&data).into_owned(),
+                };
                 tx.send(Message::text(text)).await.map_err(|_| None)?;
             }
             if done {

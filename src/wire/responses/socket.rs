@@ -228,6 +228,39 @@ pub fn warmup_events(id: &str, model: Option<&str>, created_at: u64) -> [Value; 
     ]
 }
 
+/// The event `data` with condense's report (`x-condense-*` as the HTTP
+/// route sends them: tokens before and after, actions) in the `metadata`
+/// of the response it carries, when it is the event that starts or ends
+/// the response; None for any other event (it goes as it came). A socket
+/// has no headers per turn: the response's metadata is where they fit.
+pub fn with_report(data: &[u8], report: &[(&str, String)]) -> Option<Vec<u8>> {
+    const CARRIERS: [&[u8]; 3] = [
+        b"response.created",
+        b"response.completed",
+        b"response.incomplete",
+    ];
+    if report.is_empty()
+        || !CARRIERS
+            .iter()
+            .any(|c| memchr::memmem::find(data, c).is_some())
+    {
+        return None;
+    }
+    let mut v: Value = serde_json::from_slice(data).ok()?;
+    let kind = v.get("type").and_then(Value::as_str)?;
+    if !CARRIERS.iter().any(|c| c == &kind.as_bytes()) {
+        return None;
+    }
+    let response = v.get_mut("response").filter(|r| r.is_object())?;
+    if !response.get("metadata").is_some_and(Value::is_object) {
+        response["metadata"] = json!({});
+    }
+    for (k, val) in report {
+        response["metadata"][*k] = json!(val);
+    }
+    serde_json::to_vec(&v).ok()
+}
+
 /// What one streamed response told, read from its events: its id and its
 /// output items.
 #[derive(Debug, Default)]
@@ -552,6 +585,26 @@ mod tests {
                 r#"{"type":"reasoning","id":"rs_1","summary":[]}"#
             )]
         );
+        let report = [("condense_actions", "mask".to_string())];
+        let start = with_report(
+            br#"{"type":"response.created","response":{"id":"r","metadata":{"a":"b"}}}"#,
+            &report,
+        )
+        .unwrap();
+        let start: Value = serde_json::from_slice(&start).unwrap();
+        assert_eq!(
+            start["response"]["metadata"],
+            json!({"a": "b", "condense_actions": "mask"})
+        );
+        let end = with_report(
+            br#"{"type":"response.completed","response":{"id":"r"}}"#,
+            &report,
+        );
+        assert!(end.is_some());
+        // Other events go as they came, even ones that mention the name.
+        let delta = br#"{"type":"response.output_text.delta","delta":"response.created"}"#;
+        assert!(with_report(delta, &report).is_none());
+        assert!(with_report(br#"{"type":"response.created","response":{}}"#, &[]).is_none());
         let [created, done] = warmup_events("resp_w", Some("m"), 1);
         assert_eq!(created["response"]["status"], "in_progress");
         assert_eq!(done["response"]["output"], json!([]));
