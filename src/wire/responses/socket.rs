@@ -345,6 +345,12 @@ impl Outcome {
     }
 }
 
+/// Bytes a held item costs besides its own: its handle and allocation.
+const ITEM_OVERHEAD: usize = 48;
+/// Bytes a held response costs besides its items and id: its turn, its
+/// entries in the map and the order.
+const TURN_OVERHEAD: usize = 160;
+
 /// A socket's conversation: every response it made, by id.
 pub struct History {
     responses: HashMap<String, Arc<Turn>>,
@@ -429,7 +435,11 @@ impl History {
         let parent = previous.and_then(|p| self.responses.get(p).cloned());
         let mut items = input;
         items.extend(output);
-        let bytes = items.iter().map(Bytes::len).sum();
+        // What the turn holds besides its items' bytes counts too: a client
+        // that sends warm-ups without input must not grow the map unbounded.
+        let bytes = items.iter().map(|i| i.len() + ITEM_OVERHEAD).sum::<usize>()
+            + TURN_OVERHEAD
+            + 2 * id.len();
         self.live.fetch_add(bytes, Ordering::Relaxed);
         let turn = Arc::new(Turn {
             parent,
@@ -536,6 +546,15 @@ mod tests {
         assert!(h.bytes() > 300);
         drop(h);
 
+        // Responses without input still count: a client cannot grow the
+        // map past the cap with empty warm-ups.
+        let mut h = History::new(100_000);
+        for n in 0..100_000 {
+            h.record(&format!("resp_{n}"), None, Vec::new(), Vec::new());
+        }
+        assert!(h.responses.len() < 1000, "{}", h.responses.len());
+        assert!(h.bytes() <= 100_000);
+
         // A long chain is let go without deep recursion.
         let mut h = History::new(usize::MAX);
         let mut prev: Option<String> = None;
@@ -619,5 +638,32 @@ mod tests {
             http_error_event(502, b"gateway")["error"]["type"],
             "server_error"
         );
+    }
+
+    proptest::proptest! {
+        /// Any message is read or refused, never a panic; any history is
+        /// held within its cap, but for the chain of the newest turn.
+        #[test]
+        fn any_message_and_any_history_stay_in_bounds(
+            text in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            turns in proptest::collection::vec((0usize..40, 0usize..5, 0usize..400), 1..60),
+        ) {
+            let _ = Create::parse(&text);
+            let json = format!(r#"{{"type":"response.create","input":{}}}"#, String::from_utf8_lossy(&text));
+            if let Ok(c) = Create::parse(json.as_bytes()) {
+                let _ = c.body(&c.input);
+            }
+            let mut h = History::new(4_000);
+            for (n, (parent, items, size)) in turns.iter().enumerate() {
+                let previous = format!("r{}", n.saturating_sub(1 + parent));
+                let input = vec![Bytes::from(vec![b'x'; *size]); *items];
+                let _ = h.input(Some(&previous), &input);
+                h.record(&format!("r{n}"), Some(&previous), input, Vec::new());
+                // Past the cap only what the newest turn continues is held.
+                let chain: usize = h.input(Some(&format!("r{n}")), &[]).unwrap().iter().map(|b| b.len() + ITEM_OVERHEAD).sum::<usize>()
+                    + (n + 1) * (TURN_OVERHEAD + 2 * 4);
+                proptest::prop_assert!(h.bytes() <= 4_000 + chain);
+            }
+        }
     }
 }
