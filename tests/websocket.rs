@@ -45,6 +45,8 @@ struct Mock {
     status: AtomicUsize,
     /// End the stream with response.incomplete (cut at max_output_tokens).
     incomplete: std::sync::atomic::AtomicBool,
+    /// Stream text deltas without end.
+    flood: std::sync::atomic::AtomicBool,
 }
 
 impl Mock {
@@ -132,6 +134,23 @@ async fn answer(State(mock): State<Arc<Mock>>, req: Request) -> Response {
         .collect();
     mock.open.fetch_add(1, Ordering::SeqCst);
     let opened = Opened(mock.open.clone());
+    if mock.flood.load(Ordering::SeqCst) {
+        let delta = format!(
+            "data: {}\n\n",
+            json!({"type": "response.output_text.delta", "output_index": 0, "delta": "x".repeat(4000)})
+        );
+        let head = futures_util::stream::iter(sse[..3].to_vec());
+        let endless = futures_util::stream::repeat(delta).map(move |d| {
+            let _ = &opened;
+            d
+        });
+        let stream = head.chain(endless).map(Ok::<_, std::io::Error>);
+        return (
+            [("content-type", "text/event-stream")],
+            Body::from_stream(stream),
+        )
+            .into_response();
+    }
     let stall = mock.stall.load(Ordering::SeqCst);
     let first: Vec<String> = sse[..2].to_vec();
     let stream = futures_util::stream::iter(if stall { first } else { sse })
@@ -471,6 +490,42 @@ async fn a_client_gone_mid_response_drops_it_and_an_oversized_message_closes_wit
         1,
         "nothing more went up"
     );
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_client_that_stops_reading_is_closed_and_its_upstream_request_dropped() {
+    let up = upstream().await;
+    let server = condense(&up, |c| c.server.idle_timeout_seconds = 1.0).await;
+    up.mock.flood.store(true, Ordering::SeqCst);
+    let mut ws = connect(&server).await;
+    ws.send(Message::text(create(vec![user("hi")], None).to_string()))
+        .await
+        .unwrap();
+    // The client reads nothing more; the upstream streams without end.
+    let mut gone = false;
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if up.mock.open.load(Ordering::SeqCst) == 0 && !up.mock.seen().is_empty() {
+            gone = true;
+            break;
+        }
+    }
+    assert!(
+        gone,
+        "a client that stopped reading held its upstream stream"
+    );
+    // The socket closes too, its close frame given as long as a write.
+    let mut open = 1.0;
+    for _ in 0..100 {
+        open = common::metric_at(server.local_addr(), "condense_websockets_open").await;
+        if open == 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(open, 0.0);
+    drop(ws);
     server.shutdown().await.unwrap();
 }
 

@@ -233,6 +233,7 @@ impl Proxy {
             sockets: sockets::Sockets::new(
                 config.server.max_websockets,
                 Duration::from_secs_f64(config.server.websocket_idle_seconds),
+                Duration::from_secs_f64(config.server.idle_timeout_seconds),
             ),
         })
     }

@@ -18,8 +18,9 @@
 //! `server.max_body_bytes` (the oldest responses forgotten first); a socket
 //! with no message for `server.websocket_idle_seconds` closed (1000); one
 //! response at a time, later `response.create` messages queued (at most
-//! [`MAX_QUEUED`]). A client that goes away mid-response drops it, and its
-//! upstream request with it. On shutdown, sockets close (1001) once their
+//! [`MAX_QUEUED`]). A client that goes away mid-response, or stops reading
+//! for `server.idle_timeout_seconds`, drops it, and its upstream request
+//! with it. On shutdown, sockets close (1001) once their
 //! response is done; past the grace period the response ends as any
 //! stream does. The framing is tokio-tungstenite's.
 
@@ -57,7 +58,27 @@ pub const MAX_QUEUED: usize = 16;
 const MAX_ERROR_BYTES: usize = 64 * 1024;
 
 type Socket = WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>;
-type Tx = SplitSink<Socket, Message>;
+/// The socket's sending half, with how long a write may wait on a client
+/// that does not read.
+struct Tx {
+    sink: SplitSink<Socket, Message>,
+    stall: std::time::Duration,
+}
+
+impl Tx {
+    /// Sends one message; a client that has not taken it within the stall
+    /// deadline is gone (its socket closes, its response is dropped).
+    async fn text(&mut self, text: String) -> Result<(), ()> {
+        match tokio::time::timeout(self.stall, self.sink.send(Message::text(text))).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(()),
+            Err(_) => {
+                tracing::debug!(stall = ?self.stall, "a WebSocket client stopped reading; closing it");
+                Err(())
+            }
+        }
+    }
+}
 type Rx = SplitStream<Socket>;
 
 /// Whether `req` asks to upgrade its connection to a WebSocket.
@@ -179,7 +200,11 @@ impl Proxy {
 
     async fn serve_socket(self: Arc<Self>, ws: Socket, held: Held) {
         self.metrics.websockets_open.inc();
-        let (mut tx, mut rx) = ws.split();
+        let (sink, mut rx) = ws.split();
+        let mut tx = Tx {
+            sink,
+            stall: self.sockets.stall,
+        };
         let mut socket = Open {
             history: History::new(self.max_body_bytes as usize),
             queue: VecDeque::new(),
@@ -224,15 +249,18 @@ impl Proxy {
                 Err(code) => break code,
             }
         };
-        if let Some(code) = ended {
-            let _ = tx
-                .send(Message::Close(Some(CloseFrame {
+        // The close, too, waits no longer than a write may.
+        let close = async {
+            if let Some(code) = ended {
+                let frame = CloseFrame {
                     code,
                     reason: "".into(),
-                })))
-                .await;
-        }
-        let _ = tx.close().await;
+                };
+                let _ = tx.sink.send(Message::Close(Some(frame))).await;
+            }
+            let _ = tx.sink.close().await;
+        };
+        let _ = tokio::time::timeout(tx.stall, close).await;
         self.metrics.websockets_open.dec();
     }
 
@@ -378,7 +406,7 @@ impl Proxy {
                     Some(edited) => String::from_utf8_lossy(&edited).into_owned(),
                     None => String::from_utf8_lossy(&data).into_owned(),
                 };
-                tx.send(Message::text(text)).await.map_err(|_| None)?;
+                tx.text(text).await.map_err(|_| None)?;
             }
             if done {
                 break;
@@ -500,8 +528,8 @@ fn fresh_id() -> String {
     format!("resp_{}", fresh_uuid().simple())
 }
 
-async fn send(tx: &mut Tx, event: &Value) -> Result<(), WsError> {
-    tx.send(Message::text(event.to_string())).await
+async fn send(tx: &mut Tx, event: &Value) -> Result<(), ()> {
+    tx.text(event.to_string()).await
 }
 
 /// An upgrade condense does not accept, in the Responses error shape.

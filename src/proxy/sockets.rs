@@ -12,12 +12,15 @@ pub struct Sockets {
     pub(super) permits: Arc<Semaphore>,
     max: AtomicU32,
     pub(super) idle: Duration,
+    /// Longest a write waits on a client that does not read
+    /// (`server.idle_timeout_seconds`, as for any connection).
+    pub(super) stall: Duration,
     /// Turns true on shutdown: sockets close once their response is done.
     pub(super) closing: watch::Sender<bool>,
 }
 
 impl Sockets {
-    pub fn new(max: usize, idle: Duration) -> Sockets {
+    pub fn new(max: usize, idle: Duration, stall: Duration) -> Sockets {
         let max = u32::try_from(max)
             .unwrap_or(u32::MAX)
             .min(Semaphore::MAX_PERMITS as u32);
@@ -25,6 +28,7 @@ impl Sockets {
             permits: Arc::new(Semaphore::new(max as usize)),
             max: AtomicU32::new(max),
             idle,
+            stall,
             closing: watch::Sender::new(false),
         }
     }
@@ -58,7 +62,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_cap_lowers_and_closing_waits_for_every_socket() {
-        let s = Sockets::new(10, Duration::from_secs(1));
+        let s = Sockets::new(10, Duration::from_secs(1), Duration::from_secs(1));
         assert_eq!(s.lower_to(20), 10);
         assert_eq!(s.lower_to(3), 3);
         let held: Vec<_> = (0..3)
