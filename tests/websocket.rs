@@ -271,7 +271,9 @@ async fn each_create_goes_upstream_as_the_whole_conversation_and_events_come_bac
         "no upstream call"
     );
 
-    let events = response(&mut ws, create(vec![user("fix the bug")], Some(&warm_id))).await;
+    let mut turn = create(vec![user("fix the bug")], Some(&warm_id));
+    turn["client_metadata"]["x-codex-turn-metadata"] = json!("{\"turn_id\":\"t1\"}");
+    let events = response(&mut ws, turn).await;
     let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
     assert_eq!(
         kinds,
@@ -307,6 +309,9 @@ async fn each_create_goes_upstream_as_the_whole_conversation_and_events_come_bac
             assert!(body.get(gone).is_none(), "{gone} went upstream");
         }
         assert_eq!(headers["authorization"], "Bearer sk-test");
+        // The turn's `x-` metadata goes as the headers HTTP would carry.
+        assert_eq!(headers["x-codex-turn-metadata"], "{\"turn_id\":\"t1\"}");
+        assert!(headers.get("session_id").is_none());
         assert!(headers.get("openai-beta").is_none());
         assert!(headers.get("sec-websocket-key").is_none());
     }

@@ -321,9 +321,19 @@ impl Proxy {
             .parse()
             .unwrap_or_else(|_| http::Uri::from_static("/v1/responses"));
         *req.headers_mut() = socket.held.headers.clone();
-        // Each turn is a request of its own, with an id of its own.
+        // Each turn is a request of its own, with an id of its own, and the
+        // headers its client would have sent with it over HTTP.
         if let Ok(id) = HeaderValue::from_str(&fresh_uuid().to_string()) {
             req.headers_mut().insert("x-request-id", id);
+        }
+        for (name, value) in &create.headers {
+            if let (Ok(n), Ok(v)) = (
+                header::HeaderName::from_bytes(name.as_bytes()),
+                HeaderValue::from_str(value),
+            ) && !matches!(n.as_str(), "x-request-id" | "x-api-key")
+            {
+                req.headers_mut().insert(n, v);
+            }
         }
         req.headers_mut().insert(
             header::CONTENT_TYPE,

@@ -121,7 +121,16 @@ pub struct Create {
     pub previous: Option<String>,
     /// False for a warm-up (`generate: false`): no answer is generated.
     pub generate: bool,
+    /// The `x-` entries of `client_metadata`: what a client sends on a
+    /// socket in place of the headers it sends with each HTTP request
+    /// (Codex: `x-codex-turn-metadata`, `x-codex-turn-state`, ...).
+    pub headers: Vec<(String, String)>,
 }
+
+/// Headers taken from one message's `client_metadata`, at most.
+const MAX_METADATA_HEADERS: usize = 16;
+/// Longest header value taken from `client_metadata`.
+const MAX_METADATA_VALUE: usize = 8 * 1024;
 
 impl Create {
     /// Reads a client message.
@@ -174,6 +183,25 @@ impl Create {
                 items
             }
         };
+        let headers = fields
+            .get("client_metadata")
+            .and_then(|m| serde_json::from_slice::<serde_json::Map<String, Value>>(m).ok())
+            .map(|m| {
+                m.into_iter()
+                    .filter_map(|(k, v)| match v {
+                        Value::String(v)
+                            if k.len() > 2
+                                && k[..2].eq_ignore_ascii_case("x-")
+                                && v.len() <= MAX_METADATA_VALUE =>
+                        {
+                            Some((k.to_ascii_lowercase(), v))
+                        }
+                        _ => None,
+                    })
+                    .take(MAX_METADATA_HEADERS)
+                    .collect()
+            })
+            .unwrap_or_default();
         for key in ENVELOPE.iter().chain(&["input"]) {
             fields.remove(key);
         }
@@ -182,6 +210,7 @@ impl Create {
             input,
             previous,
             generate,
+            headers,
         })
     }
 
@@ -470,12 +499,20 @@ mod tests {
     fn a_create_is_read_and_becomes_a_whole_stateless_request() {
         let msg = br#"{"type":"response.create","model":"gpt-x","generate":false,"stream":true,
             "previous_response_id":"resp_1","input":[{"type":"message","role":"user","content":"hi"}],
-            "tools":[],"client_metadata":{"a":"b"}}"#;
+            "tools":[],"client_metadata":{"a":"b","x-codex-turn-metadata":"{\"turn_id\":\"t1\"}","x-n":7}}"#;
         let c = Create::parse(msg).unwrap();
         assert!(!c.generate);
         assert_eq!(c.previous.as_deref(), Some("resp_1"));
         assert_eq!(c.input.len(), 1);
         assert_eq!(c.model().as_deref(), Some("gpt-x"));
+        // Its `x-` metadata strings are the turn's headers.
+        assert_eq!(
+            c.headers,
+            [(
+                "x-codex-turn-metadata".to_string(),
+                r#"{"turn_id":"t1"}"#.to_string()
+            )]
+        );
         let body: Value = serde_json::from_slice(&c.body(&[item("a"), item("b")])).unwrap();
         assert_eq!(body["input"].as_array().unwrap().len(), 2);
         assert_eq!(body["stream"], true);
