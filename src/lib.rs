@@ -10,6 +10,7 @@ pub mod chat;
 pub mod compaction;
 pub mod config;
 pub mod error;
+pub mod ids;
 pub mod logging;
 pub mod metrics;
 pub mod offline;

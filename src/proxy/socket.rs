@@ -323,7 +323,7 @@ impl Proxy {
         *req.headers_mut() = socket.held.headers.clone();
         // Each turn is a request of its own, with an id of its own, and the
         // headers its client would have sent with it over HTTP.
-        if let Ok(id) = HeaderValue::from_str(&fresh_uuid().to_string()) {
+        if let Ok(id) = HeaderValue::from_str(&crate::ids::fresh_uuid().to_string()) {
             req.headers_mut().insert("x-request-id", id);
         }
         for (name, value) in &create.headers {
@@ -522,20 +522,9 @@ async fn closed(closing: &mut watch::Receiver<bool>) {
     let _ = closing.wait_for(|c| *c).await;
 }
 
-/// A random UUID, unlike any other this process gives.
-fn fresh_uuid() -> uuid::Uuid {
-    use std::hash::{BuildHasher, RandomState};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let keys = RandomState::new();
-    let bits = (u128::from(keys.hash_one((n, 0u8))) << 64) | u128::from(keys.hash_one((n, 1u8)));
-    uuid::Builder::from_random_bytes(bits.to_le_bytes()).into_uuid()
-}
-
 /// A response id of condense's own (a warm-up's).
 fn fresh_id() -> String {
-    format!("resp_{}", fresh_uuid().simple())
+    format!("resp_{}", crate::ids::fresh_uuid().simple())
 }
 
 async fn send(tx: &mut Tx, event: &Value) -> Result<(), ()> {
