@@ -82,6 +82,49 @@ pub trait WriteBack: Send + Sync {
     fn body(&self, conversation: &ChatRequest, fates: Option<&Fates>) -> Result<Bytes, WriteError>;
 }
 
+/// A body read into a view (Messages, Responses) that can write the view's
+/// decisions back into itself.
+pub trait Rewritable: Send + Sync + 'static {
+    /// Where each message of the view came from in the body.
+    type Origins: Send + Sync + 'static;
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    fn is_stream(&self) -> bool;
+
+    /// The body as it came.
+    fn source(&self) -> &Bytes;
+
+    fn write_back(&self, origins: &Self::Origins, fates: &Fates) -> Result<Bytes, Self::Error>;
+}
+
+/// The way back of a body read into a view: its parts rewritten where the
+/// view changed, its own bytes when nothing did.
+pub struct Rewrite<R: Rewritable> {
+    pub api: &'static dyn Api,
+    pub req: R,
+    pub origins: R::Origins,
+}
+
+impl<R: Rewritable> WriteBack for Rewrite<R> {
+    fn api(&self) -> &'static dyn Api {
+        self.api
+    }
+
+    fn is_stream(&self, _: &ChatRequest) -> bool {
+        self.req.is_stream()
+    }
+
+    fn body(&self, _: &ChatRequest, fates: Option<&Fates>) -> Result<Bytes, WriteError> {
+        match fates {
+            Some(f) => self
+                .req
+                .write_back(&self.origins, f)
+                .map_err(|e| WriteError(Box::new(e))),
+            None => Ok(self.req.source().clone()),
+        }
+    }
+}
+
 /// A format's decisions could not be written back.
 #[derive(Debug, thiserror::Error)]
 #[error(transparent)]

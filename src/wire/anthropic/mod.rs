@@ -11,14 +11,13 @@ pub use request::{MessagesRequest, Origins, ParseError, WriteError};
 use bytes::{Bytes, BytesMut};
 use serde_json::{Value, json};
 
-use super::api::{Api, NotUnderstood, Parsed, Provider, WriteBack};
+use super::api::{Api, NotUnderstood, Parsed, Provider, Rewritable, Rewrite};
 use super::failure::{Errors, Failure};
 use super::stream::{Decision, Edit, Filter, Gather, StreamEdit};
 use super::summarize::{Summarize, Summarized};
 use super::tap::{SseTap, TapRead};
 use super::tools::{Call, OwnTools, append, names_own};
 use super::usage::Usage;
-use crate::chat::ChatRequest;
 use crate::compaction::Fates;
 use usage::{AnthropicUsage, usage};
 
@@ -206,7 +205,11 @@ impl Api for Messages {
         let (conversation, origins) = req.view();
         Ok(Parsed {
             conversation,
-            writer: Box::new(Written { req, origins }),
+            writer: Box::new(Rewrite {
+                api: &Messages,
+                req,
+                origins,
+            }),
         })
     }
 
@@ -219,32 +222,19 @@ impl Api for Messages {
     }
 }
 
-/// A Messages body's way back: its blocks rewritten where the view changed.
-struct Written {
-    req: MessagesRequest,
-    origins: Origins,
-}
+impl Rewritable for MessagesRequest {
+    type Origins = Origins;
+    type Error = request::WriteError;
 
-impl WriteBack for Written {
-    fn api(&self) -> &'static dyn Api {
-        &Messages
+    fn is_stream(&self) -> bool {
+        MessagesRequest::is_stream(self)
     }
 
-    fn is_stream(&self, _: &ChatRequest) -> bool {
-        self.req.is_stream()
+    fn source(&self) -> &Bytes {
+        MessagesRequest::source(self)
     }
 
-    fn body(
-        &self,
-        _: &ChatRequest,
-        fates: Option<&Fates>,
-    ) -> Result<Bytes, super::api::WriteError> {
-        match fates {
-            Some(f) => self
-                .req
-                .write_back(&self.origins, f)
-                .map_err(|e| super::api::WriteError(Box::new(e))),
-            None => Ok(self.req.source().clone()),
-        }
+    fn write_back(&self, origins: &Origins, fates: &Fates) -> Result<Bytes, request::WriteError> {
+        MessagesRequest::write_back(self, origins, fates)
     }
 }

@@ -12,14 +12,13 @@ pub use request::{Origins, ParseError, ResponsesRequest, WriteError};
 use bytes::{Bytes, BytesMut};
 use serde_json::{Value, json};
 
-use super::api::{Api, NotUnderstood, Parsed, Provider, WriteBack};
+use super::api::{Api, NotUnderstood, Parsed, Provider, Rewritable, Rewrite};
 use super::failure::{Errors, Failure};
 use super::stream::{Decision, Edit, Filter, Gather, StreamEdit};
 use super::summarize::{Summarize, Summarized};
 use super::tap::{SseTap, TapRead};
 use super::tools::{Call, OwnTools, append, names_own, text};
 use super::usage::Usage;
-use crate::chat::ChatRequest;
 use crate::compaction::Fates;
 use stream::usage;
 
@@ -226,7 +225,11 @@ impl Api for Responses {
         let (conversation, origins) = req.view();
         Ok(Parsed {
             conversation,
-            writer: Box::new(Written { req, origins }),
+            writer: Box::new(Rewrite {
+                api: &Responses,
+                req,
+                origins,
+            }),
         })
     }
 
@@ -239,32 +242,19 @@ impl Api for Responses {
     }
 }
 
-/// A Responses body's way back: its blocks rewritten where the view changed.
-struct Written {
-    req: ResponsesRequest,
-    origins: Origins,
-}
+impl Rewritable for ResponsesRequest {
+    type Origins = Origins;
+    type Error = request::WriteError;
 
-impl WriteBack for Written {
-    fn api(&self) -> &'static dyn Api {
-        &Responses
+    fn is_stream(&self) -> bool {
+        ResponsesRequest::is_stream(self)
     }
 
-    fn is_stream(&self, _: &ChatRequest) -> bool {
-        self.req.is_stream()
+    fn source(&self) -> &Bytes {
+        ResponsesRequest::source(self)
     }
 
-    fn body(
-        &self,
-        _: &ChatRequest,
-        fates: Option<&Fates>,
-    ) -> Result<Bytes, super::api::WriteError> {
-        match fates {
-            Some(f) => self
-                .req
-                .write_back(&self.origins, f)
-                .map_err(|e| super::api::WriteError(Box::new(e))),
-            None => Ok(self.req.source().clone()),
-        }
+    fn write_back(&self, origins: &Origins, fates: &Fates) -> Result<Bytes, request::WriteError> {
+        ResponsesRequest::write_back(self, origins, fates)
     }
 }
