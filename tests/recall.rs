@@ -98,7 +98,7 @@ async fn answer(State(model): State<Arc<Model>>, req: Request) -> Response {
         .unwrap();
     let Ok(body) = serde_json::from_slice::<Value>(&bytes) else {
         // The model listing condense may ask for.
-        return json_body(json!({"object": "list", "data": []}));
+        return common::json_response(json!({"object": "list", "data": []}));
     };
     model
         .requests
@@ -127,7 +127,7 @@ async fn answer(State(model): State<Arc<Model>>, req: Request) -> Response {
     if answered && model.fail_follow_up.load(Ordering::SeqCst) {
         return (
             axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-            json_body(json!({"error": {"message": "The server had an error while processing your request.", "type": "server_error"}})),
+            common::json_response(json!({"error": {"message": "The server had an error while processing your request.", "type": "server_error"}})),
         )
             .into_response();
     }
@@ -162,10 +162,6 @@ async fn answer(State(model): State<Arc<Model>>, req: Request) -> Response {
         "/v1/responses" => responses(call, &id, reply, stream, prompt),
         _ => (axum::http::StatusCode::NOT_FOUND, "no such route").into_response(),
     }
-}
-
-fn json_body(v: Value) -> Response {
-    ([("content-type", "application/json")], v.to_string()).into_response()
 }
 
 fn sse(events: Vec<(Option<&str>, Value)>, done: bool) -> Response {
@@ -233,7 +229,7 @@ fn chat(call: Option<String>, id: &str, reply: Reply, stream: bool, prompt: u64)
                 })
                 .collect();
         }
-        return json_body(
+        return common::json_response(
             json!({"id": "chatcmpl-1", "object": "chat.completion", "created": 1,
             "model": "agent-small", "choices": [{"index": 0, "message": message,
             "finish_reason": finish}], "usage": usage}),
@@ -279,7 +275,7 @@ fn chat(call: Option<String>, id: &str, reply: Reply, stream: bool, prompt: u64)
 
 /// A chat answer calling `name` with `args` (JSON only).
 fn chat_call(name: &str, args: Value, id: &str) -> Response {
-    json_body(
+    common::json_response(
         json!({"id": "chatcmpl-2", "object": "chat.completion", "created": 1,
         "model": "m", "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
             "role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function",
@@ -309,7 +305,7 @@ fn messages(call: Option<String>, id: &str, reply: Reply, stream: bool, prompt: 
     };
     let message_id = format!("msg_{id}");
     if !stream {
-        return json_body(
+        return common::json_response(
             json!({"id": message_id, "type": "message", "role": "assistant",
             "model": "claude-x", "content": content, "stop_reason": stop, "stop_sequence": null,
             "usage": {"input_tokens": prompt, "output_tokens": 5}}),
@@ -392,7 +388,7 @@ fn responses(call: Option<String>, id: &str, reply: Reply, stream: bool, prompt:
         "model": "gpt-x", "output": output,
         "usage": {"input_tokens": prompt, "output_tokens": 5, "total_tokens": prompt + 5}});
     if !stream {
-        return json_body(response);
+        return common::json_response(response);
     }
     let started = json!({"id": response_id, "object": "response", "status": "in_progress",
         "model": "gpt-x", "output": []});
@@ -528,26 +524,6 @@ fn responses_session(stream: bool) -> Value {
         "max_output_tokens": 256, "stream": stream, "store": false,
         "tools": [{"type": "function", "name": "run", "description": "Runs a command",
             "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]})
-}
-
-async fn send(server: &Server, path: &str, body: &Value) -> (u16, String) {
-    let resp = reqwest::Client::new()
-        .post(format!("http://{}{path}", server.local_addr()))
-        .header("authorization", "Bearer sk-test")
-        .header("x-api-key", "sk-test")
-        .header("anthropic-version", "2023-06-01")
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
-    (resp.status().as_u16(), resp.text().await.unwrap())
-}
-
-async fn metric(server: &Server, series: &str) -> f64 {
-    // Once the work after an answer (its usage read) is done.
-    server.state().proxy.settled().await;
-    common::metric_at(server.local_addr(), series).await
 }
 
 /// The text a streamed chat answer carries, and whether any chunk had a
@@ -719,7 +695,8 @@ async fn a_chat_recall_is_answered_inside_the_request_json_and_streamed() {
     let server = condense(&up, |_| {}).await;
     for stream in [false, true] {
         let before = up.model.requests().len();
-        let (status, body) = send(&server, "/v1/chat/completions", &chat_session(stream)).await;
+        let (status, body) =
+            common::post(&server, "/v1/chat/completions", &chat_session(stream)).await;
         assert_eq!(status, 200, "{body}");
         let seen = &up.model.requests()[before..];
         assert_eq!(seen.len(), 2, "the recall took one more round");
@@ -781,11 +758,12 @@ async fn a_chat_recall_is_answered_inside_the_request_json_and_streamed() {
         }
     }
     assert_eq!(
-        metric(&server, "condense_recalls_total{outcome=\"answered\"}").await,
+        common::settled_metric(&server, "condense_recalls_total{outcome=\"answered\"}").await,
         2.0
     );
     assert!(
-        metric(&server, "condense_recalled_bytes_total").await >= 2.0 * first_output().len() as f64
+        common::settled_metric(&server, "condense_recalled_bytes_total").await
+            >= 2.0 * first_output().len() as f64
     );
     server.shutdown().await.unwrap();
 }
@@ -806,7 +784,8 @@ async fn a_recall_after_text_goes_on_in_the_same_answer_in_every_format() {
     for stream in [true, false] {
         // Chat completions.
         let before = up.model.requests().len();
-        let (status, body) = send(&server, "/v1/chat/completions", &chat_session(stream)).await;
+        let (status, body) =
+            common::post(&server, "/v1/chat/completions", &chat_session(stream)).await;
         assert_eq!(status, 200, "{body}");
         let seen = up.model.requests()[before..].to_vec();
         assert_eq!(seen.len(), 2, "the recall took one more round");
@@ -850,7 +829,7 @@ async fn a_recall_after_text_goes_on_in_the_same_answer_in_every_format() {
 
         // Messages: the next round's blocks go on from the text's index.
         let before = up.model.requests().len();
-        let (status, body) = send(&server, "/v1/messages", &messages_session(stream)).await;
+        let (status, body) = common::post(&server, "/v1/messages", &messages_session(stream)).await;
         assert_eq!(status, 200, "{body}");
         let seen = up.model.requests()[before..].to_vec();
         assert_eq!(seen.len(), 2);
@@ -880,7 +859,8 @@ async fn a_recall_after_text_goes_on_in_the_same_answer_in_every_format() {
 
         // Responses: one response, its items numbered on.
         let before = up.model.requests().len();
-        let (status, body) = send(&server, "/v1/responses", &responses_session(stream)).await;
+        let (status, body) =
+            common::post(&server, "/v1/responses", &responses_session(stream)).await;
         assert_eq!(status, 200, "{body}");
         let seen = up.model.requests()[before..].to_vec();
         assert_eq!(seen.len(), 2);
@@ -908,11 +888,11 @@ async fn a_recall_after_text_goes_on_in_the_same_answer_in_every_format() {
         assert!(got.abs_diff(sum) < 50, "{got} vs {sum}");
     }
     assert_eq!(
-        metric(&server, "condense_recalls_total{outcome=\"answered\"}").await,
+        common::settled_metric(&server, "condense_recalls_total{outcome=\"answered\"}").await,
         6.0
     );
     assert_eq!(
-        metric(&server, "condense_recalls_total{outcome=\"stripped\"}").await,
+        common::settled_metric(&server, "condense_recalls_total{outcome=\"stripped\"}").await,
         0.0
     );
     server.shutdown().await.unwrap();
@@ -926,7 +906,7 @@ async fn a_stream_that_cannot_go_on_ends_as_it_came_and_calibration_reads_the_fi
     let label = "condense_upstream_prompt_tokens_total{model=\"agent-small\"}";
     // It goes on: the usage learned is the first round's alone, the
     // request condense measured.
-    let (_, body) = send(&server, "/v1/messages", &messages_session(true)).await;
+    let (_, body) = common::post(&server, "/v1/messages", &messages_session(true)).await;
     let seen = up.model.requests();
     assert_eq!(seen.len(), 2);
     assert_eq!(
@@ -934,7 +914,7 @@ async fn a_stream_that_cannot_go_on_ends_as_it_came_and_calibration_reads_the_fi
         2
     );
     let first = prompts(&seen[..1]) as f64;
-    assert_eq!(metric(&server, label).await, first);
+    assert_eq!(common::settled_metric(&server, label).await, first);
 
     // The follow-up fails: the client gets the first round as it came,
     // without condense's call, ended as the upstream ended it.
@@ -945,7 +925,7 @@ async fn a_stream_that_cannot_go_on_ends_as_it_came_and_calibration_reads_the_fi
             "/v1/messages" => messages_session(true),
             _ => responses_session(true),
         };
-        let (status, body) = send(&server, path, &session).await;
+        let (status, body) = common::post(&server, path, &session).await;
         assert_eq!(status, 200, "{body}");
         assert!(!body.contains(RECALL), "{body}");
         match path {
@@ -972,7 +952,7 @@ async fn a_stream_that_cannot_go_on_ends_as_it_came_and_calibration_reads_the_fi
         }
     }
     assert_eq!(
-        metric(&server, "condense_recalls_total{outcome=\"failed\"}").await,
+        common::settled_metric(&server, "condense_recalls_total{outcome=\"failed\"}").await,
         3.0
     );
     server.shutdown().await.unwrap();
@@ -987,7 +967,7 @@ async fn a_recall_beside_a_call_the_client_got_goes_on_and_the_client_runs_its_c
     // The model writes a sentence, calls the client's `run`, then
     // condense's tool: the sentence and the `run` call went out, so the
     // answer goes on after them, and the client is still told to run it.
-    let (status, body) = send(&server, "/v1/chat/completions", &chat_session(true)).await;
+    let (status, body) = common::post(&server, "/v1/chat/completions", &chat_session(true)).await;
     assert_eq!(status, 200, "{body}");
     let seen = up.model.requests();
     assert_eq!(seen.len(), 2);
@@ -1026,7 +1006,7 @@ async fn a_recall_beside_a_call_the_client_got_goes_on_and_the_client_runs_its_c
         .collect();
     assert_eq!(finish, [&json!("tool_calls")], "{body}");
 
-    let (status, body) = send(&server, "/v1/messages", &messages_session(true)).await;
+    let (status, body) = common::post(&server, "/v1/messages", &messages_session(true)).await;
     assert_eq!(status, 200, "{body}");
     let message = messages_stream(&body);
     let kinds: Vec<&Value> = message["content"]
@@ -1044,7 +1024,7 @@ async fn a_recall_beside_a_call_the_client_got_goes_on_and_the_client_runs_its_c
     assert_eq!(message["content"][1]["input"], json!({"cmd": "ls"}));
     assert_eq!(message["stop_reason"], "tool_use");
 
-    let (status, body) = send(&server, "/v1/responses", &responses_session(true)).await;
+    let (status, body) = common::post(&server, "/v1/responses", &responses_session(true)).await;
     assert_eq!(status, 200, "{body}");
     let (response, texts) = responses_stream(&body);
     assert_eq!(texts, [LEAD, "", FINAL]);
@@ -1062,7 +1042,7 @@ async fn a_limit_holds_and_unknown_keys_are_told() {
     // then the third call is taken out and the answer ends there.
     up.model.text_first.store(true, Ordering::SeqCst);
     up.model.always.store(true, Ordering::SeqCst);
-    let (status, body) = send(&server, "/v1/chat/completions", &chat_session(true)).await;
+    let (status, body) = common::post(&server, "/v1/chat/completions", &chat_session(true)).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(up.model.requests().len(), 3);
     let (text, calls, chunks) = chat_stream_text(&body);
@@ -1074,7 +1054,7 @@ async fn a_limit_holds_and_unknown_keys_are_told() {
         .unwrap();
     assert_eq!(finish, "stop");
     assert_eq!(
-        metric(&server, "condense_recalls_total{outcome=\"limit_reached\"}").await,
+        common::settled_metric(&server, "condense_recalls_total{outcome=\"limit_reached\"}").await,
         1.0
     );
     up.model.text_first.store(false, Ordering::SeqCst);
@@ -1086,7 +1066,8 @@ async fn a_limit_holds_and_unknown_keys_are_told() {
     up.model.always.store(true, Ordering::SeqCst);
     for stream in [false, true] {
         let before = up.model.requests().len();
-        let (status, body) = send(&server, "/v1/chat/completions", &chat_session(stream)).await;
+        let (status, body) =
+            common::post(&server, "/v1/chat/completions", &chat_session(stream)).await;
         assert_eq!(status, 200, "{body}");
         assert_eq!(up.model.requests().len() - before, 3);
         assert!(!body.contains(RECALL), "{body}");
@@ -1097,7 +1078,7 @@ async fn a_limit_holds_and_unknown_keys_are_told() {
         }
     }
     assert_eq!(
-        metric(&server, "condense_recalls_total{outcome=\"limit_reached\"}").await,
+        common::settled_metric(&server, "condense_recalls_total{outcome=\"limit_reached\"}").await,
         3.0
     );
 
@@ -1105,7 +1086,7 @@ async fn a_limit_holds_and_unknown_keys_are_told() {
     up.model.always.store(false, Ordering::SeqCst);
     *up.model.key.lock().unwrap() = Some("not-a-real-key".into());
     let before = up.model.requests().len();
-    let (status, _) = send(&server, "/v1/chat/completions", &chat_session(false)).await;
+    let (status, _) = common::post(&server, "/v1/chat/completions", &chat_session(false)).await;
     assert_eq!(status, 200);
     let second = &up.model.requests()[before + 1].1;
     let last = second["messages"]
@@ -1122,7 +1103,7 @@ async fn a_limit_holds_and_unknown_keys_are_told() {
         "{last}"
     );
     assert_eq!(
-        metric(&server, "condense_recalls_total{outcome=\"unknown_key\"}").await,
+        common::settled_metric(&server, "condense_recalls_total{outcome=\"unknown_key\"}").await,
         1.0
     );
     server.shutdown().await.unwrap();
@@ -1134,7 +1115,7 @@ async fn messages_and_responses_recalls_keep_their_apis_rules() {
     let server = condense(&up, |_| {}).await;
     for stream in [false, true] {
         let before = up.model.requests().len();
-        let (status, body) = send(&server, "/v1/messages", &messages_session(stream)).await;
+        let (status, body) = common::post(&server, "/v1/messages", &messages_session(stream)).await;
         assert_eq!(status, 200, "{body}");
         let seen = &up.model.requests()[before..];
         assert_eq!(seen.len(), 2);
@@ -1167,7 +1148,8 @@ async fn messages_and_responses_recalls_keep_their_apis_rules() {
         }
 
         let before = up.model.requests().len();
-        let (status, body) = send(&server, "/v1/responses", &responses_session(stream)).await;
+        let (status, body) =
+            common::post(&server, "/v1/responses", &responses_session(stream)).await;
         assert_eq!(status, 200, "{body}");
         let seen = &up.model.requests()[before..];
         assert_eq!(seen.len(), 2);
@@ -1195,7 +1177,7 @@ async fn messages_and_responses_recalls_keep_their_apis_rules() {
 async fn recall_off_offers_nothing_and_requests_without_tools_get_no_keys() {
     let up = upstream().await;
     let server = condense(&up, |c| c.compaction.recall = false).await;
-    let (status, _) = send(&server, "/v1/chat/completions", &chat_session(false)).await;
+    let (status, _) = common::post(&server, "/v1/chat/completions", &chat_session(false)).await;
     assert_eq!(status, 200);
     let seen = up.model.requests();
     assert_eq!(seen.len(), 1);
@@ -1207,7 +1189,7 @@ async fn recall_off_offers_nothing_and_requests_without_tools_get_no_keys() {
     let server = condense(&up, |_| {}).await;
     let mut no_tools = chat_session(false);
     no_tools.as_object_mut().unwrap().remove("tools");
-    send(&server, "/v1/chat/completions", &no_tools).await;
+    common::post(&server, "/v1/chat/completions", &no_tools).await;
     let last = up.model.requests().pop().unwrap().1.to_string();
     assert!(last.contains("[condense:") && !last.contains("recall key"));
     server.shutdown().await.unwrap();
@@ -1224,7 +1206,7 @@ async fn redis_replicas_answer_each_others_recall_keys() {
     let b = condense(&up, shared).await;
     // Replica a compacts the session and stores the originals.
     up.model.key.lock().unwrap().replace("none-at-all".into());
-    send(&a, "/v1/chat/completions", &chat_session(false)).await;
+    common::post(&a, "/v1/chat/completions", &chat_session(false)).await;
     let compacted = up.model.requests()[0].1.clone();
     let key = first_key(&compacted.to_string()).unwrap();
     // Replica b gets the compacted conversation (keys, no originals) and
@@ -1235,7 +1217,7 @@ async fn redis_replicas_answer_each_others_recall_keys() {
     // Stored in the background by a: wait for it.
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     let before = up.model.requests().len();
-    let (status, _) = send(&b, "/v1/chat/completions", &body).await;
+    let (status, _) = common::post(&b, "/v1/chat/completions", &body).await;
     assert_eq!(status, 200);
     let second = &up.model.requests()[before + 1].1;
     let last = second["messages"]
@@ -1257,7 +1239,7 @@ async fn compress_context_is_answered_and_the_next_request_is_compacted_up_to_th
     // A session far below the trigger of a large window.
     let mut session = chat_session(false);
     session["model"] = json!("gpt-4o");
-    let (status, body) = send(&server, "/v1/chat/completions", &session).await;
+    let (status, body) = common::post(&server, "/v1/chat/completions", &session).await;
     assert_eq!(status, 200, "{body}");
     let seen = up.model.requests();
     assert_eq!(seen.len(), 2);
@@ -1286,7 +1268,7 @@ async fn compress_context_is_answered_and_the_next_request_is_compacted_up_to_th
     );
     assert!(!body.contains(COMPRESS), "{body}");
     assert_eq!(
-        metric(
+        common::settled_metric(
             &server,
             "condense_agent_compactions_total{outcome=\"requested\"}"
         )
@@ -1336,7 +1318,7 @@ async fn compress_context_is_answered_and_the_next_request_is_compacted_up_to_th
     assert_eq!(first[first.len() - 1]["content"], output(20));
     assert_eq!(sent[0], sent[1], "the same request compacts the same way");
     assert_eq!(
-        metric(
+        common::settled_metric(
             &server,
             "condense_agent_compactions_total{outcome=\"applied\"}"
         )

@@ -153,7 +153,7 @@ async fn answer(State(model): State<Arc<Model>>, req: Request) -> Response {
         .unwrap();
     let Ok(body) = serde_json::from_slice::<Value>(&bytes) else {
         // The model listing condense may ask for.
-        return json_body(json!({"object": "list", "data": []}));
+        return common::json_response(json!({"object": "list", "data": []}));
     };
     model
         .requests
@@ -178,10 +178,6 @@ async fn answer(State(model): State<Arc<Model>>, req: Request) -> Response {
     }
 }
 
-fn json_body(v: Value) -> Response {
-    ([("content-type", "application/json")], v.to_string()).into_response()
-}
-
 const USAGE: (u64, u64) = (100, 5);
 
 fn chat(call: Option<Value>, id: &str) -> Response {
@@ -192,7 +188,7 @@ fn chat(call: Option<Value>, id: &str) -> Response {
             "function": {"name": RECALL, "arguments": args.to_string()}}]);
     }
     let finish = if call.is_some() { "tool_calls" } else { "stop" };
-    json_body(
+    common::json_response(
         json!({"id": "chatcmpl-1", "object": "chat.completion", "created": 1,
         "model": "agent-small", "choices": [{"index": 0, "message": message,
         "finish_reason": finish}], "usage": {"prompt_tokens": USAGE.0,
@@ -210,7 +206,7 @@ fn messages(call: Option<Value>, id: &str, stream: bool) -> Response {
     };
     let usage = json!({"input_tokens": USAGE.0, "output_tokens": USAGE.1});
     if !stream {
-        return json_body(
+        return common::json_response(
             json!({"id": "msg_1", "type": "message", "role": "assistant",
             "model": "claude-x", "content": [block], "stop_reason": stop,
             "stop_sequence": null, "usage": usage}),
@@ -267,7 +263,7 @@ fn responses(call: Option<Value>, id: &str) -> Response {
             "role": "assistant", "content": [{"type": "output_text", "text": "final answer",
             "annotations": []}]}),
     };
-    json_body(
+    common::json_response(
         json!({"id": "resp_1", "object": "response", "status": "completed",
         "model": "gpt-x", "output": [item], "usage": {"input_tokens": USAGE.0,
         "output_tokens": USAGE.1, "total_tokens": USAGE.0 + USAGE.1}}),
@@ -357,25 +353,6 @@ fn responses_session() -> Value {
             "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]})
 }
 
-async fn send(server: &Server, path: &str, body: &Value) -> (u16, String) {
-    let resp = reqwest::Client::new()
-        .post(format!("http://{}{path}", server.local_addr()))
-        .header("authorization", "Bearer sk-test")
-        .header("x-api-key", "sk-test")
-        .header("anthropic-version", "2023-06-01")
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap();
-    (resp.status().as_u16(), resp.text().await.unwrap())
-}
-
-async fn metric(server: &Server, series: &str) -> f64 {
-    server.state().proxy.settled().await;
-    common::metric_at(server.local_addr(), series).await
-}
-
 /// Lines `from..=to` of the log as a range shows them.
 fn numbered(from: usize, to: usize) -> String {
     (from..=to)
@@ -402,7 +379,7 @@ async fn a_chat_recall_too_large_shows_a_prefix_and_reading_on_gives_the_rest() 
         let mut script = vec![Step::Ask(ask.clone())];
         script.extend((1..MAX_RECALLS).map(|_| Step::Follow));
         up.model.script(script);
-        let (status, body) = send(&server, "/v1/chat/completions", &chat_session()).await;
+        let (status, body) = common::post(&server, "/v1/chat/completions", &chat_session()).await;
         assert_eq!(status, 200, "{body}");
         let v: Value = serde_json::from_str(&body).unwrap();
         assert_eq!(v["choices"][0]["message"]["content"], "final answer");
@@ -455,11 +432,12 @@ async fn a_chat_recall_too_large_shows_a_prefix_and_reading_on_gives_the_rest() 
     }
     assert_eq!(next, LINES + 1, "every line came back once");
     // Each call answered, its result's bytes counted.
-    let answered = metric(&server, "condense_recalls_total{outcome=\"answered\"}").await;
+    let answered =
+        common::settled_metric(&server, "condense_recalls_total{outcome=\"answered\"}").await;
     assert_eq!(answered, results.len() as f64);
     let bytes: usize = results.iter().map(String::len).sum();
     assert_eq!(
-        metric(&server, "condense_recalled_bytes_total").await,
+        common::settled_metric(&server, "condense_recalled_bytes_total").await,
         bytes as f64
     );
     server.shutdown().await.unwrap();
@@ -476,7 +454,7 @@ async fn a_messages_recall_reads_a_range_and_finds_the_needed_line() {
             Step::Ask(json!({"start_line": "600", "end_line": 603})),
             Step::Ask(json!({"search": "Disk Quota"})),
         ]);
-        let (status, body) = send(&server, "/v1/messages", &messages_session(stream)).await;
+        let (status, body) = common::post(&server, "/v1/messages", &messages_session(stream)).await;
         assert_eq!(status, 200, "{body}");
         assert!(body.contains("final answer"), "{body}");
         assert!(!body.contains(RECALL), "{body}");
@@ -519,7 +497,7 @@ async fn a_responses_search_says_where_its_next_matches_are_and_bad_ranges_are_n
         .lock()
         .unwrap()
         .extend((1..16).map(|_| Step::Follow));
-    let (status, body) = send(&server, "/v1/responses", &responses_session()).await;
+    let (status, body) = common::post(&server, "/v1/responses", &responses_session()).await;
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("final answer"), "{body}");
     let key = key_of(&up);
@@ -558,7 +536,7 @@ async fn a_responses_search_says_where_its_next_matches_are_and_bad_ranges_are_n
         Step::Ask(json!({"start_line": "ten"})),
         Step::Ask(json!({"search": "x".repeat(5000)})),
     ]);
-    let (status, _) = send(&server, "/v1/responses", &responses_session()).await;
+    let (status, _) = common::post(&server, "/v1/responses", &responses_session()).await;
     assert_eq!(status, 200);
     assert_eq!(
         up.model.results(),

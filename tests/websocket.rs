@@ -86,7 +86,7 @@ async fn answer(State(mock): State<Arc<Mock>>, req: Request) -> Response {
         .await
         .unwrap();
     let Ok(body) = serde_json::from_slice::<Value>(&bytes) else {
-        return json_body(json!({"object": "list", "data": []}));
+        return common::json_response(json!({"object": "list", "data": []}));
     };
     let n = {
         let mut r = mock.requests.lock().unwrap();
@@ -96,7 +96,7 @@ async fn answer(State(mock): State<Arc<Mock>>, req: Request) -> Response {
     let status = mock.status.load(Ordering::SeqCst);
     if status != 0 {
         let error = json!({"error": {"message": "Incorrect API key provided: sk-te***", "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}});
-        let mut r = json_body(error);
+        let mut r = common::json_response(error);
         *r.status_mut() = http::StatusCode::from_u16(status as u16).unwrap();
         return r;
     }
@@ -167,10 +167,6 @@ async fn answer(State(mock): State<Arc<Mock>>, req: Request) -> Response {
         Body::from_stream(stream),
     )
         .into_response()
-}
-
-fn json_body(v: Value) -> Response {
-    ([("content-type", "application/json")], v.to_string()).into_response()
 }
 
 async fn condense(up: &Upstream, tweak: impl FnOnce(&mut Config)) -> Server {

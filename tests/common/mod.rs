@@ -597,6 +597,29 @@ pub async fn serve(app: Router) -> Served {
     Served { addr, task }
 }
 
+/// POSTs `body` to condense at `path` with every API's credential headers
+/// (and Anthropic's version): the status and the body's text.
+pub async fn post(server: &Server, path: &str, body: &Value) -> (u16, String) {
+    let resp = reqwest::Client::new()
+        .post(format!("http://{}{path}", server.local_addr()))
+        .header("authorization", "Bearer sk-test")
+        .header("x-api-key", "sk-test")
+        .header("anthropic-version", "2023-06-01")
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    (resp.status().as_u16(), resp.text().await.unwrap())
+}
+
+/// A metric of condense's, once the work after its answers (their usage
+/// read) is done.
+pub async fn settled_metric(server: &Server, series: &str) -> f64 {
+    server.state().proxy.settled().await;
+    metric_at(server.local_addr(), series).await
+}
+
 /// A `[[models]]` profile: `pattern` gets a `window`-token context window.
 pub fn profile(pattern: &str, window: u64) -> condense::config::ModelProfile {
     condense::config::ModelProfile {
@@ -662,7 +685,8 @@ pub fn chat_body(stream: bool) -> Value {
     })
 }
 
-fn json_response(v: Value) -> Response {
+/// A JSON response, as the scripted upstreams answer.
+pub fn json_response(v: Value) -> Response {
     let mut r = v.to_string().into_response();
     r.headers_mut()
         .insert("content-type", "application/json".parse().unwrap());
