@@ -458,6 +458,10 @@ pub struct UpstreamConfig {
     /// at start-up (see `upstream::trust`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
+    /// Most unused HTTP/1.1 connections kept open to the upstreams, over
+    /// every host (HTTP/2 ones are shared; an extra one left without
+    /// streams closes within a minute). 0 keeps none.
+    pub max_idle_connections: usize,
 }
 
 impl Default for UpstreamConfig {
@@ -473,6 +477,7 @@ impl Default for UpstreamConfig {
             stream_usage: true,
             learn_windows: true,
             ca_file: None,
+            max_idle_connections: 256,
         }
     }
 }

@@ -341,17 +341,35 @@ fn healthcheck(config: &Config, url: Option<String>) -> ExitCode {
         }
         format!("http://{addr}/healthz")
     });
+    // condense's own client, with 3 seconds to connect and to answer.
     let check = async {
-        let client = reqwest::Client::builder()
-            .timeout(std::time::Duration::from_secs(3))
-            .build()?;
-        client.get(&url).send().await?.error_for_status()
+        let client = condense::upstream::Upstream::new(&condense::config::UpstreamConfig {
+            base_url: url.clone(),
+            connect_timeout_seconds: 3.0,
+            first_byte_timeout_seconds: 3.0,
+            ..Default::default()
+        })
+        .map_err(|e| e.to_string())?;
+        let uri = url.parse::<http::Uri>().map_err(|e| e.to_string())?;
+        let resp = client
+            .send(
+                http::Method::GET,
+                uri,
+                http::HeaderMap::new(),
+                condense::upstream::Outgoing::Empty,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        match resp.status() {
+            s if s.is_success() => Ok(()),
+            s => Err(format!("it answered {s}")),
+        }
     };
     let result = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| e.to_string())
-        .and_then(|rt| rt.block_on(check).map_err(|e| e.to_string()));
+        .and_then(|rt| rt.block_on(check));
     match result {
         Ok(_) => ExitCode::SUCCESS,
         Err(e) => {

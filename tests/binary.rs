@@ -587,21 +587,25 @@ async fn forward_proxy() -> (std::net::SocketAddr, Arc<Mutex<Vec<String>>>) {
                         return;
                     }
                     let mut length = 0;
+                    let mut seen = line.trim().to_string();
                     loop {
                         let mut h = String::new();
                         sock.read_line(&mut h).await.unwrap();
                         if h.trim().is_empty() {
                             break;
                         }
-                        if let Some((k, v)) = h.split_once(':')
-                            && k.eq_ignore_ascii_case("content-length")
-                        {
-                            length = v.trim().parse().unwrap();
+                        if let Some((k, v)) = h.split_once(':') {
+                            if k.eq_ignore_ascii_case("content-length") {
+                                length = v.trim().parse().unwrap();
+                            }
+                            if k.eq_ignore_ascii_case("proxy-authorization") {
+                                seen = format!("{seen} ({})", v.trim());
+                            }
                         }
                     }
                     let mut body = vec![0; length];
                     sock.read_exact(&mut body).await.unwrap();
-                    log.lock().unwrap().push(line.trim().to_string());
+                    log.lock().unwrap().push(seen);
                     let answer = serde_json::json!({
                         "id": "chatcmpl-proxied", "object": "chat.completion", "created": 0,
                         "model": "gpt-4o", "choices": [{"index": 0, "finish_reason": "stop",
@@ -726,9 +730,10 @@ async fn a_proxy_named_in_the_environment_carries_the_requests_unless_no_proxy_s
             .send()
     };
 
-    // Nothing listens on port 1: only the proxy can answer for it.
+    // Nothing listens on port 1: only the proxy can answer for it. The
+    // credentials in its URL go to it, as Proxy-Authorization.
     let (child, addr) = serve(&[
-        ("HTTP_PROXY", format!("http://{proxy}")),
+        ("HTTP_PROXY", format!("http://px-user:px%40pass@{proxy}")),
         (
             "CONDENSE_UPSTREAM__BASE_URL",
             "http://127.0.0.1:1/v1".to_string(),
@@ -740,7 +745,8 @@ async fn a_proxy_named_in_the_environment_carries_the_requests_unless_no_proxy_s
     assert_eq!(v["choices"][0]["message"]["content"], "via the proxy");
     assert_eq!(
         *seen.lock().unwrap(),
-        ["POST http://127.0.0.1:1/v1/chat/completions HTTP/1.1"]
+        // base64("px-user:px@pass")
+        ["POST http://127.0.0.1:1/v1/chat/completions HTTP/1.1 (Basic cHgtdXNlcjpweEBwYXNz)"]
     );
     drop(child);
 

@@ -242,11 +242,13 @@ async fn the_summarizer_trusts_the_ca_file_too() {
     // The summarizer's own client, without the CA: the reason it names.
     let client = condense::summary::client::Client::new(
         &condense::wire::chat::Chat,
-        &upstream.base_url(),
+        condense::upstream::Upstream::new(&condense::config::UpstreamConfig {
+            base_url: upstream.base_url(),
+            ..Default::default()
+        })
+        .unwrap(),
         None,
-        &condense::upstream::trust::Trust::builtin(),
-    )
-    .unwrap();
+    );
     let err = client
         .call(client.headers(None, false), "m", "hi", 64, "max_tokens")
         .await

@@ -39,7 +39,6 @@ use crate::error::ProxyError;
 use crate::metrics::Metrics;
 use crate::state::{StateError, StateStore};
 use crate::summary::Summarizer;
-use crate::summary::client::CallError;
 use crate::tokens::TokenService;
 use crate::upstream::{InvalidPath, SendError, Upstream, UpstreamError};
 use crate::wire::{Api, Format, Provider};
@@ -113,8 +112,6 @@ pub enum SetupError {
     Upstream(#[from] UpstreamError),
     #[error(transparent)]
     State(#[from] StateError),
-    #[error("cannot set up the summarizer: {0}")]
-    Summarizer(#[from] CallError),
 }
 
 /// The client is answered for a request the upstream never answered: 504
@@ -164,8 +161,7 @@ impl Proxy {
             Some(Summarizer::new(
                 &crate::wire::chat::Chat,
                 &config.summary,
-                upstream.base_url(),
-                upstream.trust(),
+                &upstream,
                 state.clone(),
                 Some(metrics.clone()),
             )?)
@@ -192,8 +188,7 @@ impl Proxy {
             Ok(Some(Summarizer::new(
                 api,
                 &config.summary,
-                upstream.base_url(),
-                upstream.trust(),
+                upstream,
                 state.clone(),
                 Some(metrics.clone()),
             )?))

@@ -1,16 +1,17 @@
 //! The summarizer call: one non-streamed answer from the summarizer's API
 //! (chat completions on an OpenAI-compatible API; the request and the
 //! answer are the API's own, `wire::summarize::Summarize`), and what may
-//! authenticate it.
+//! authenticate it. It goes out on condense's one client
+//! ([`crate::upstream`]): the same connections, TLS roots, proxy and
+//! timeouts as the forwarded requests.
 
-use std::time::Duration;
-
-use http::{HeaderMap, HeaderName, HeaderValue, header};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, header};
 use serde_json::Value;
 
 use crate::config::Secret;
 use crate::proxy::auth::bearer;
-use crate::upstream::trust::Trust;
+use crate::upstream::{Outgoing, SendError, Upstream};
 use crate::wire::Api;
 
 /// Headers that say whose account a call is for; with the client's keys
@@ -42,39 +43,24 @@ pub enum CallError {
 pub type Answer = crate::wire::Summarized;
 
 pub struct Client {
-    http: reqwest::Client,
+    /// The client at the summarizer's base URL.
+    http: Upstream,
     /// The API it speaks.
     api: &'static dyn Api,
-    /// Its base URL, without a trailing `/`.
-    base_url: String,
     /// scheme://host:port of the summarizer.
     origin: String,
     api_key: Option<HeaderValue>,
 }
 
 impl Client {
-    /// A client for the API at `base_url`, trusting `trust`'s roots.
-    pub fn new(
-        api: &'static dyn Api,
-        base_url: &str,
-        api_key: Option<&Secret>,
-        trust: &Trust,
-    ) -> Result<Client, CallError> {
-        let builder = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(10))
-            .redirect(reqwest::redirect::Policy::none());
-        let http = trust
-            .reqwest(builder)
-            .and_then(reqwest::ClientBuilder::build)
-            .map_err(|e| CallError::Transport(e.to_string()))?;
-        let api_key = api_key.and_then(bearer);
-        Ok(Client {
+    /// A client for the API at `http`'s base URL.
+    pub fn new(api: &'static dyn Api, http: Upstream, api_key: Option<&Secret>) -> Client {
+        Client {
+            origin: origin(http.base_url()).unwrap_or_default(),
             http,
             api,
-            base_url: base_url.trim_end_matches('/').to_string(),
-            origin: origin(base_url).unwrap_or_default(),
-            api_key,
-        })
+            api_key: api_key.and_then(bearer),
+        }
     }
 
     /// Whether `base_url` is on the summarizer's host (same scheme, host and
@@ -126,23 +112,28 @@ impl Client {
             .map(|v| v.trim_start_matches("Bearer ").to_string())
             .filter(|v| v.len() >= 8)
             .collect();
+        let uri = self
+            .http
+            .url_for(path, None)
+            .map_err(|e| CallError::Transport(e.to_string()))?;
+        let body = Outgoing::Whole(Bytes::from(body.to_string()));
+        // The error says why with its causes (a TLS failure says
+        // `UnknownIssuer` there), never the URL.
         let resp = self
             .http
-            .post(format!("{}{path}", self.base_url))
-            .headers(headers)
-            .body(body.to_string())
-            .send()
+            .send(Method::POST, uri, headers, body)
             .await
             .map_err(|e| {
-                // With its causes (a TLS failure says `UnknownIssuer`
-                // there), without the URL.
-                CallError::Transport(crate::upstream::describe(&e.without_url()))
+                CallError::Transport(match e {
+                    SendError::Unreachable(why) => why,
+                    SendError::Timeout(s) => format!("no answer within {s} seconds"),
+                })
             })?;
         let status = resp.status();
         // A checkpoint is a few kilobytes; an answer far larger is not one,
         // and reading it whole would let the summarizer fill memory.
-        let resp = crate::upstream::from_reqwest(resp);
-        let bytes = match crate::proxy::read::read_upstream(resp, MAX_ANSWER_BYTES, None).await {
+        let idle = Some(self.http.idle_timeout());
+        let bytes = match crate::proxy::read::read_upstream(resp, MAX_ANSWER_BYTES, idle).await {
             Ok(crate::proxy::read::Limited::Whole(b)) => b,
             Ok(crate::proxy::read::Limited::Over { .. }) => {
                 return Err(CallError::Shape(format!(
@@ -189,15 +180,21 @@ fn origin(base_url: &str) -> Option<String> {
 mod tests {
     use super::*;
 
+    fn upstream(base_url: &str) -> Upstream {
+        Upstream::new(&crate::config::UpstreamConfig {
+            base_url: base_url.to_string(),
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
     #[test]
     fn client_credentials_go_only_to_the_upstreams_own_host() {
         let c = Client::new(
             &crate::wire::chat::Chat,
-            "https://api.openai.com/v1",
+            upstream("https://api.openai.com/v1"),
             None,
-            &Trust::builtin(),
-        )
-        .unwrap();
+        );
         assert!(c.same_origin("https://API.openai.com:443/v1/"));
         assert!(!c.same_origin("http://api.openai.com/v1"));
         assert!(!c.same_origin("https://api.openai.com.evil.example/v1"));
@@ -218,11 +215,9 @@ mod tests {
 
         let keyed = Client::new(
             &crate::wire::chat::Chat,
-            "http://127.0.0.1:1/v1",
+            upstream("http://127.0.0.1:1/v1"),
             Some(&Secret::new("sk-sum")),
-            &Trust::builtin(),
-        )
-        .unwrap();
+        );
         assert_eq!(
             keyed.headers(Some(&client), true)["authorization"],
             "Bearer sk-sum"

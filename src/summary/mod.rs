@@ -40,9 +40,9 @@ use crate::compaction::{Replacement, Span};
 use crate::config::SummaryConfig;
 use crate::metrics::Metrics;
 use crate::state::StateStore;
-use crate::upstream::trust::Trust;
+use crate::upstream::{Upstream, UpstreamError};
 use backoff::Backoff;
-use client::{CallError, Client};
+use client::Client;
 use flight::Flights;
 
 /// How often a replica waiting on another's checkpoint looks for it.
@@ -132,27 +132,30 @@ pub struct Summarizer {
 }
 
 impl Summarizer {
-    /// A summarizer for requests that go to `upstream_base`, speaking
-    /// `api` at `summary.base_url` or else at `upstream_base` (the proxy
-    /// gives a configured summarizer chat completions), whose TLS
-    /// connections trust `trust`'s roots.
+    /// A summarizer for requests that go to `upstream`, speaking `api` at
+    /// `summary.base_url` or else at the upstream itself (the proxy gives a
+    /// configured summarizer chat completions), on the upstream's client.
     pub fn new(
         api: &'static dyn crate::wire::Api,
         config: &SummaryConfig,
-        upstream_base: &str,
-        trust: &Trust,
+        upstream: &Upstream,
         store: Arc<StateStore>,
         metrics: Option<Arc<Metrics>>,
-    ) -> Result<Summarizer, CallError> {
-        let base = config.base_url.as_deref().unwrap_or(upstream_base);
+    ) -> Result<Summarizer, UpstreamError> {
+        let http = match &config.base_url {
+            // A summarizer of its own is on the network, even when the
+            // upstream is answered in process (`condense replay`).
+            Some(base) => upstream.elsewhere(base)?,
+            None => upstream.rebased(upstream.base_url())?,
+        };
         Ok(Summarizer {
             inner: Arc::new(Inner {
                 config: config.clone(),
-                client: Client::new(api, base, config.api_key.as_ref(), trust)?,
+                client: Client::new(api, http, config.api_key.as_ref()),
                 store,
                 metrics,
             }),
-            upstream_base: upstream_base.to_string(),
+            upstream_base: upstream.base_url().to_string(),
             flights: Flights::new(),
             backoff: Backoff::new(
                 Duration::from_secs_f64(config.cooldown_seconds),

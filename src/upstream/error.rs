@@ -1,14 +1,12 @@
-//! How the upstream client fails. An error of either transport is a chain
-//! of causes whose first link alone says little ("error sending request"),
-//! so what reaches a log or a client is the whole chain, [`describe`]d.
+//! How the upstream client fails. An error is a chain of causes whose first
+//! link alone says little ("cannot connect to the upstream"), so what
+//! reaches a log or a client is the whole chain, [`describe`]d.
 
 use super::trust::TrustError;
 
 /// Why an [`Upstream`](super::Upstream) cannot be made from the configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
-    #[error("cannot build the HTTP client: {0}")]
-    Client(#[from] reqwest::Error),
     #[error("cannot set up TLS for the upstream: {0}")]
     Tls(#[from] rustls::Error),
     #[error(transparent)]
@@ -27,9 +25,8 @@ pub enum SendError {
     /// within the first-byte timeout: that timeout, in seconds.
     #[error("the upstream did not answer within {0} seconds")]
     Timeout(f64),
-    /// The request could not be sent, [`describe`]d (reqwest's errors
-    /// without the URL: it may carry credentials, and this reaches the
-    /// client).
+    /// The request could not be sent, [`describe`]d (never with the URL:
+    /// it may carry credentials, and this reaches the client).
     #[error("the upstream could not be reached: {0}")]
     Unreachable(String),
 }
@@ -40,7 +37,7 @@ pub enum SendError {
 #[error("the request path {0}")]
 pub struct InvalidPath(pub &'static str);
 
-/// An error of either client, or of a body on its way.
+/// An error of the client, or of a body on its way.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// `e` and its sources, outermost first.
@@ -54,19 +51,15 @@ pub(super) fn causes<'a>(
 pub(super) fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
     causes(e).any(|cause| {
         cause
-            .downcast_ref::<reqwest::Error>()
-            .is_some_and(reqwest::Error::is_timeout)
-            || cause
-                .downcast_ref::<std::io::Error>()
-                .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
     })
 }
 
 /// A one-line description of a client error with its causes, such as
 /// "cannot connect to the upstream: tcp connect error: Connection refused
 /// (os error 111)" (an error's own Display stops at its first part: the
-/// pool's "cannot connect to the upstream", reqwest's "error sending
-/// request").
+/// pool's "cannot connect to the upstream").
 pub fn describe(e: &(dyn std::error::Error + 'static)) -> String {
     causes(e)
         .map(ToString::to_string)

@@ -18,8 +18,6 @@ use crate::cache::Bounded;
 pub(super) struct BaseUrl {
     /// `base_url` without a trailing slash.
     base: String,
-    /// `base_url` as a URI, for the transport to look up a proxy for.
-    uri: Uri,
     /// The path of `base_url` without a trailing slash (`/v1`, or empty).
     base_path: String,
     host: Option<String>,
@@ -45,10 +43,10 @@ fn mapped_cache() -> Bounded<String, Uri> {
 impl BaseUrl {
     pub(super) fn new(base_url: &str) -> Result<BaseUrl, UpstreamError> {
         let parsed = Url::parse(base_url)?;
-        let uri: Uri = parsed.as_str().parse()?;
+        // Every URL made from it must be a URI too.
+        parsed.as_str().parse::<Uri>()?;
         Ok(BaseUrl {
             base: base_url.trim_end_matches('/').to_string(),
-            uri,
             base_path: parsed.path().trim_end_matches('/').to_string(),
             host: parsed.host_str().map(str::to_string),
             port: parsed.port_or_known_default(),
@@ -60,11 +58,6 @@ impl BaseUrl {
     /// The configured base URL, without a trailing slash.
     pub(super) fn as_str(&self) -> &str {
         &self.base
-    }
-
-    /// The base URL as a URI.
-    pub(super) fn uri(&self) -> &Uri {
-        &self.uri
     }
 
     /// Adds the base URL's credentials to `headers` as `Authorization:

@@ -1,23 +1,35 @@
-//! The HTTP client of condense's forwarded requests: the upstream's and
-//! Anthropic's (and the `/models` listing), each an [`Upstream`] at its
-//! base URL, sharing connections. The summarizer's own reqwest client takes
-//! its TLS roots and its error descriptions from here.
+//! The one HTTP client of every call condense makes: forwarded requests to
+//! the upstream and to Anthropic's API, the `/models` listing, the
+//! summarizer's calls. Each is an [`Upstream`] at its base URL; they share
+//! one set of connection pools, timeouts and TLS roots.
 //!
 //! - `map.rs`: where a request goes: the client's path under the base URL,
 //!   confined to it; credentials in the base URL sent as a header.
-//! - `transport.rs`: how it gets there: condense's pools, or reqwest
-//!   through an HTTP proxy the environment names.
-//! - `pool.rs`: the connections, kept open for the next request.
+//! - `transport.rs`: the pools, one a worker thread, and what is sent again.
+//! - `pool.rs`: the connections, kept open for the next request; HTTP/2
+//!   ones shared up to the server's stream limit.
+//! - `connect.rs`: opening one, straight or through an HTTP proxy.
+//! - `settings.rs`: the HTTP/2 server's stream limit, read off the wire.
 //! - `trust.rs`: the certificates TLS connections are verified against.
 //! - `body.rs`, `error.rs`: what goes out and comes back, and how it fails.
+//!
+//! Why condense's own pool over hyper-util's (reqwest's) client: that one
+//! keeps one HTTP/2 connection a host and queues requests past the
+//! server's stream limit inside it, where their first-byte deadline runs,
+//! and bounds idle connections per host only; on small requests it costs
+//! about 11,700 instructions more (see `pool.rs`). reqwest served the
+//! proxied path and the summarizer until both moved here: one set of
+//! timeouts, TLS settings and tests.
 //!
 //! An [`Upstream`] adds the timeouts: for connecting, for the response
 //! headers, and between two chunks of the body.
 
 mod body;
+mod connect;
 mod error;
 mod map;
 mod pool;
+mod settings;
 mod transport;
 pub mod trust;
 
@@ -29,12 +41,11 @@ use http::{HeaderMap, Method, Uri};
 
 use crate::config::UpstreamConfig;
 use map::BaseUrl;
-use transport::{Pools, Transport};
+use transport::Pools;
 use trust::Trust;
 
 pub use body::{Outgoing, ResponseBody, UpstreamResponse, content_length, whole_body};
 pub use error::{BoxError, InvalidPath, SendError, UpstreamError, describe};
-pub use transport::from_reqwest;
 
 #[derive(Clone, Copy)]
 struct Timeouts {
@@ -53,7 +64,7 @@ pub trait InProcess: Send + Sync {
 }
 
 pub struct Upstream {
-    transport: Transport,
+    pools: Pools,
     /// Answers requests in place of the network, when set.
     in_process: Option<Arc<dyn InProcess>>,
     base: BaseUrl,
@@ -74,22 +85,25 @@ impl Upstream {
             idle: Duration::from_secs_f64(config.idle_timeout_seconds),
         };
         let trust = Trust::from_config(config)?;
-        Upstream::with(&config.base_url, timeouts, None, trust)
+        let pools = transport::pools(
+            trust.client_config()?,
+            timeouts.connect,
+            config.max_idle_connections,
+        );
+        Upstream::with(&config.base_url, timeouts, pools, trust)
     }
 
-    /// An upstream at `base_url`, sharing `direct`'s pool when it is reached
-    /// directly.
+    /// An upstream at `base_url` on `pools`.
     fn with(
         base_url: &str,
         t: Timeouts,
-        direct: Option<&Pools>,
+        pools: Pools,
         trust: Trust,
     ) -> Result<Upstream, UpstreamError> {
-        let base = BaseUrl::new(base_url)?;
         Ok(Upstream {
-            transport: Transport::for_base(base.uri(), t.connect, direct, &trust)?,
+            pools,
             in_process: None,
-            base,
+            base: BaseUrl::new(base_url)?,
             timeouts: t,
             trust,
         })
@@ -106,16 +120,21 @@ impl Upstream {
         Ok(u)
     }
 
-    /// The same client (and in-process responder) in front of another base
-    /// URL.
+    /// The same client (connections, timeouts, in-process responder) in
+    /// front of another base URL.
     pub fn rebased(&self, base_url: &str) -> Result<Upstream, UpstreamError> {
-        let direct = match &self.transport {
-            Transport::Direct(c) => Some(c),
-            Transport::Proxied(_) => None,
-        };
-        let mut u = Upstream::with(base_url, self.timeouts, direct, self.trust.clone())?;
+        let pools = self.pools.clone();
+        let mut u = Upstream::with(base_url, self.timeouts, pools, self.trust.clone())?;
         u.in_process = self.in_process.clone();
         Ok(u)
+    }
+
+    /// The same client (connections, timeouts) in front of another base
+    /// URL, on the network even when this one is answered in process: a
+    /// summarizer of its own.
+    pub fn elsewhere(&self, base_url: &str) -> Result<Upstream, UpstreamError> {
+        let pools = self.pools.clone();
+        Upstream::with(base_url, self.timeouts, pools, self.trust.clone())
     }
 
     /// The roots this upstream's TLS connections are verified against.
@@ -176,7 +195,7 @@ impl Upstream {
         }
         let mut headers = headers;
         self.base.authorize(&mut headers);
-        let sending = self.transport.send(method, uri, headers, body);
+        let sending = self.pools.send(method, uri, headers, body);
         let t = self.timeouts;
         let waited_out = async {
             sent.await;
@@ -192,8 +211,8 @@ impl Upstream {
             Err(e) if error::timed_out(e.as_ref()) => {
                 Err(SendError::Timeout(t.connect.as_secs_f64()))
             }
-            // reqwest's errors were stripped of the URL: it may carry
-            // credentials, and the message reaches the client.
+            // No error of the pool names the URL: it may carry credentials,
+            // and the message reaches the client.
             Err(e) => Err(SendError::Unreachable(describe(e.as_ref()))),
         }
     }
@@ -204,7 +223,6 @@ mod tests {
     use super::*;
     use http_body_util::{BodyExt, Full};
     use hyper_util::rt::TokioExecutor;
-    use transport::direct_pools;
 
     fn upstream(base: &str) -> Upstream {
         Upstream::new(&UpstreamConfig {
@@ -300,7 +318,7 @@ mod tests {
     }
 
     /// The client condense uses, trusting the test certificate.
-    fn trusting_client() -> Transport {
+    fn trusting_client() -> Pools {
         use rustls::pki_types::CertificateDer;
         use rustls::pki_types::pem::PemObject;
         let mut roots = rustls::RootCertStore::empty();
@@ -312,7 +330,7 @@ mod tests {
             .unwrap()
             .with_root_certificates(roots)
             .with_no_client_auth();
-        Transport::Direct(direct_pools(tls, Duration::from_secs(5)))
+        transport::pools(tls, Duration::from_secs(5), 256)
     }
 
     /// What the test server saw of a GET through `u`: the HTTP version, the
@@ -334,7 +352,7 @@ mod tests {
     /// An upstream at `base` whose client trusts the test certificate.
     fn trusting(base: &str) -> Upstream {
         let mut u = upstream(base);
-        u.transport = trusting_client();
+        u.pools = trusting_client();
         u
     }
 
@@ -390,6 +408,90 @@ mod tests {
         let (a, b, c) = tokio::join!(get(), get(), get());
         assert_eq!([a, b, c], [ok.clone(), ok.clone(), ok]);
         assert_eq!(connections.load(Ordering::SeqCst), 1);
+    }
+
+    /// An HTTP/2 server allowing `streams` streams a connection, holding
+    /// each answer `hold`; its address, the connections it took, and the
+    /// most streams one connection carried at once.
+    async fn limited_h2_server(
+        streams: u32,
+        hold: Duration,
+    ) -> (
+        std::net::SocketAddr,
+        std::sync::Arc<std::sync::atomic::AtomicUsize>,
+        std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    ) {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let connections = Arc::new(AtomicUsize::new(0));
+        let most = Arc::new(AtomicUsize::new(0));
+        let (c, m) = (connections.clone(), most.clone());
+        let addr = serve_tls(&[b"h2"], move |tls| {
+            c.fetch_add(1, Ordering::SeqCst);
+            let (m, now) = (m.clone(), Arc::new(AtomicUsize::new(0)));
+            let service = hyper::service::service_fn(move |_req: http::Request<_>| {
+                let (m, now) = (m.clone(), now.clone());
+                async move {
+                    let n = now.fetch_add(1, Ordering::SeqCst) + 1;
+                    m.fetch_max(n, Ordering::SeqCst);
+                    tokio::time::sleep(hold).await;
+                    now.fetch_sub(1, Ordering::SeqCst);
+                    Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
+                        Bytes::from_static(b"ok"),
+                    )))
+                }
+            });
+            async move {
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .max_concurrent_streams(streams)
+                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                    .await;
+            }
+        })
+        .await;
+        (addr, connections, most)
+    }
+
+    #[tokio::test]
+    async fn past_the_servers_stream_limit_another_http2_connection_is_opened() {
+        use std::sync::atomic::Ordering;
+        let (addr, connections, most) = limited_h2_server(3, Duration::from_millis(300)).await;
+        let u = trusting(&format!("https://localhost:{}/v1", addr.port()));
+        // One request first, so the server's SETTINGS are known.
+        let get = || async {
+            let uri = u.url_for("/v1/models", None).unwrap();
+            let resp = u
+                .send(Method::GET, uri, HeaderMap::new(), Outgoing::Empty)
+                .await
+                .unwrap();
+            resp.into_body().collect().await.unwrap().to_bytes()
+        };
+        assert_eq!(get().await, "ok");
+        let answers = futures_util::future::join_all((0..10).map(|_| get())).await;
+        assert!(answers.iter().all(|a| a == "ok"));
+        // Ten at once, three a connection: four connections, where one
+        // would have queued seven inside it.
+        assert_eq!(connections.load(Ordering::SeqCst), 4);
+        assert_eq!(most.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_burst_to_a_new_http2_host_waits_for_one_connection() {
+        use std::sync::atomic::Ordering;
+        let (addr, connections, most) = limited_h2_server(100, Duration::from_millis(50)).await;
+        let u = trusting(&format!("https://localhost:{}/v1", addr.port()));
+        let get = || async {
+            let uri = u.url_for("/v1/models", None).unwrap();
+            let resp = u
+                .send(Method::GET, uri, HeaderMap::new(), Outgoing::Empty)
+                .await
+                .unwrap();
+            resp.into_body().collect().await.unwrap().to_bytes()
+        };
+        let answers = futures_util::future::join_all((0..50).map(|_| get())).await;
+        assert!(answers.iter().all(|a| a == "ok"));
+        assert_eq!(connections.load(Ordering::SeqCst), 1);
+        assert_eq!(most.load(Ordering::SeqCst), 50);
     }
 
     #[tokio::test]

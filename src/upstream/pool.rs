@@ -1,26 +1,41 @@
 //! The upstream's connections, kept open for the next request: one pool for
 //! each worker thread (see [`crate::server::workers`]), so a connection's
-//! task runs on the thread whose requests use it.
+//! task runs on the thread whose requests use it. Every call condense makes
+//! goes through here: the forwarded requests, the `/models` listing, the
+//! summarizer's, through an HTTP proxy or not ([`super::connect`]).
 //!
 //! HTTP/1.1 connections are taken by one request at a time, from the most
 //! recently used; one goes back to the pool when its response body has
 //! been read to the end. A body dropped before its end (a client that went
-//! away, an answer over the size limit) takes its connection down with it:
-//! hyper-util's client let hyper drain what was left, when it could, and
-//! kept the connection. Over TLS, a server that picks HTTP/2 in the
-//! handshake gets one connection per host, shared by every request. A
-//! connection unused for [`IDLE`] is closed, and one the server closed is
+//! away, an answer over the size limit) takes its connection down with it.
+//! Unused HTTP/1.1 connections are bounded per host and, over every pool
+//! and host, by `upstream.max_idle_connections`.
+//!
+//! Over TLS, a server that picks HTTP/2 in the handshake has its
+//! connections shared: a request takes a stream on the first connection
+//! with one free, by the server's own `SETTINGS_MAX_CONCURRENT_STREAMS`
+//! ([`super::settings`]); when every stream is in use, one request opens
+//! another connection and the requests arriving meanwhile wait for it
+//! rather than each opening their own (so does the first burst to a host
+//! whose protocol is not known yet). A stream is in use until its response
+//! body has ended or been dropped. Past the server's limit hyper would
+//! queue the request inside the connection, where its first-byte deadline
+//! runs. An extra HTTP/2 connection left without streams is closed within
+//! a minute; the first, after [`IDLE`].
+//!
+//! A connection unused for [`IDLE`] is closed, and one the server closed is
 //! dropped when found. A request the pooled connection closed under before
 //! sending any of it (the server timed the idle connection out as it was
 //! taken) goes again, on another connection.
 //!
-//! hyper-util's pooled client did all of this for about 11,700
-//! instructions a small request (its pool hashed the host with SipHash
-//! several times a request, and spawned a task to put each HTTP/1.1
-//! connection back); here it is a short lock on a list of hosts.
+//! hyper-util's pooled client (reqwest's) did the HTTP/1.1 part for about
+//! 11,700 instructions a small request (its pool hashed the host with
+//! SipHash several times a request, and spawned a task to put each HTTP/1.1
+//! connection back), and for HTTP/2 kept one connection a host whatever the
+//! server's stream limit; here it is a short lock on a list of hosts.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -35,15 +50,16 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{Either, Full};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::client::conn::{http1, http2};
-use hyper_util::client::legacy::connect::{Connection, HttpConnector};
-use hyper_util::rt::TokioExecutor;
+use tokio::sync::Notify;
 
+use super::connect::{Connector, Opened, Via};
 use super::error::BoxError;
 
 /// How long an unused connection is kept.
 pub const IDLE: Duration = Duration::from_secs(90);
 
-/// How often a pool looks for connections unused for [`IDLE`].
+/// How often a pool looks for connections unused for [`IDLE`]; an extra
+/// HTTP/2 connection without streams for this long is closed.
 const SWEEP_EVERY: Duration = Duration::from_secs(30);
 
 /// Most unused HTTP/1.1 connections kept per host (the oldest go first).
@@ -68,92 +84,48 @@ pub enum PoolError {
     Handshake(#[source] hyper::Error),
 }
 
-/// Opens connections: TCP (then TLS for https) within the connect timeout.
-#[derive(Clone)]
-pub struct Connector {
-    inner: hyper_rustls::HttpsConnector<HttpConnector>,
-    limit: Duration,
+/// The unused HTTP/1.1 connections of every pool, and their bound.
+pub struct IdleBound {
+    now: AtomicUsize,
+    max: usize,
 }
 
-impl Connector {
-    pub fn new(tls: rustls::ClientConfig, limit: Duration) -> Connector {
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        http.set_nodelay(true);
-        // TCP keepalive and a user timeout, as reqwest set them: a long
-        // silent answer stays open through NATs and load balancers with an
-        // idle cutoff, and a peer that vanished is noticed in about a minute.
-        http.set_keepalive(Some(Duration::from_secs(15)));
-        http.set_keepalive_interval(Some(Duration::from_secs(15)));
-        http.set_keepalive_retries(Some(3));
-        #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
-        http.set_tcp_user_timeout(Some(Duration::from_secs(30)));
-        let inner = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_all_versions()
-            .wrap_connector(http);
-        Connector { inner, limit }
+impl IdleBound {
+    pub fn new(max: usize) -> Arc<IdleBound> {
+        Arc::new(IdleBound {
+            now: AtomicUsize::new(0),
+            max,
+        })
     }
 
-    /// A connection to `dst` (scheme and authority), handshake done: name
-    /// lookup, TCP and TLS have `limit` to finish between them, after which
-    /// the error is an `io::ErrorKind::TimedOut`.
-    async fn connect(&self, dst: Uri) -> Result<Sender, PoolError> {
-        use tower::ServiceExt;
-        let limit = self.limit;
-        let connecting = self.inner.clone().oneshot(dst);
-        let io = match tokio::time::timeout(limit, connecting).await {
-            Ok(io) => io.map_err(PoolError::Connect)?,
-            Err(_) => {
-                return Err(PoolError::Connect(Box::new(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("connecting took longer than {limit:?}"),
-                ))));
-            }
-        };
-        if io.connected().is_negotiated_h2() {
-            let (mut tx, conn) = boxed(http2::Builder::new(TokioExecutor::new()).handshake(io))
-                .await
-                .map_err(PoolError::Handshake)?;
-            run(conn, None);
-            tx.ready().await.map_err(PoolError::Handshake)?;
-            Ok(Sender::H2(tx))
-        } else {
-            let (mut tx, conn) = boxed(http1::Builder::new().handshake(io))
-                .await
-                .map_err(PoolError::Handshake)?;
-            let (failed, why) = tokio::sync::oneshot::channel();
-            run(conn, Some(failed));
-            if let Err(e) = tx.ready().await {
-                // The connection's own error says more than "closed".
-                return Err(PoolError::Handshake(why.await.unwrap_or(e)));
-            }
-            Ok(Sender::H1(tx))
-        }
+    /// Takes a place for one more; false when all are taken.
+    fn take(&self) -> bool {
+        self.now
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    fn give(&self, n: usize) {
+        self.now.fetch_sub(n, Ordering::AcqRel);
     }
 }
 
-/// Runs a connection's task on this thread's runtime; its error, if it
-/// ends with one, goes to `failed`.
-fn run<C>(conn: C, failed: Option<tokio::sync::oneshot::Sender<hyper::Error>>)
-where
-    C: std::future::Future<Output = Result<(), hyper::Error>> + Send + 'static,
-{
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "an upstream connection ended with an error");
-            if let Some(failed) = failed {
-                let _ = failed.send(e);
-            }
-        }
-    });
-}
-
-/// A connection's request side.
+/// A connection's request side, as a request takes it.
 enum Sender {
     H1(http1::SendRequest<RequestBody>),
-    H2(http2::SendRequest<RequestBody>),
+    /// With the stream it holds on the connection.
+    H2(http2::SendRequest<RequestBody>, Stream),
+}
+
+/// A stream in use on a shared HTTP/2 connection, until dropped.
+struct Stream(Arc<AtomicUsize>);
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// An HTTP/1.1 connection waiting for a request.
@@ -162,55 +134,145 @@ struct Idle {
     since: Instant,
 }
 
-/// A shared HTTP/2 connection and when a request last took it.
+/// A shared HTTP/2 connection.
 struct Shared {
     tx: http2::SendRequest<RequestBody>,
+    /// When a request last took a stream on it.
     used: Instant,
+    /// Streams in use on it.
+    streams: Arc<AtomicUsize>,
+    /// How many the server allows at once.
+    limit: Arc<AtomicUsize>,
+}
+
+impl Shared {
+    fn new(tx: http2::SendRequest<RequestBody>, limit: Arc<AtomicUsize>, now: Instant) -> Shared {
+        Shared {
+            tx,
+            used: now,
+            streams: Arc::new(AtomicUsize::new(0)),
+            limit,
+        }
+    }
+
+    fn streams(&self) -> usize {
+        self.streams.load(Ordering::Acquire)
+    }
+
+    /// A stream on it, when one is free.
+    fn stream(&mut self, now: Instant) -> Option<Sender> {
+        if self.streams() >= self.limit.load(Ordering::Acquire) {
+            return None;
+        }
+        self.streams.fetch_add(1, Ordering::AcqRel);
+        self.used = now;
+        Some(Sender::H2(self.tx.clone(), Stream(self.streams.clone())))
+    }
+}
+
+/// A connection being opened that other requests wait for.
+#[derive(Default)]
+struct Opening {
+    done: AtomicBool,
+    /// Whether it failed (then each waiter opens its own).
+    failed: AtomicBool,
+    notify: Notify,
+}
+
+impl Opening {
+    fn finish(&self, failed: bool) {
+        self.failed.store(failed, Ordering::Release);
+        self.done.store(true, Ordering::Release);
+        self.notify.notify_waiters();
+    }
+
+    /// Waits (at most `limit`) until the connection is open or failed;
+    /// whether it opened.
+    async fn opened(&self, limit: Duration) -> bool {
+        let notified = self.notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if !self.done.load(Ordering::Acquire) {
+            let _ = tokio::time::timeout(limit, notified).await;
+        }
+        self.done.load(Ordering::Acquire) && !self.failed.load(Ordering::Acquire)
+    }
+}
+
+/// Which protocol a host speaks, once a connection has told.
+#[derive(Clone, Copy, PartialEq)]
+enum Speaks {
+    Unknown,
+    H1,
+    H2,
+}
+
+/// What a request finds in the pool.
+enum Found {
+    /// A connection, or a stream on one.
+    Ready(Sender),
+    /// Nothing; it opens a connection, which others may wait for.
+    Open(Option<Arc<Opening>>),
+    /// Another request is opening the connection this one can share.
+    Wait(Arc<Opening>),
 }
 
 /// The connections to one host.
 struct Host {
     https: bool,
     authority: Authority,
+    via: Via,
     /// `Host` for HTTP/1.1 requests ([`host_header`]).
     host_header: Option<HeaderValue>,
     /// Oldest first.
     idle: Vec<Idle>,
-    h2: Option<Shared>,
+    h2: Vec<Shared>,
+    speaks: Speaks,
+    opening: Option<Arc<Opening>>,
 }
 
 impl Host {
-    fn new(https: bool, authority: &Authority) -> Host {
+    fn new(https: bool, authority: &Authority, via: Via) -> Host {
         Host {
             https,
             authority: authority.clone(),
+            via,
             host_header: host_header(https, authority),
             idle: Vec::new(),
-            h2: None,
+            h2: Vec::new(),
+            speaks: if https { Speaks::Unknown } else { Speaks::H1 },
+            opening: None,
         }
     }
 
-    /// Drops connections unused since before `cutoff` or closed.
-    fn sweep(&mut self, cutoff: Instant) {
+    /// Drops connections unused since before `cutoff` or closed, and extra
+    /// HTTP/2 ones without streams since before `extra_cutoff`; returns how
+    /// many HTTP/1.1 ones went.
+    fn sweep(&mut self, cutoff: Instant, extra_cutoff: Instant) -> usize {
+        let before = self.idle.len();
         self.idle.retain(|i| i.since >= cutoff && !i.tx.is_closed());
-        if self
-            .h2
-            .as_ref()
-            .is_some_and(|s| s.used < cutoff || s.tx.is_closed())
-        {
-            self.h2 = None;
-        }
+        let mut first = true;
+        self.h2.retain(|s| {
+            let unused_since = |t| s.streams() == 0 && s.used < t;
+            let expired = unused_since(cutoff) || (!first && unused_since(extra_cutoff));
+            let keep = !s.tx.is_closed() && !expired;
+            first &= !keep;
+            keep
+        });
+        before - self.idle.len()
     }
 
-    /// A ready connection: the HTTP/2 one, or the most recently used
-    /// HTTP/1.1 one. Closed and expired ones found on the way are dropped.
-    fn take(&mut self, now: Instant) -> Option<Sender> {
-        if let Some(shared) = &mut self.h2 {
-            if !shared.tx.is_closed() && now.duration_since(shared.used) < IDLE {
-                shared.used = now;
-                return Some(Sender::H2(shared.tx.clone()));
+    /// A ready connection or stream: a free stream on an HTTP/2 one, or the
+    /// most recently used HTTP/1.1 one. Closed and expired ones found on
+    /// the way are dropped (the HTTP/1.1 ones given back to `bound`).
+    fn take(&mut self, now: Instant, bound: &IdleBound) -> Found {
+        self.h2.retain(|s| {
+            !s.tx.is_closed() && (s.streams() > 0 || now.duration_since(s.used) < IDLE)
+        });
+        for shared in &mut self.h2 {
+            if let Some(sender) = shared.stream(now) {
+                return Found::Ready(sender);
             }
-            self.h2 = None;
         }
         let mut i = self.idle.len();
         while i > 0 {
@@ -218,19 +280,32 @@ impl Host {
             let idle = &self.idle[i];
             if now.duration_since(idle.since) >= IDLE {
                 // Older ones are older still.
+                bound.give(i + 1);
                 self.idle.drain(..=i);
-                return None;
+                break;
             }
             if idle.tx.is_ready() {
-                return Some(Sender::H1(self.idle.remove(i).tx));
+                bound.give(1);
+                return Found::Ready(Sender::H1(self.idle.remove(i).tx));
             }
             if idle.tx.is_closed() {
+                bound.give(1);
                 self.idle.remove(i);
             }
             // Else its connection has not yet taken in the end of its last
             // response; left for the next request.
         }
-        None
+        if self.speaks == Speaks::H1 {
+            return Found::Open(None);
+        }
+        match &self.opening {
+            Some(o) => Found::Wait(o.clone()),
+            None => {
+                let o = Arc::new(Opening::default());
+                self.opening = Some(o.clone());
+                Found::Open(Some(o))
+            }
+        }
     }
 }
 
@@ -248,6 +323,8 @@ fn host_header(https: bool, authority: &Authority) -> Option<HeaderValue> {
 pub struct Pool {
     connector: Connector,
     hosts: Mutex<Vec<Host>>,
+    /// Unused HTTP/1.1 connections, over every pool.
+    bound: Arc<IdleBound>,
     /// Whether a task sweeps out unused connections.
     sweeping: AtomicBool,
 }
@@ -256,11 +333,20 @@ pub struct Pool {
 /// are never removed), or none past [`MAX_HOSTS`].
 type Slot = Option<usize>;
 
+/// What a request needs of its host to be sent.
+struct Checkout {
+    slot: Slot,
+    found: Found,
+    host_header: Option<HeaderValue>,
+    via: Via,
+}
+
 impl Pool {
-    pub fn new(connector: Connector) -> Pool {
+    pub fn new(connector: Connector, bound: Arc<IdleBound>) -> Pool {
         Pool {
             connector,
             hosts: Mutex::new(Vec::new()),
+            bound,
             sweeping: AtomicBool::new(false),
         }
     }
@@ -277,20 +363,37 @@ impl Pool {
     ) -> Result<Response<PooledBody>, BoxError> {
         let https = req.uri().scheme() == Some(&Scheme::HTTPS);
         let authority = req.uri().authority().cloned().ok_or(PoolError::NoHost)?;
+        let mut alone = false;
         loop {
-            let (slot, pooled, host_header) = self.checkout(https, &authority);
-            let reused = pooled.is_some();
-            let sender = match pooled {
-                Some(s) => s,
-                None => {
-                    let dst = Uri::builder()
-                        .scheme(if https { Scheme::HTTPS } else { Scheme::HTTP })
-                        .authority(authority.clone())
-                        .path_and_query("/")
-                        .build()?;
-                    let sender = self.connector.connect(dst).await?;
-                    self.opened(slot, &sender);
-                    sender
+            let Checkout {
+                slot,
+                found,
+                host_header,
+                via,
+            } = self.checkout(https, &authority, alone);
+            let (sender, reused) = match found {
+                Found::Ready(sender) => (sender, true),
+                Found::Wait(opening) => {
+                    // The opener's connection, shared, or else one of its
+                    // own.
+                    alone = !opening.opened(self.connector.limit()).await;
+                    continue;
+                }
+                Found::Open(opening) => {
+                    // Told to the waiting requests however this ends,
+                    // this future dropped included.
+                    let mut opener = opening.map(|opening| Opener {
+                        pool: self.clone(),
+                        slot,
+                        opening,
+                        succeeded: false,
+                    });
+                    let opened = self.open(https, &authority, &via).await?;
+                    let sender = self.opened(slot, opened);
+                    if let Some(o) = &mut opener {
+                        o.succeeded = true;
+                    }
+                    (sender, false)
                 }
             };
             match sender {
@@ -298,9 +401,17 @@ impl Pool {
                     if let Some(host) = host_header {
                         req.headers_mut().entry(http::header::HOST).or_insert(host);
                     }
-                    // HTTP/1.1 sends the path alone (origin form).
-                    let origin = origin_form(req.uri());
-                    let full = std::mem::replace(req.uri_mut(), origin);
+                    // HTTP/1.1 sends the path alone (origin form), or the
+                    // whole URI to a proxy.
+                    let full = req.uri().clone();
+                    if let Some(auth) = via.forward_auth() {
+                        req.headers_mut()
+                            .entry(http::header::PROXY_AUTHORIZATION)
+                            .or_insert_with(|| auth.clone());
+                    }
+                    if !via.is_forward() {
+                        *req.uri_mut() = origin_form(&full);
+                    }
                     match tx.try_send_request(req).await {
                         Ok(resp) => {
                             let back = Back {
@@ -308,20 +419,23 @@ impl Pool {
                                 slot,
                                 tx,
                             };
-                            return Ok(resp.map(|body| PooledBody::new(body, Some(back))));
+                            return Ok(resp.map(|body| PooledBody::new(body, Some(back), None)));
                         }
                         Err(mut e) => match e.take_message() {
                             Some(unsent) if reused => {
                                 tracing::debug!(error = %e.error(), "a pooled connection closed before the request went out; sending it on another");
                                 req = unsent;
                                 *req.uri_mut() = full;
+                                req.headers_mut().remove(http::header::PROXY_AUTHORIZATION);
                             }
                             _ => return Err(e.into_error().into()),
                         },
                     }
                 }
-                Sender::H2(mut tx) => match tx.try_send_request(req).await {
-                    Ok(resp) => return Ok(resp.map(|body| PooledBody::new(body, None))),
+                Sender::H2(mut tx, stream) => match tx.try_send_request(req).await {
+                    Ok(resp) => {
+                        return Ok(resp.map(|body| PooledBody::new(body, None, Some(stream))));
+                    }
                     Err(mut e) => match e.take_message() {
                         Some(unsent) if reused => {
                             tracing::debug!(error = %e.error(), "a pooled HTTP/2 connection closed before the request went out; sending it on another");
@@ -334,13 +448,23 @@ impl Pool {
         }
     }
 
-    /// The pool slot of a host (added if new), a ready connection to it if
-    /// one is pooled, and its `Host` header.
-    fn checkout(
+    /// A new connection to the host.
+    async fn open(
         &self,
         https: bool,
         authority: &Authority,
-    ) -> (Slot, Option<Sender>, Option<HeaderValue>) {
+        via: &Via,
+    ) -> Result<Opened, BoxError> {
+        Ok(self
+            .connector
+            .connect(host_uri(https, authority), via)
+            .await?)
+    }
+
+    /// The pool slot of a host (added if new), what the pool has for a
+    /// request to it, its `Host` header and its route. `alone`: a request
+    /// whose shared opening failed opens its own connection.
+    fn checkout(&self, https: bool, authority: &Authority, alone: bool) -> Checkout {
         let now = Instant::now();
         let mut hosts = self.hosts();
         let found = hosts
@@ -349,33 +473,61 @@ impl Pool {
         let slot = match found {
             Some(i) => i,
             None if hosts.len() < MAX_HOSTS => {
-                hosts.push(Host::new(https, authority));
+                let via = self.connector.via(&host_uri(https, authority));
+                hosts.push(Host::new(https, authority, via));
                 hosts.len() - 1
             }
             None => {
                 drop(hosts);
-                return (None, None, host_header(https, authority));
+                return Checkout {
+                    slot: None,
+                    found: Found::Open(None),
+                    host_header: host_header(https, authority),
+                    via: self.connector.via(&host_uri(https, authority)),
+                };
             }
         };
         let host = &mut hosts[slot];
-        (Some(slot), host.take(now), host.host_header.clone())
+        let mut found = host.take(now, &self.bound);
+        if alone && let Found::Wait(_) = found {
+            found = Found::Open(None);
+        }
+        Checkout {
+            slot: Some(slot),
+            found,
+            host_header: host.host_header.clone(),
+            via: host.via.clone(),
+        }
     }
 
-    /// Notes a new connection: an HTTP/2 one is shared from now on (unless
-    /// the host already has one), and the pool starts sweeping.
-    fn opened(self: &Arc<Pool>, slot: Slot, sender: &Sender) {
-        if let (Some(slot), Sender::H2(tx)) = (slot, sender) {
-            let mut hosts = self.hosts();
-            if let Some(host) = hosts.get_mut(slot)
-                && host.h2.as_ref().is_none_or(|s| s.tx.is_closed())
-            {
-                host.h2 = Some(Shared {
-                    tx: tx.clone(),
-                    used: Instant::now(),
-                });
+    /// Notes a new connection: the host now known to speak its protocol,
+    /// an HTTP/2 connection shared from now on (with a stream taken for
+    /// this request); and the pool sweeps from now on.
+    fn opened(self: &Arc<Pool>, slot: Slot, opened: Opened) -> Sender {
+        let mut hosts = self.hosts();
+        let host = slot.and_then(|s| hosts.get_mut(s));
+        let sender = match (opened, host) {
+            (Opened::H1(tx), host) => {
+                if let Some(host) = host {
+                    host.speaks = Speaks::H1;
+                }
+                Sender::H1(tx)
             }
-        }
+            (Opened::H2(tx, limit), Some(host)) => {
+                host.speaks = Speaks::H2;
+                let shared = Shared::new(tx, limit, Instant::now());
+                // Taken whatever the limit: the connection was opened for
+                // this request.
+                shared.streams.fetch_add(1, Ordering::AcqRel);
+                let sender = Sender::H2(shared.tx.clone(), Stream(shared.streams.clone()));
+                host.h2.push(shared);
+                sender
+            }
+            (Opened::H2(tx, _), None) => Sender::H2(tx, Stream(Arc::new(AtomicUsize::new(1)))),
+        };
+        drop(hosts);
         self.sweep_from_now_on();
+        sender
     }
 
     /// An HTTP/1.1 connection back from a request, its response read.
@@ -385,24 +537,33 @@ impl Pool {
             return;
         }
         let mut hosts = self.hosts();
-        // Read under the lock: the list stays in the order of its times.
-        let since = Instant::now();
-        if let Some(host) = hosts.get_mut(slot) {
-            if host.idle.len() >= MAX_IDLE_PER_HOST {
-                host.idle.remove(0);
-            }
-            host.idle.push(Idle { tx, since });
-        }
-    }
-
-    /// Drops the connections unused for [`IDLE`], and the closed ones.
-    fn sweep(&self, now: Instant) {
-        let Some(cutoff) = now.checked_sub(IDLE) else {
+        let Some(host) = hosts.get_mut(slot) else {
             return;
         };
-        for host in self.hosts().iter_mut() {
-            host.sweep(cutoff);
+        if host.idle.len() >= MAX_IDLE_PER_HOST {
+            host.idle.remove(0);
+        } else if !self.bound.take() {
+            // As many unused connections as allowed: this one closes.
+            return;
         }
+        // Read under the lock: the list stays in the order of its times.
+        let since = Instant::now();
+        host.idle.push(Idle { tx, since });
+    }
+
+    /// Drops the connections unused for [`IDLE`], the closed ones, and
+    /// extra HTTP/2 ones without streams for [`SWEEP_EVERY`].
+    fn sweep(&self, now: Instant) {
+        let (Some(cutoff), Some(extra)) = (now.checked_sub(IDLE), now.checked_sub(SWEEP_EVERY))
+        else {
+            return;
+        };
+        let gone: usize = self
+            .hosts()
+            .iter_mut()
+            .map(|h| h.sweep(cutoff, extra))
+            .sum();
+        self.bound.give(gone);
     }
 
     /// Starts the task that sweeps the pool, on this thread's runtime,
@@ -436,12 +597,12 @@ impl Pool {
     }
 
     /// How many connections the pool holds unused: HTTP/1.1 ones waiting,
-    /// and the shared HTTP/2 ones.
+    /// and HTTP/2 ones without a stream.
     #[cfg(test)]
     fn unused(&self) -> usize {
         self.hosts()
             .iter()
-            .map(|h| h.idle.len() + usize::from(h.h2.is_some()))
+            .map(|h| h.idle.len() + h.h2.iter().filter(|s| s.streams() == 0).count())
             .sum()
     }
 
@@ -452,10 +613,24 @@ impl Pool {
             .iter()
             .map(|h| {
                 let h1 = h.idle.iter().filter(|i| !i.tx.is_closed()).count();
-                h1 + usize::from(h.h2.as_ref().is_some_and(|s| !s.tx.is_closed()))
+                h1 + h
+                    .h2
+                    .iter()
+                    .filter(|s| s.streams() == 0 && !s.tx.is_closed())
+                    .count()
             })
             .sum()
     }
+}
+
+/// `scheme://authority/` of a host.
+fn host_uri(https: bool, authority: &Authority) -> Uri {
+    Uri::builder()
+        .scheme(if https { Scheme::HTTPS } else { Scheme::HTTP })
+        .authority(authority.clone())
+        .path_and_query("/")
+        .build()
+        .unwrap_or_default()
 }
 
 /// Clears the pool's `sweeping` mark when its sweeping task ends.
@@ -469,14 +644,30 @@ impl Drop for Unmark {
     }
 }
 
-/// One of hyper's futures, boxed. Awaited in an `async fn` as it is, the
-/// compiler cannot prove that `async fn`'s future `Send`: it would need
-/// hyper's future `Send` for every lifetime the request body's error type
-/// could have (rust-lang/rust#64552). Here, with the type known, it can.
-fn boxed<T>(
-    f: impl std::future::Future<Output = T> + Send + 'static,
-) -> Pin<Box<dyn std::future::Future<Output = T> + Send>> {
-    Box::pin(f)
+/// The request opening a connection others wait for: when it is done (or
+/// dropped), the host no longer waits on it and the waiting requests are
+/// told.
+struct Opener {
+    pool: Arc<Pool>,
+    slot: Slot,
+    opening: Arc<Opening>,
+    succeeded: bool,
+}
+
+impl Drop for Opener {
+    fn drop(&mut self) {
+        let mut hosts = self.pool.hosts();
+        if let Some(host) = self.slot.and_then(|s| hosts.get_mut(s))
+            && host
+                .opening
+                .as_ref()
+                .is_some_and(|o| Arc::ptr_eq(o, &self.opening))
+        {
+            host.opening = None;
+        }
+        drop(hosts);
+        self.opening.finish(!self.succeeded);
+    }
 }
 
 /// `uri` with only its path and query.
@@ -503,11 +694,18 @@ struct Back {
 pub struct PooledBody {
     body: Incoming,
     back: Option<Back>,
+    /// Its stream on a shared HTTP/2 connection, in use until the body
+    /// is dropped.
+    _stream: Option<Stream>,
 }
 
 impl PooledBody {
-    fn new(body: Incoming, back: Option<Back>) -> PooledBody {
-        let mut b = PooledBody { body, back };
+    fn new(body: Incoming, back: Option<Back>, stream: Option<Stream>) -> PooledBody {
+        let mut b = PooledBody {
+            body,
+            back,
+            _stream: stream,
+        };
         if b.body.is_end_stream() {
             b.give_back();
         }

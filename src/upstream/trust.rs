@@ -6,9 +6,9 @@
 //!
 //! The file is `upstream.ca_file` when it is set, or else the one the
 //! `SSL_CERT_FILE` variable names (as OpenSSL, curl and Python read it);
-//! either adds to the Mozilla roots, never replaces them. Every client
-//! condense makes takes its roots from here: the forwarding pools, the
-//! reqwest client behind an outbound proxy, and the summarizer's.
+//! either adds to the Mozilla roots, never replaces them. condense's one
+//! client takes its roots from here, for every call it makes (forwarded
+//! requests, the summarizer's, through an outbound proxy or not).
 //!
 //! The file is read once, at start-up. One that is missing, unreadable,
 //! not PEM, or without a certificate stops condense with an error naming
@@ -92,8 +92,7 @@ pub struct Source {
 pub struct Trust {
     /// The Mozilla roots and the extra certificates, ready for rustls.
     roots: Arc<RootCertStore>,
-    /// The extra certificates alone, for reqwest (which has the Mozilla
-    /// roots built in).
+    /// The extra certificates alone (what the start-up log reports).
     extra: Arc<[CertificateDer<'static>]>,
     source: Option<Source>,
     /// Certificates of the file that could not be roots, skipped.
@@ -205,25 +204,13 @@ impl Trust {
     }
 
     /// A rustls client configuration over these roots, for the
-    /// forwarding pools.
+    /// connection pools.
     pub fn client_config(&self) -> Result<rustls::ClientConfig, rustls::Error> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         Ok(rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()?
             .with_root_certificates(self.roots.clone())
             .with_no_client_auth())
-    }
-
-    /// `builder` trusting the extra certificates too (reqwest keeps its
-    /// built-in Mozilla roots).
-    pub fn reqwest(
-        &self,
-        mut builder: reqwest::ClientBuilder,
-    ) -> Result<reqwest::ClientBuilder, reqwest::Error> {
-        for cert in self.extra.iter() {
-            builder = builder.add_root_certificate(reqwest::Certificate::from_der(cert)?);
-        }
-        Ok(builder)
     }
 }
 

@@ -50,6 +50,10 @@ async fn server(body: &'static str) -> (std::net::SocketAddr, Arc<Seen>) {
 }
 
 fn pool() -> Arc<Pool> {
+    pool_bounded(IdleBound::new(256))
+}
+
+fn pool_bounded(bound: Arc<IdleBound>) -> Arc<Pool> {
     let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
@@ -57,7 +61,9 @@ fn pool() -> Arc<Pool> {
     .unwrap()
     .with_root_certificates(rustls::RootCertStore::empty())
     .with_no_client_auth();
-    Arc::new(Pool::new(Connector::new(tls, Duration::from_secs(5))))
+    let no_proxy = hyper_util::client::proxy::matcher::Matcher::builder().build();
+    let connector = Connector::with_proxies(tls, Duration::from_secs(5), no_proxy);
+    Arc::new(Pool::new(connector, bound))
 }
 
 fn get(addr: std::net::SocketAddr, path: &str) -> Request<RequestBody> {
@@ -266,4 +272,31 @@ async fn an_unreachable_host_is_a_connect_error() {
         matches!(e.downcast_ref::<PoolError>(), Some(PoolError::Connect(_))),
         "{e}"
     );
+}
+
+#[tokio::test]
+async fn unused_connections_are_bounded_over_every_pool_and_host() {
+    let (a, seen_a) = server("ok").await;
+    let (b, seen_b) = server("ok").await;
+    let bound = IdleBound::new(2);
+    let (p, q) = (pool_bounded(bound.clone()), pool_bounded(bound));
+    // Four connections at once: three to one host from one pool, one to
+    // another host from another pool.
+    let (r1, r2, r3, r4) = tokio::join!(
+        p.send(get(a, "/1")),
+        p.send(get(a, "/2")),
+        p.send(get(a, "/3")),
+        q.send(get(b, "/4")),
+    );
+    for r in [r1, r2, r3, r4] {
+        assert_eq!(text(r.unwrap()).await, "ok");
+    }
+    assert_eq!(seen_a.opened.load(Ordering::SeqCst), 3);
+    assert_eq!(p.unused() + q.unused(), 2, "two kept, over both pools");
+    eventually(|| seen_a.ended.load(Ordering::SeqCst) + seen_b.ended.load(Ordering::SeqCst) == 2)
+        .await;
+    // A taken connection frees its place.
+    let again = p.send(get(a, "/5")).await.unwrap();
+    assert_eq!(text(again).await, "ok");
+    assert_eq!(p.unused() + q.unused(), 2);
 }
