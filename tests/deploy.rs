@@ -375,6 +375,66 @@ fn the_kubernetes_sidecar_points_the_agent_at_condense_with_probes_and_scraping(
     assert!(docs.iter().any(|d| d["kind"] == "ServiceMonitor"));
 }
 
+#[test]
+fn the_kubernetes_team_gateway_runs_replicas_sharing_its_redis() {
+    let text = read("docker/kubernetes/team.yaml");
+    let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect();
+    let named = |kind: &str, name: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name}"))
+    };
+    let deploy = named("Deployment", "condense");
+    let replicas = deploy["spec"]["replicas"].as_u64().unwrap();
+    assert!(replicas >= 2, "a gateway of one replica");
+    let pdb = named("PodDisruptionBudget", "condense");
+    assert!(pdb["spec"]["minAvailable"].as_u64().unwrap() < replicas);
+    let pod = &deploy["spec"]["template"]["spec"];
+    let grace = pod["terminationGracePeriodSeconds"].as_f64().unwrap();
+    assert!(grace > Config::default().server.shutdown_grace_seconds);
+    // The replicas share the Redis the manifest runs, by its Service.
+    let cm = named("ConfigMap", "condense-team-config");
+    let config = Config::from_toml(cm["data"]["condense.toml"].as_str().unwrap()).unwrap();
+    let redis_url = config
+        .state
+        .redis_url
+        .as_ref()
+        .unwrap()
+        .expose()
+        .to_string();
+    let service = named("Service", "condense-redis");
+    let port = service["spec"]["ports"][0]["port"].as_u64().unwrap();
+    assert_eq!(redis_url, format!("redis://condense-redis:{port}/0"));
+    let redis = named("Deployment", "condense-redis");
+    assert_eq!(
+        service["spec"]["selector"]["app"],
+        redis["spec"]["template"]["metadata"]["labels"]["app"]
+    );
+    // The gateway's Service reaches the replicas; the team key is a list.
+    let gateway = named("Service", "condense");
+    assert_eq!(
+        gateway["spec"]["selector"]["app"],
+        deploy["spec"]["template"]["metadata"]["labels"]["app"]
+    );
+    let env = pod["containers"][0]["env"].as_sequence().unwrap();
+    let keys = env
+        .iter()
+        .find(|e| e["name"] == "CONDENSE_AUTH__CLIENT_KEYS")
+        .unwrap();
+    assert_eq!(keys["value"].as_str(), Some("[$(TEAM_KEY)]"));
+    let team_key = env.iter().position(|e| e["name"] == "TEAM_KEY").unwrap();
+    let client_keys = env
+        .iter()
+        .position(|e| e["name"] == "CONDENSE_AUTH__CLIENT_KEYS")
+        .unwrap();
+    assert!(
+        team_key < client_keys,
+        "$(TEAM_KEY) expands only once defined"
+    );
+}
+
 /// Every configuration key, optional ones included, as `section.key`
 /// (`models.match` for the model table).
 fn schema_keys() -> BTreeSet<String> {
