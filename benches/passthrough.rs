@@ -138,6 +138,10 @@ fn rust_log() -> &'static str {
 /// condense built from `binary` (this build's, or a baseline's).
 fn start_condense_from(binary: &str, upstream: SocketAddr) -> (Child, SocketAddr) {
     let mut child = Command::new(binary)
+        // Away from config/condense.toml, which another build's binary
+        // may not read (a key it does not know): it runs on its built-in
+        // defaults, which that file only documents.
+        .current_dir(std::env::temp_dir())
         .env("CONDENSE_SERVER__LISTEN", "127.0.0.1:0")
         .env(
             "CONDENSE_UPSTREAM__BASE_URL",
