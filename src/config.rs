@@ -462,6 +462,10 @@ pub struct UpstreamConfig {
     /// every host (HTTP/2 ones are shared; an extra one left without
     /// streams closes within a minute). 0 keeps none.
     pub max_idle_connections: usize,
+    /// Send the turns of a client's Responses WebSocket over a WebSocket
+    /// of the upstream's own (one per client socket), where the upstream
+    /// offers one at `/responses`; over HTTP otherwise.
+    pub responses_websocket: bool,
 }
 
 impl Default for UpstreamConfig {
@@ -478,6 +482,7 @@ impl Default for UpstreamConfig {
             learn_windows: true,
             ca_file: None,
             max_idle_connections: 256,
+            responses_websocket: false,
         }
     }
 }

@@ -146,16 +146,17 @@ impl Proxy {
         }
         // The beta that asks for sockets is the socket's; the requests go
         // over HTTP.
-        let beta: Vec<HeaderValue> = headers
+        let (socket_beta, beta): (Vec<HeaderValue>, Vec<HeaderValue>) = headers
             .get_all("openai-beta")
             .iter()
-            .filter(|v| !v.as_bytes().starts_with(b"responses_websockets"))
             .cloned()
-            .collect();
+            .partition(|v| v.as_bytes().starts_with(b"responses_websockets"));
         headers.remove("openai-beta");
         for v in beta {
             headers.append("openai-beta", v);
         }
+        // Asked of the upstream's own socket, if it is to have one.
+        let upstream = crate::upstream::socket::Session::new(socket_beta);
         let proxy = self.clone();
         tokio::spawn(async move {
             let upgraded = match upgrade.await {
@@ -182,6 +183,7 @@ impl Proxy {
                     Held {
                         headers,
                         path,
+                        upstream,
                         _permit: permit,
                     },
                 )
@@ -339,7 +341,10 @@ impl Proxy {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
-        let answer = Box::pin(self.clone().conversation(Format::Responses, req));
+        let answer = Box::pin(crate::upstream::socket::over(
+            socket.held.upstream.clone(),
+            self.clone().conversation(Format::Responses, req),
+        ));
         let resp = tokio::select! {
             resp = answer => resp,
             gone = watch_client(rx, &mut socket.queue) => return Err(gone),
@@ -446,6 +451,9 @@ struct Held {
     /// made for the socket carries them.
     headers: HeaderMap,
     path: String,
+    /// The upstream's socket for this one's turns
+    /// (`upstream.responses_websocket`).
+    upstream: Arc<crate::upstream::socket::Session>,
     _permit: OwnedSemaphorePermit,
 }
 

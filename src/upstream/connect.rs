@@ -19,7 +19,8 @@ use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use http::uri::Scheme;
-use http::{HeaderValue, Uri};
+use http::{HeaderValue, Request, Response, Uri};
+use hyper::body::Incoming;
 use hyper::client::conn::{http1, http2};
 use hyper::rt::{Read, Write};
 use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
@@ -73,8 +74,9 @@ pub enum Opened {
 #[derive(Clone)]
 pub struct Connector {
     https: HttpsConnector<HttpConnector>,
-    /// For proxies: HTTP/1.1 only (TLS to an https proxy offers no h2).
-    to_proxy: HttpsConnector<HttpConnector>,
+    /// HTTP/1.1 only: to proxies (TLS to an https proxy offers no h2),
+    /// and for upgrades to a WebSocket.
+    http1_only: HttpsConnector<HttpConnector>,
     tls: rustls::ClientConfig,
     proxies: Arc<Matcher>,
     limit: Duration,
@@ -104,14 +106,14 @@ impl Connector {
             .https_or_http()
             .enable_all_versions()
             .wrap_connector(http.clone());
-        let to_proxy = hyper_rustls::HttpsConnectorBuilder::new()
+        let http1_only = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls.clone())
             .https_or_http()
             .enable_http1()
             .wrap_connector(http);
         Connector {
             https,
-            to_proxy,
+            http1_only,
             tls,
             proxies: Arc::new(proxies),
             limit,
@@ -148,11 +150,11 @@ impl Connector {
                     handshake(io.map_err(PoolError::Connect)?).await
                 }
                 Via::Forward { proxy, .. } => {
-                    let io = self.to_proxy.clone().oneshot(proxy.clone()).await;
+                    let io = self.http1_only.clone().oneshot(proxy.clone()).await;
                     handshake(io.map_err(PoolError::Connect)?).await
                 }
                 Via::Tunnel { proxy, auth } => {
-                    let mut tunnel = Tunnel::new(proxy.clone(), self.to_proxy.clone());
+                    let mut tunnel = Tunnel::new(proxy.clone(), self.http1_only.clone());
                     if let Some(auth) = auth {
                         tunnel = tunnel.with_auth(auth.clone());
                     }
@@ -175,6 +177,65 @@ impl Connector {
             )))),
         }
     }
+}
+
+impl Connector {
+    /// Sends `req`, an upgrade, on a new HTTP/1.1 connection to `dst` by
+    /// `via` (a proxy's `CONNECT` tunnel for a proxied host, whatever its
+    /// scheme), within the connect timeout; the answer, which
+    /// `hyper::upgrade::on` turns into the upgraded connection on a 101.
+    pub async fn upgrade(
+        &self,
+        dst: Uri,
+        via: &Via,
+        req: Request<RequestBody>,
+    ) -> Result<Response<Incoming>, PoolError> {
+        let limit = self.limit;
+        let upgrading = async {
+            match via {
+                Via::Direct => {
+                    let io = self.http1_only.clone().oneshot(dst).await;
+                    send_upgrade(io.map_err(PoolError::Connect)?, req).await
+                }
+                Via::Tunnel { proxy, auth } | Via::Forward { proxy, auth } => {
+                    let mut tunnel = Tunnel::new(proxy.clone(), self.http1_only.clone());
+                    if let Some(auth) = auth {
+                        tunnel = tunnel.with_auth(auth.clone());
+                    }
+                    let io = hyper_rustls::HttpsConnectorBuilder::new()
+                        .with_tls_config(self.tls.clone())
+                        .https_or_http()
+                        .enable_http1()
+                        .wrap_connector(tunnel)
+                        .oneshot(dst)
+                        .await;
+                    send_upgrade(io.map_err(PoolError::Connect)?, req).await
+                }
+            }
+        };
+        match tokio::time::timeout(limit, upgrading).await {
+            Ok(answer) => answer,
+            Err(_) => Err(PoolError::Connect(Box::new(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("connecting took longer than {limit:?}"),
+            )))),
+        }
+    }
+}
+
+/// An upgrade request on a new HTTP/1.1 connection, which stays to be
+/// upgraded.
+async fn send_upgrade<T>(io: T, req: Request<RequestBody>) -> Result<Response<Incoming>, PoolError>
+where
+    T: Read + Write + Unpin + Send + 'static,
+{
+    let (mut tx, conn) = boxed(http1::Builder::new().handshake(io))
+        .await
+        .map_err(PoolError::Handshake)?;
+    run(conn.with_upgrades(), None);
+    boxed(async move { tx.send_request(req).await })
+        .await
+        .map_err(PoolError::Handshake)
 }
 
 /// The HTTP handshake on a connection: HTTP/2 where TLS negotiated it.

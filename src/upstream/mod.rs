@@ -30,6 +30,7 @@ mod error;
 mod map;
 mod pool;
 mod settings;
+pub mod socket;
 mod transport;
 pub mod trust;
 
@@ -65,6 +66,11 @@ pub trait InProcess: Send + Sync {
 
 pub struct Upstream {
     pools: Pools,
+    /// Whether a client socket's turns may take the upstream's own socket
+    /// (`upstream.responses_websocket`; the main upstream only).
+    websocket: bool,
+    /// When the upstream last refused one.
+    refused: Arc<socket::Refused>,
     /// Answers requests in place of the network, when set.
     in_process: Option<Arc<dyn InProcess>>,
     base: BaseUrl,
@@ -90,7 +96,9 @@ impl Upstream {
             timeouts.connect,
             config.max_idle_connections,
         );
-        Upstream::with(&config.base_url, timeouts, pools, trust)
+        let mut u = Upstream::with(&config.base_url, timeouts, pools, trust)?;
+        u.websocket = config.responses_websocket;
+        Ok(u)
     }
 
     /// An upstream at `base_url` on `pools`.
@@ -102,6 +110,8 @@ impl Upstream {
     ) -> Result<Upstream, UpstreamError> {
         Ok(Upstream {
             pools,
+            websocket: false,
+            refused: Arc::default(),
             in_process: None,
             base: BaseUrl::new(base_url)?,
             timeouts: t,
@@ -195,7 +205,27 @@ impl Upstream {
         }
         let mut headers = headers;
         self.base.authorize(&mut headers);
-        let sending = self.pools.send(method, uri, headers, body);
+        // A client socket's turn takes the upstream's socket, when it may.
+        let over_socket = match &body {
+            Outgoing::Whole(bytes)
+                if self.websocket
+                    && method == Method::POST
+                    && uri.path().ends_with("/responses") =>
+            {
+                socket::current().map(|session| (session, bytes.clone()))
+            }
+            _ => None,
+        };
+        let sending = async {
+            if let Some((session, bytes)) = over_socket
+                && let Some(answer) = session
+                    .send(&self.pools, &self.refused, &uri, &headers, &bytes)
+                    .await
+            {
+                return answer;
+            }
+            self.pools.send(method, uri, headers, body).await
+        };
         let t = self.timeouts;
         let waited_out = async {
             sent.await;

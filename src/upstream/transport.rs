@@ -22,7 +22,12 @@ use crate::server::workers;
 /// pooled connection's task runs on the thread that opened it, and a
 /// request on another thread would wake that one for every read and write.
 #[derive(Clone)]
-pub(super) struct Pools(Arc<[Arc<Pool>]>);
+pub(super) struct Pools {
+    pools: Arc<[Arc<Pool>]>,
+    /// What they open connections with (also for upgrades, which are not
+    /// pooled).
+    pub(super) connector: Connector,
+}
 
 impl Pools {
     /// Sends a request; the response comes back when its headers have.
@@ -33,7 +38,7 @@ impl Pools {
         headers: HeaderMap,
         body: Outgoing,
     ) -> Result<UpstreamResponse, BoxError> {
-        let pool = &self.0[workers::slot() % self.0.len()];
+        let pool = &self.pools[workers::slot() % self.pools.len()];
         let whole = match body {
             Outgoing::Empty => Bytes::new(),
             Outgoing::Whole(b) => b,
@@ -75,11 +80,12 @@ pub(super) fn pools(
 ) -> Pools {
     let connector = Connector::new(tls, connect_timeout);
     let bound = IdleBound::new(max_idle);
-    Pools(
-        (0..=workers::count())
+    Pools {
+        pools: (0..=workers::count())
             .map(|_| Arc::new(Pool::new(connector.clone(), bound.clone())))
             .collect(),
-    )
+        connector,
+    }
 }
 
 fn request(

@@ -6,6 +6,7 @@
 mod request;
 pub mod socket;
 mod stream;
+pub mod upstream;
 
 pub use request::{Origins, ParseError, ResponsesRequest, WriteError};
 
