@@ -11,10 +11,11 @@
 
 mod common;
 
+use common::{Ws, response, user};
+
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
@@ -25,11 +26,10 @@ use condense::server::Server;
 use futures_util::{SinkExt, StreamExt};
 use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
-use tokio::net::TcpStream;
+use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::protocol::Role;
-use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 #[derive(Default)]
 struct Mock {
@@ -165,8 +165,6 @@ async fn condense(up: &Upstream) -> Server {
     Server::start(&config).await.unwrap()
 }
 
-type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
-
 async fn connect(server: &Server) -> Ws {
     let mut req = format!("ws://{}/v1/responses", server.local_addr())
         .into_client_request()
@@ -179,33 +177,6 @@ async fn connect(server: &Server) -> Ws {
     );
     let (ws, _) = tokio_tungstenite::connect_async(req).await.unwrap();
     ws
-}
-
-/// The events of one response, to its end.
-async fn response(ws: &mut Ws, create: Value) -> Vec<Value> {
-    ws.send(Message::text(create.to_string())).await.unwrap();
-    let mut events = Vec::new();
-    loop {
-        let msg = tokio::time::timeout(Duration::from_secs(20), ws.next())
-            .await
-            .expect("an event within 20 s")
-            .unwrap()
-            .unwrap();
-        let Message::Text(t) = msg else { continue };
-        let e: Value = serde_json::from_str(&t).unwrap();
-        let end = matches!(
-            e["type"].as_str(),
-            Some("response.completed" | "response.incomplete" | "response.failed" | "error")
-        );
-        events.push(e);
-        if end {
-            return events;
-        }
-    }
-}
-
-fn user(text: &str) -> Value {
-    json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
 }
 
 fn create(input: Vec<Value>, previous: Option<&str>) -> Value {

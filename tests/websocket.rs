@@ -9,6 +9,8 @@
 
 mod common;
 
+use common::{Ws, next_event, response, user};
+
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -23,12 +25,10 @@ use condense::server::Server;
 use futures_util::{SinkExt, StreamExt};
 use peak_alloc::PeakAlloc;
 use serde_json::{Value, json};
-use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
-use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 #[global_allocator]
 static HEAP: PeakAlloc = PeakAlloc;
@@ -179,8 +179,6 @@ async fn condense(up: &Upstream, tweak: impl FnOnce(&mut Config)) -> Server {
     Server::start(&config).await.unwrap()
 }
 
-type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
-
 async fn connect(server: &Server) -> Ws {
     let addr = server.local_addr();
     let mut req = format!("ws://{addr}/v1/responses")
@@ -201,43 +199,6 @@ async fn connect(server: &Server) -> Ws {
         .unwrap();
     assert_eq!(resp.status(), 101);
     ws
-}
-
-async fn next_event(ws: &mut Ws) -> Value {
-    loop {
-        let msg = tokio::time::timeout(Duration::from_secs(20), ws.next())
-            .await
-            .expect("an event within 20 s")
-            .expect("the socket is open")
-            .unwrap();
-        match msg {
-            Message::Text(t) => return serde_json::from_str(&t).unwrap(),
-            Message::Ping(_) | Message::Pong(_) => continue,
-            other => panic!("unexpected message {other:?}"),
-        }
-    }
-}
-
-/// The events of one response, up to its end (completed, incomplete,
-/// failed, or an error).
-async fn response(ws: &mut Ws, create: Value) -> Vec<Value> {
-    ws.send(Message::text(create.to_string())).await.unwrap();
-    let mut events = Vec::new();
-    loop {
-        let e = next_event(ws).await;
-        let end = matches!(
-            e["type"].as_str(),
-            Some("response.completed" | "response.incomplete" | "response.failed" | "error")
-        );
-        events.push(e);
-        if end {
-            return events;
-        }
-    }
-}
-
-fn user(text: &str) -> Value {
-    json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
 }
 
 fn create(input: Vec<Value>, previous: Option<&str>) -> Value {

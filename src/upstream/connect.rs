@@ -142,7 +142,6 @@ impl Connector {
     /// done; past the connect timeout the error is an
     /// `io::ErrorKind::TimedOut`.
     pub async fn connect(&self, dst: Uri, via: &Via) -> Result<Opened, PoolError> {
-        let limit = self.limit;
         let connecting = async {
             match via {
                 Via::Direct => {
@@ -154,32 +153,33 @@ impl Connector {
                     handshake(io.map_err(PoolError::Connect)?).await
                 }
                 Via::Tunnel { proxy, auth } => {
-                    let mut tunnel = Tunnel::new(proxy.clone(), self.http1_only.clone());
-                    if let Some(auth) = auth {
-                        tunnel = tunnel.with_auth(auth.clone());
-                    }
                     let io = hyper_rustls::HttpsConnectorBuilder::new()
                         .with_tls_config(self.tls.clone())
                         .https_only()
                         .enable_all_versions()
-                        .wrap_connector(tunnel)
+                        .wrap_connector(self.tunnel(proxy, auth.as_ref()))
                         .oneshot(dst)
                         .await;
                     handshake(io.map_err(PoolError::Connect)?).await
                 }
             }
         };
-        match tokio::time::timeout(limit, connecting).await {
-            Ok(opened) => opened,
-            Err(_) => Err(PoolError::Connect(Box::new(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("connecting took longer than {limit:?}"),
-            )))),
+        within(self.limit, connecting).await
+    }
+
+    /// A `CONNECT` tunnel through `proxy`.
+    fn tunnel(
+        &self,
+        proxy: &Uri,
+        auth: Option<&HeaderValue>,
+    ) -> Tunnel<HttpsConnector<HttpConnector>> {
+        let tunnel = Tunnel::new(proxy.clone(), self.http1_only.clone());
+        match auth {
+            Some(auth) => tunnel.with_auth(auth.clone()),
+            None => tunnel,
         }
     }
-}
 
-impl Connector {
     /// Sends `req`, an upgrade, on a new HTTP/1.1 connection to `dst` by
     /// `via` (a proxy's `CONNECT` tunnel for a proxied host, whatever its
     /// scheme), within the connect timeout; the answer, which
@@ -190,7 +190,6 @@ impl Connector {
         via: &Via,
         req: Request<RequestBody>,
     ) -> Result<Response<Incoming>, PoolError> {
-        let limit = self.limit;
         let upgrading = async {
             match via {
                 Via::Direct => {
@@ -198,28 +197,32 @@ impl Connector {
                     send_upgrade(io.map_err(PoolError::Connect)?, req).await
                 }
                 Via::Tunnel { proxy, auth } | Via::Forward { proxy, auth } => {
-                    let mut tunnel = Tunnel::new(proxy.clone(), self.http1_only.clone());
-                    if let Some(auth) = auth {
-                        tunnel = tunnel.with_auth(auth.clone());
-                    }
                     let io = hyper_rustls::HttpsConnectorBuilder::new()
                         .with_tls_config(self.tls.clone())
                         .https_or_http()
                         .enable_http1()
-                        .wrap_connector(tunnel)
+                        .wrap_connector(self.tunnel(proxy, auth.as_ref()))
                         .oneshot(dst)
                         .await;
                     send_upgrade(io.map_err(PoolError::Connect)?, req).await
                 }
             }
         };
-        match tokio::time::timeout(limit, upgrading).await {
-            Ok(answer) => answer,
-            Err(_) => Err(PoolError::Connect(Box::new(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("connecting took longer than {limit:?}"),
-            )))),
-        }
+        within(self.limit, upgrading).await
+    }
+}
+
+/// `connecting`, or a `TimedOut` error after `limit`.
+async fn within<T>(
+    limit: Duration,
+    connecting: impl Future<Output = Result<T, PoolError>>,
+) -> Result<T, PoolError> {
+    match tokio::time::timeout(limit, connecting).await {
+        Ok(done) => done,
+        Err(_) => Err(PoolError::Connect(Box::new(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("connecting took longer than {limit:?}"),
+        )))),
     }
 }
 

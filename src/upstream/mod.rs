@@ -482,22 +482,24 @@ mod tests {
         (addr, connections, most)
     }
 
+    /// The body of a GET of `/v1/models` through `u`.
+    async fn models(u: &Upstream) -> Bytes {
+        let uri = u.url_for("/v1/models", None).unwrap();
+        let resp = u
+            .send(Method::GET, uri, HeaderMap::new(), Outgoing::Empty)
+            .await
+            .unwrap();
+        resp.into_body().collect().await.unwrap().to_bytes()
+    }
+
     #[tokio::test]
     async fn past_the_servers_stream_limit_another_http2_connection_is_opened() {
         use std::sync::atomic::Ordering;
         let (addr, connections, most) = limited_h2_server(3, Duration::from_millis(300)).await;
         let u = trusting(&format!("https://localhost:{}/v1", addr.port()));
         // One request first, so the server's SETTINGS are known.
-        let get = || async {
-            let uri = u.url_for("/v1/models", None).unwrap();
-            let resp = u
-                .send(Method::GET, uri, HeaderMap::new(), Outgoing::Empty)
-                .await
-                .unwrap();
-            resp.into_body().collect().await.unwrap().to_bytes()
-        };
-        assert_eq!(get().await, "ok");
-        let answers = futures_util::future::join_all((0..10).map(|_| get())).await;
+        assert_eq!(models(&u).await, "ok");
+        let answers = futures_util::future::join_all((0..10).map(|_| models(&u))).await;
         assert!(answers.iter().all(|a| a == "ok"));
         // Ten at once, three a connection: four connections, where one
         // would have queued seven inside it.
@@ -510,15 +512,7 @@ mod tests {
         use std::sync::atomic::Ordering;
         let (addr, connections, most) = limited_h2_server(100, Duration::from_millis(50)).await;
         let u = trusting(&format!("https://localhost:{}/v1", addr.port()));
-        let get = || async {
-            let uri = u.url_for("/v1/models", None).unwrap();
-            let resp = u
-                .send(Method::GET, uri, HeaderMap::new(), Outgoing::Empty)
-                .await
-                .unwrap();
-            resp.into_body().collect().await.unwrap().to_bytes()
-        };
-        let answers = futures_util::future::join_all((0..50).map(|_| get())).await;
+        let answers = futures_util::future::join_all((0..50).map(|_| models(&u))).await;
         assert!(answers.iter().all(|a| a == "ok"));
         assert_eq!(connections.load(Ordering::SeqCst), 1);
         assert_eq!(most.load(Ordering::SeqCst), 50);

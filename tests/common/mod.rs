@@ -737,3 +737,51 @@ impl Drop for Redis {
         let _ = self.child.wait();
     }
 }
+
+/// A client's Responses WebSocket to condense.
+pub type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// The next event on a Responses WebSocket (pings and pongs passed over),
+/// within 20 s.
+pub async fn next_event(ws: &mut Ws) -> Value {
+    use futures_util::StreamExt;
+    use tokio_tungstenite::tungstenite::Message;
+    loop {
+        let msg = tokio::time::timeout(Duration::from_secs(20), ws.next())
+            .await
+            .expect("an event within 20 s")
+            .expect("the socket is open")
+            .unwrap();
+        match msg {
+            Message::Text(t) => return serde_json::from_str(&t).unwrap(),
+            Message::Ping(_) | Message::Pong(_) => continue,
+            other => panic!("unexpected message {other:?}"),
+        }
+    }
+}
+
+/// Sends `create` on a Responses WebSocket and reads the events of its
+/// response, up to its end (completed, incomplete, failed, or an error).
+pub async fn response(ws: &mut Ws, create: Value) -> Vec<Value> {
+    use futures_util::SinkExt;
+    use tokio_tungstenite::tungstenite::Message;
+    ws.send(Message::text(create.to_string())).await.unwrap();
+    let mut events = Vec::new();
+    loop {
+        let e = next_event(ws).await;
+        let end = matches!(
+            e["type"].as_str(),
+            Some("response.completed" | "response.incomplete" | "response.failed" | "error")
+        );
+        events.push(e);
+        if end {
+            return events;
+        }
+    }
+}
+
+/// A Responses user message.
+pub fn user(text: &str) -> Value {
+    json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+}
