@@ -483,3 +483,104 @@ impl Proxy {
         response
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::Format;
+    use http_body_util::BodyExt;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// A write to the shared record that takes a few turns of the
+    /// scheduler, and says when it is done; polled only by whoever waits
+    /// for it.
+    fn slow_write(done: Arc<AtomicBool>) -> UsageCallback {
+        Box::new(move |_| {
+            Some(Box::pin(async move {
+                for _ in 0..5 {
+                    tokio::task::yield_now().await;
+                }
+                done.store(true, Ordering::SeqCst);
+            }))
+        })
+    }
+
+    /// The frames of `body` in order, each with whether the write was done
+    /// when it came out.
+    async fn frames(body: Body, done: &AtomicBool) -> Vec<(Bytes, bool)> {
+        let mut body = body;
+        let mut out = Vec::new();
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame.unwrap().into_data() {
+                out.push((data, done.load(Ordering::SeqCst)));
+            }
+        }
+        out
+    }
+
+    fn relayed(chunks: Vec<&'static str>, tap: Tap, on_usage: UsageCallback) -> Body {
+        let stream: BodyStream = Box::pin(futures_util::stream::iter(
+            chunks
+                .into_iter()
+                .map(|c| Ok(Bytes::from_static(c.as_bytes()))),
+        ));
+        let metrics = Arc::new(Metrics::new().unwrap());
+        relay(
+            stream,
+            tap,
+            Some(on_usage),
+            true,
+            Duration::from_secs(5),
+            metrics.clone(),
+            InflightGuard::new(metrics),
+            &Background::default(),
+            &watch::Sender::new(false),
+        )
+    }
+
+    /// With ordered learning (Redis), the client cannot see an answer end
+    /// before what its usage taught is shared: the turn it sends next, on
+    /// any replica, is planned with it.
+    #[tokio::test]
+    async fn with_ordered_learning_the_last_bytes_wait_for_the_write() {
+        let api = Format::Chat.api();
+        // A JSON answer with its length: its last chunk waits.
+        let json = [
+            r#"{"id":"c","choices":[{"message":{"role":"assistant","content":"ok"}}],"#,
+            r#""usage":{"prompt_tokens":1200,"completion_tokens":1,"total_tokens":1201}}"#,
+        ];
+        let len = json.iter().map(|c| c.len()).sum::<usize>() as u64;
+        let done = Arc::new(AtomicBool::new(false));
+        let body = relayed(
+            json.to_vec(),
+            Tap::Json(JsonTap::new(api, Some(len))),
+            slow_write(done.clone()),
+        );
+        let got = frames(body, &done).await;
+        assert_eq!(got.len(), 2);
+        assert!(!got[0].1, "the first chunk does not wait");
+        assert!(
+            got[1].1,
+            "the last chunk went out before the write was done"
+        );
+
+        // A stream: the usage chunk passes, `[DONE]` waits.
+        let sse = [
+            "data: {\"choices\":[{\"delta\":{\"content\":\"ok\"}}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1200,\"completion_tokens\":1,\"total_tokens\":1201}}\n\n",
+            "data: [DONE]\n\n",
+        ];
+        let done = Arc::new(AtomicBool::new(false));
+        let body = relayed(
+            sse.to_vec(),
+            Tap::Sse(SseTap::new(api, false)),
+            slow_write(done.clone()),
+        );
+        let got = frames(body, &done).await;
+        let end = got
+            .iter()
+            .position(|(b, _)| b.ends_with(b"data: [DONE]\n\n"))
+            .unwrap();
+        assert!(got[end].1, "[DONE] went out before the write was done");
+    }
+}
