@@ -72,6 +72,8 @@ pub struct Snapshot {
     key: String,
     pair: u64,
     held: Held,
+    /// What `held` holds, read (None: nothing, or not a record).
+    record: Option<Shared>,
 }
 
 #[derive(Clone)]
@@ -88,17 +90,15 @@ impl Snapshot {
     /// The record this request decides with: the one read, else this
     /// process's own.
     pub fn record(&self, tokens: &TokenService) -> Shared {
-        match &self.held {
-            Held::Read(Some(text)) => {
-                Shared::decode(text).unwrap_or_else(|| tokens.local_record(self.pair))
-            }
-            _ => tokens.local_record(self.pair),
+        match &self.record {
+            Some(record) => record.clone(),
+            None => tokens.local_record(self.pair),
         }
     }
 
     /// Whether the store answered with a record of the pair.
     pub fn found(&self) -> bool {
-        matches!(&self.held, Held::Read(Some(text)) if Shared::decode(text).is_some())
+        self.record.is_some()
     }
 }
 
@@ -121,6 +121,7 @@ impl SharedPlan {
                 key,
                 pair,
                 held: Held::Failed,
+                record: None,
             };
             return (snap, None);
         };
@@ -129,13 +130,15 @@ impl SharedPlan {
         } else {
             values.remove(0)
         };
-        if let Some(record) = held.as_deref().and_then(Shared::decode) {
-            self.tokens.adopt(pair, &record);
+        let record = held.as_deref().and_then(Shared::decode);
+        if let Some(record) = &record {
+            self.tokens.adopt(pair, record);
         }
         let snap = Snapshot {
             key,
             pair,
             held: Held::Read(held),
+            record,
         };
         (snap, Some(values))
     }
@@ -147,6 +150,7 @@ impl SharedPlan {
             key: record_key(upstream, model),
             pair: pair_key(upstream, model),
             held: Held::NotRead,
+            record: None,
         }
     }
 
@@ -169,6 +173,7 @@ impl SharedPlan {
         };
         let value = record.encode();
         snap.held = Held::Read(Some(value.clone()));
+        snap.record = Some(record);
         let (state, tokens) = (self.state.clone(), self.tokens.clone());
         let (key, pair) = (snap.key.clone(), snap.pair);
         let write = async move {
