@@ -145,10 +145,9 @@ impl Learned {
     /// now applies to the pair (floored), or None when nothing was learned
     /// (a window of 0).
     pub fn learn(&self, upstream: &str, model: &str, window: u64) -> Option<u64> {
-        let ttl = self.ttl;
-        self.update(pair_key(upstream, model), |w, now| {
-            w.learn(window, ttl, now)
-        })
+        let (ttl, key) = (self.ttl, pair_key(upstream, model));
+        let (w, now) = self.update(key, |w, now| w.learn(window, ttl, now));
+        w.window(self.min, now)
     }
 
     /// Records an upper bound from an overflow error that named no window.
@@ -186,13 +185,17 @@ impl Learned {
         self.pairs.insert(key, windows);
     }
 
-    /// Changes the pair's record; the window that then applies.
-    fn update(&self, key: u64, change: impl FnOnce(&mut Windows, u64)) -> Option<u64> {
+    /// Changes the pair's record (stored only when that changed it); the
+    /// record and the time it was changed at.
+    fn update(&self, key: u64, change: impl FnOnce(&mut Windows, u64)) -> (Windows, u64) {
         let now = now_ms();
-        let mut w = self.windows(key);
+        let before = self.windows(key);
+        let mut w = before;
         change(&mut w, now);
-        self.pairs.insert(key, w);
-        w.window(self.min, now)
+        if w != before {
+            self.pairs.insert(key, w);
+        }
+        (w, now)
     }
 }
 
