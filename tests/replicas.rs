@@ -627,10 +627,30 @@ fn free_port() -> u16 {
 }
 
 /// nginx balancing round robin over `replicas`, saying in `x-replica`
-/// which one answered, never retrying a request on another.
+/// which one answered, never retrying a request on another; stopped with
+/// its workers when dropped.
 struct Nginx {
     addr: SocketAddr,
-    _process: Killed,
+    master: Child,
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        // A killed master leaves its workers serving: asked to stop (TERM),
+        // it stops them and waits for them first.
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.master.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if !matches!(self.master.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.master.kill();
+        let _ = self.master.wait();
+    }
 }
 
 fn nginx(dir: &Path, replicas: &[&Replica]) -> Nginx {
@@ -697,10 +717,12 @@ http {{
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap_or_else(|e| panic!("nginx is needed for this test: {e}"));
-    let process = Killed(child);
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let nginx = Nginx {
+        addr: format!("127.0.0.1:{port}").parse().unwrap(),
+        master: child,
+    };
     let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(addr).is_err() {
+    while std::net::TcpStream::connect(nginx.addr).is_err() {
         assert!(
             Instant::now() < deadline,
             "nginx did not start: {}",
@@ -708,10 +730,7 @@ http {{
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    Nginx {
-        addr,
-        _process: process,
-    }
+    nginx
 }
 
 // ---------------------------------------------------------------------------
