@@ -83,7 +83,7 @@ pub mod labels {
 
     /// The state store's operations, the `op` label of
     /// `condense_state_errors_total`.
-    pub const STATE_OPS: &[&str] = &["get", "put", "lease", "release"];
+    pub const STATE_OPS: &[&str] = &["get", "put", "lease", "release", "mget", "swap"];
 
     /// The `reason` label of `condense_connections_closed_total`.
     pub const CLOSE_REASONS: &[&str] = &["idle_timeout", "write_stalled", "evicted", "refused"];

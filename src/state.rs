@@ -1,7 +1,8 @@
 //! The state store: the little condense remembers across requests
-//! (checkpoints by the hash of the prefix they cover, learned context
-//! windows). In process by default, bounded in bytes and age; in Redis when
-//! `state.redis_url` is set, so every replica sees what one replica learned.
+//! (checkpoints by the hash of the prefix they cover, what the plan reads
+//! of each model: calibration and learned windows). In process by default,
+//! bounded in bytes and age; in Redis when `state.redis_url` is set, so
+//! every replica sees what one replica learned.
 //! Entries live for `state.ttl_seconds`, or for the time they are stored
 //! with ([`StateStore::put_for`]: a learned window lasts far less than a
 //! checkpoint).
@@ -22,6 +23,27 @@ use crate::metrics::Metrics;
 /// All keys condense writes start with this.
 const PREFIX: &str = "condense:";
 
+/// Compare and set, in one round trip: KEYS[1] is set to ARGV[2] for
+/// ARGV[3] ms when it holds ARGV[1] ('' for no value); either way the
+/// answer is {1 when it was set, what it held ('' for nothing)}.
+const SWAP: &str = r"
+local held = redis.call('GET', KEYS[1]) or ''
+if held == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return {1, held}
+end
+return {0, held}
+";
+
+/// What [`StateStore::swap`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Swap {
+    /// The key held what was expected, and now holds the new value.
+    Done,
+    /// The key held something else (None: nothing); nothing was written.
+    Held(Option<String>),
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
     #[error("cannot use state.redis_url: {0}")]
@@ -30,6 +52,8 @@ pub enum StateError {
 
 pub struct StateStore {
     backend: Backend,
+    /// Makes [`StateStore::swap`] one step in process.
+    swapping: std::sync::Mutex<()>,
     ttl: Duration,
     metrics: Option<Arc<Metrics>>,
 }
@@ -65,6 +89,7 @@ impl StateStore {
         };
         Ok(StateStore {
             backend,
+            swapping: std::sync::Mutex::new(()),
             ttl,
             metrics,
         })
@@ -74,6 +99,7 @@ impl StateStore {
     pub fn memory(max_bytes: usize, ttl: Duration) -> StateStore {
         StateStore {
             backend: Backend::Memory(Memory::new(max_bytes)),
+            swapping: std::sync::Mutex::new(()),
             ttl,
             metrics: None,
         }
@@ -96,6 +122,66 @@ impl StateStore {
                 self.redis("get", *timeout, conn.get::<_, Option<String>>(full))
                     .await
                     .flatten()
+            }
+        }
+    }
+
+    /// The values stored under `keys`, in one round trip (`MGET`); None
+    /// when the store failed (counted), as distinct from keys that hold
+    /// nothing.
+    pub async fn get_many(&self, keys: &[&str]) -> Option<Vec<Option<String>>> {
+        match &self.backend {
+            Backend::Memory(m) => Some(keys.iter().map(|k| m.get(k).map(|(v, _)| v)).collect()),
+            Backend::Redis { conn, timeout } => {
+                let mut conn = conn.clone();
+                let mut cmd = redis::cmd("MGET");
+                for k in keys {
+                    cmd.arg(format!("{PREFIX}{k}"));
+                }
+                let got = cmd.query_async::<Vec<Option<String>>>(&mut conn);
+                self.redis("mget", *timeout, got).await
+            }
+        }
+    }
+
+    /// Sets `key` to `value` (for the configured time to live) if it holds
+    /// `expected` (None: nothing), in one step and one round trip; None
+    /// when the store failed (counted).
+    pub async fn swap(&self, key: &str, expected: Option<&str>, value: &str) -> Option<Swap> {
+        match &self.backend {
+            Backend::Memory(m) => {
+                let _one = self.swapping.lock().ok()?;
+                let held = m.get(key).map(|(v, _)| v);
+                if held.as_deref() == expected {
+                    m.put(key, value, self.ttl);
+                    Some(Swap::Done)
+                } else {
+                    Some(Swap::Held(held))
+                }
+            }
+            Backend::Redis { conn, timeout } => {
+                let mut conn = conn.clone();
+                let ms = u64::try_from(self.ttl.as_millis())
+                    .unwrap_or(u64::MAX)
+                    .max(1);
+                let mut cmd = redis::cmd("EVAL");
+                cmd.arg(SWAP)
+                    .arg(1)
+                    .arg(format!("{PREFIX}{key}"))
+                    .arg(expected.unwrap_or(""))
+                    .arg(value)
+                    .arg(ms);
+                let (done, held) = self
+                    .redis(
+                        "swap",
+                        *timeout,
+                        cmd.query_async::<(i64, String)>(&mut conn),
+                    )
+                    .await?;
+                Some(match done {
+                    1 => Swap::Done,
+                    _ => Swap::Held(Some(held).filter(|h| !h.is_empty())),
+                })
             }
         }
     }
@@ -288,5 +374,23 @@ mod tests {
         // A time to live past the clock's reach does not panic.
         s.put_for("long", "x", Duration::MAX).await;
         assert_eq!(s.get("long").await.as_deref(), Some("x"));
+    }
+
+    #[tokio::test]
+    async fn a_swap_sets_only_what_holds_what_was_expected() {
+        let s = StateStore::memory(1000, Duration::from_secs(60));
+        assert_eq!(s.swap("k", Some("a"), "b").await, Some(Swap::Held(None)));
+        assert_eq!(s.get("k").await, None);
+        assert_eq!(s.swap("k", None, "a").await, Some(Swap::Done));
+        assert_eq!(
+            s.swap("k", None, "b").await,
+            Some(Swap::Held(Some("a".into())))
+        );
+        assert_eq!(s.swap("k", Some("a"), "b").await, Some(Swap::Done));
+        s.put("other", "x").await;
+        assert_eq!(
+            s.get_many(&["k", "missing", "other"]).await,
+            Some(vec![Some("b".into()), None, Some("x".into())])
+        );
     }
 }

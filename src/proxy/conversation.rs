@@ -153,12 +153,25 @@ impl Proxy {
             (true, true) => Tap::Sse(SseTap::new(format.api(), prepared.strip_usage)),
             (true, false) => Tap::Json(JsonTap::new(format.api(), resp.content_length)),
         };
-        let learner = prepared.model.map(|model| Learner {
-            metrics: self.metrics.clone(),
-            tokens: self.tokens.clone(),
-            upstream: upstream.base_url().to_string(),
-            model,
-            format,
+        let learner = prepared.model.map(|model| {
+            // With Redis, what the response teaches goes to the replicas'
+            // record, as this request read it (or, not read, as this
+            // process knows it).
+            let shared = self.shared.as_ref().map(|plan| {
+                let snap = prepared
+                    .shared
+                    .take()
+                    .unwrap_or_else(|| plan.not_read(upstream.base_url(), &model));
+                (plan.clone(), snap)
+            });
+            Learner {
+                metrics: self.metrics.clone(),
+                tokens: self.tokens.clone(),
+                upstream: upstream.base_url().to_string(),
+                model,
+                format,
+                shared,
+            }
         });
         let counted = match (&learner, report.as_ref().and_then(|r| r.raw_after)) {
             (_, Some(raw)) => Sent::Counted(raw),
@@ -174,8 +187,9 @@ impl Proxy {
         if let Some(first) = first_round
             && let Some(learn) = on_usage.take()
             && let Some(usage) = first
+            && let Some(written) = learn(usage)
         {
-            learn(usage);
+            written.await;
         }
         // A stream that went on after its first round: likewise, once it
         // did.
@@ -184,7 +198,7 @@ impl Proxy {
         {
             on_usage = Some(Box::new(move |usage| match cell.get() {
                 Some(Some(first)) => learn(*first),
-                Some(None) => {}
+                Some(None) => None,
                 None => learn(usage),
             }));
         }

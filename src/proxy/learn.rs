@@ -12,22 +12,30 @@
 //! the request path measures large bodies in, and only when one is free:
 //! under load some bodies go uncounted rather than queue, so this costs
 //! requests no time and holds no memory beyond those slots.
+//!
+//! With Redis, what a response teaches goes to the replicas' shared record
+//! (see `shared.rs`), and the response's last bytes wait until it is there:
+//! for a body counted off the path, until it is counted too (it nearly
+//! always is by the time an upstream answers).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use tokio::sync::{Notify, OwnedSemaphorePermit};
+use tokio::sync::{Notify, OwnedSemaphorePermit, oneshot};
 
 use super::read::Held;
+use super::shared::{Change, Pending, SharedPlan, Snapshot, spawned};
 use crate::metrics::Metrics;
 use crate::tokens::TokenService;
 use crate::wire::Format;
 use crate::wire::usage::Usage;
 
-/// Called once with the usage the response reported.
-pub type UsageCallback = Box<dyn FnOnce(Usage) + Send>;
+/// Called once with the usage the response reported; what it returns (a
+/// write to the replicas' shared record) is waited for before the
+/// response's last bytes go to the client.
+pub type UsageCallback = Box<dyn FnOnce(Usage) -> Option<Pending> + Send>;
 
 /// Bodies at least this long are counted on the blocking pool (as on the
 /// request path).
@@ -42,6 +50,8 @@ pub struct Learner {
     pub model: String,
     /// The format of the bodies sent.
     pub format: Format,
+    /// With Redis: the replicas' record, as the request read it.
+    pub shared: Option<(Arc<SharedPlan>, Snapshot)>,
 }
 
 /// condense's raw count of the body sent, as calibration gets it.
@@ -50,6 +60,10 @@ pub enum Sent {
     Counted(u64),
     /// Being counted off the request path.
     Counting(Arc<Meeting>),
+    /// Being counted off the request path, the usage waiting for the
+    /// count (with Redis: the observation must be shared before the
+    /// response ends). Nothing comes when counting failed.
+    Coming(oneshot::Receiver<u64>),
     /// Not counted (no slot was free): the usage is only shown.
     Unknown,
 }
@@ -91,19 +105,26 @@ impl Learner {
         let Some(slot) = jobs.try_slot(body.len()) else {
             return Sent::Unknown;
         };
+        if self.shared.is_some() {
+            let (tx, rx) = oneshot::channel();
+            let learner = self.clone();
+            background.spawn(body.len() >= BLOCKING_BYTES, move || {
+                let _slot: OwnedSemaphorePermit = slot;
+                let _held = held;
+                if let Some(raw) = learner.raw_count(&body) {
+                    let _ = tx.send(raw);
+                }
+            });
+            return Sent::Coming(rx);
+        }
         let meeting = Arc::new(Meeting::default());
         let (learner, met) = (self.clone(), meeting.clone());
         background.spawn(body.len() >= BLOCKING_BYTES, move || {
             let _slot: OwnedSemaphorePermit = slot;
             let _held = held;
-            let Some(req) = crate::wire::conversation_of(learner.format, &body) else {
+            let Some(raw) = learner.raw_count(&body) else {
                 return;
             };
-            let encoding = learner
-                .tokens
-                .model_info(&learner.upstream, &learner.model)
-                .encoding;
-            let raw = learner.tokens.count(&req, encoding).total;
             drop(body);
             if let Some((raw, reported)) = met.meet(Some(raw), None) {
                 let label = learner.metrics.model_label(&learner.model);
@@ -113,8 +134,16 @@ impl Learner {
         Sent::Counting(meeting)
     }
 
+    /// condense's raw count of a body sent; None when it is not a
+    /// conversation.
+    fn raw_count(&self, body: &Bytes) -> Option<u64> {
+        let req = crate::wire::conversation_of(self.format, body)?;
+        let encoding = self.tokens.model_info(&self.upstream, &self.model).encoding;
+        Some(self.tokens.count(&req, encoding).total)
+    }
+
     /// What to do with the usage the response reports.
-    pub fn on_usage(self, sent: Sent) -> UsageCallback {
+    pub fn on_usage(mut self, sent: Sent) -> UsageCallback {
         Box::new(move |usage| {
             let label = self.metrics.model_label(&self.model);
             self.metrics
@@ -125,6 +154,9 @@ impl Learner {
                 .upstream_completion_tokens_total
                 .with_label_values(&[&label])
                 .inc_by(usage.completion_tokens);
+            if let Some(shared) = self.shared.take() {
+                return self.share(shared, sent, usage.prompt_tokens);
+            }
             self.tokens
                 .learned
                 .accepted(&self.upstream, &self.model, usage.prompt_tokens);
@@ -135,9 +167,43 @@ impl Learner {
                         self.calibrate(reported, raw, label);
                     }
                 }
-                Sent::Unknown => self.show_ratio(label),
+                Sent::Coming(_) | Sent::Unknown => self.show_ratio(label),
             }
+            None
         })
+    }
+
+    /// What a response teaches, applied to the replicas' record: the
+    /// prompt it accepted, and the observation once the body's count is
+    /// known (waited for when it is still being counted).
+    fn share(
+        self,
+        (plan, mut snap): (Arc<SharedPlan>, Snapshot),
+        sent: Sent,
+        reported: u64,
+    ) -> Option<Pending> {
+        let mut learn = move |raw: Option<u64>| {
+            let ttl = self.tokens.learned.ttl();
+            let change: Change = Arc::new(move |s, now| {
+                s.windows.accepted(reported, ttl, now);
+                if let Some(raw) = raw {
+                    s.calibration.observe(reported, raw);
+                }
+            });
+            let written = plan.update(&mut snap, change);
+            self.show_ratio(self.metrics.model_label(&self.model));
+            written
+        };
+        match sent {
+            Sent::Counted(raw) => learn(Some(raw)),
+            Sent::Coming(count) => Some(spawned(async move {
+                let raw = count.await.ok();
+                if let Some(written) = learn(raw) {
+                    written.await;
+                }
+            })),
+            Sent::Counting(_) | Sent::Unknown => learn(None),
+        }
     }
 
     /// One observation; the ratio gauge is set from the first usage on,

@@ -9,7 +9,8 @@
 //! the usage tap). A Responses WebSocket (`socket.rs`) sends each of its
 //! turns through the same phases. Any other request is streamed upstream and back
 //! untouched (`send.rs`, `passthrough`). What differs between the APIs is
-//! asked of `crate::wire`.
+//! asked of `crate::wire`. With Redis, what the plan reads is shared by
+//! the replicas (`shared.rs`).
 
 pub mod auth;
 mod conversation;
@@ -23,6 +24,7 @@ mod recall;
 mod recover;
 pub mod respond;
 mod send;
+pub mod shared;
 pub mod socket;
 mod sockets;
 
@@ -32,7 +34,6 @@ use std::time::{Duration, Instant};
 use axum::response::Response;
 use http::HeaderName;
 
-use crate::cache::{Bounded, PreHashed, one};
 use crate::config::CompactionConfig;
 use crate::config::Config;
 use crate::error::ProxyError;
@@ -88,8 +89,8 @@ pub struct Proxy {
     /// never crowd checkpoints out of the in-process store's bytes (the
     /// same Redis, when there is one).
     pub recall_state: Arc<StateStore>,
-    /// When each model's shared learned window was last looked up.
-    window_checks: Bounded<u64, Instant, PreHashed>,
+    /// What the plan reads, shared by the replicas (with Redis only).
+    shared: Option<Arc<shared::SharedPlan>>,
     max_body_bytes: u64,
     body_timeout: Duration,
     /// Room for request bodies read whole.
@@ -196,6 +197,13 @@ impl Proxy {
         let anthropic_summarizer =
             own_format(&crate::wire::anthropic::Messages, &anthropic.upstream)?;
         let responses_summarizer = own_format(&crate::wire::responses::Responses, &upstream)?;
+        let tokens = Arc::new(TokenService::new(config.clone(), &metrics));
+        let shared = (state.kind() == "redis").then(|| {
+            Arc::new(shared::SharedPlan {
+                state: state.clone(),
+                tokens: tokens.clone(),
+            })
+        });
         Ok(Proxy {
             upstream,
             anthropic,
@@ -204,9 +212,9 @@ impl Proxy {
             responses_summarizer,
             state,
             recall_state,
-            window_checks: Bounded::hashed(4096, 4096, one),
+            shared,
             credentials: Credentials::new(&config.auth, config.upstream.api_key.as_ref()),
-            tokens: Arc::new(TokenService::new(config.clone(), &metrics)),
+            tokens,
             jobs: jobs::Jobs::new(
                 std::thread::available_parallelism().map_or(2, |n| n.get()),
                 metrics.prepare_jobs_total.clone(),

@@ -15,6 +15,7 @@ use http::HeaderMap;
 use super::Proxy;
 use super::jobs::BLOCKING_PREPARE_BYTES;
 use super::recall::Offer;
+use super::shared::Snapshot;
 use crate::compaction::Replacement;
 use crate::pipeline;
 use crate::recall::{self, store::AgentPoint, store::Originals};
@@ -30,6 +31,8 @@ pub struct Prepared {
     pub report: Option<Report>,
     /// condense's own tools offered to the model, and what answers them.
     pub offer: Option<Box<Offer>>,
+    /// The replicas' record the request was measured with (with Redis).
+    pub shared: Option<Snapshot>,
 }
 
 /// What condense measured and did, for the response headers.
@@ -51,6 +54,7 @@ impl Prepared {
             strip_usage: false,
             report: None,
             offer: None,
+            shared: None,
         }
     }
 }
@@ -125,18 +129,15 @@ impl Proxy {
                 .ensure(upstream, &self.tokens.listings, &model, headers)
                 .await;
         }
-        self.shared_window(upstream.base_url(), &model).await;
-        let info = self.tokens.model_info(upstream.base_url(), &model);
         // Where the model asked for compaction (`compress_context`), and
         // where this request would record it.
         let point = (self.compaction.agent_tool
             && crate::wire::tools::offered(&parsed.conversation))
         .then(|| AgentPoint::of(&scope(), parsed.conversation.messages()))
         .flatten();
-        let due = match &point {
-            Some(p) => p.recorded(&self.recall_state).await,
-            None => None,
-        };
+        let (snapshot, info, due) = self
+            .what_the_plan_reads(upstream.base_url(), &model, point.as_ref())
+            .await;
         let measured = if bytes.len() >= BLOCKING_PREPARE_BYTES
             && self
                 .tokens
@@ -170,6 +171,7 @@ impl Proxy {
             Ok(m) => self.complete(format, m, bytes, model, headers).await,
             Err(unchanged) => *unchanged,
         };
+        prepared.shared = snapshot;
         if due.is_some()
             && prepared
                 .report
@@ -186,6 +188,42 @@ impl Proxy {
             offer.point = point;
         }
         (prepared, waited)
+    }
+
+    /// The window, calibration and agent point a request of `model` is
+    /// planned with: with Redis, the replicas' (one read for all of them,
+    /// see `shared.rs`), kept as the request's snapshot for what its
+    /// response teaches; else (or when Redis fails) this process's own.
+    async fn what_the_plan_reads(
+        &self,
+        upstream: &str,
+        model: &str,
+        point: Option<&AgentPoint>,
+    ) -> (Option<Snapshot>, ModelInfo, Option<usize>) {
+        match &self.shared {
+            Some(shared) if !model.is_empty() => {
+                let extra: Vec<&str> = point.iter().map(|p| p.key()).collect();
+                let (snap, values) = shared.read(upstream, model, &extra).await;
+                let due = match (point, values.as_deref()) {
+                    (Some(p), Some([Some(v), ..])) => p.matches(v),
+                    _ => None,
+                };
+                let info = if snap.found() {
+                    self.tokens
+                        .model_info_shared(upstream, model, &snap.record(&self.tokens))
+                } else {
+                    self.tokens.model_info(upstream, model)
+                };
+                (Some(snap), info, due)
+            }
+            _ => {
+                let due = match point {
+                    Some(p) => p.recorded(&self.recall_state).await,
+                    None => None,
+                };
+                (None, self.tokens.model_info(upstream, model), due)
+            }
+        }
     }
 
     /// Measures a parsed request and compacts it when it is under pressure
@@ -432,6 +470,7 @@ impl Proxy {
             strip_usage,
             report: Some(report),
             offer: None,
+            shared: None,
         };
         if let Some((before, after)) = tools {
             // What the tools add is part of what is sent (and of what the

@@ -1,13 +1,14 @@
 //! Recover: a measured request the upstream rejected for its length is
 //! compacted again against the window the error names (or, without one,
 //! against what was just rejected) and sent once more. The window learned
-//! is shared with the other replicas through the state store, for
+//! is shared with the other replicas through the state store (the pair's
+//! record, see `shared.rs`, written before the retry is sent), for
 //! `tokens.learned_window_ttl_seconds`, and never below its floor (see
 //! [`crate::tokens::learned`]): one tenant's error sizes every tenant's
 //! requests.
 
 use std::panic::AssertUnwindSafe;
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
@@ -16,6 +17,7 @@ use http::HeaderMap;
 use super::jobs::BLOCKING_PREPARE_BYTES;
 use super::prepare::{Own, Prepared};
 use super::respond::Reply;
+use super::shared::Change;
 use super::{Proxy, read};
 use crate::error::ProxyError;
 use crate::overflow;
@@ -25,41 +27,10 @@ use crate::wire::Format;
 
 /// Statuses an overflow error can come with.
 pub(super) const OVERFLOW_STATUSES: &[u16] = &[400, 413, 429];
-/// How often a replica looks for a window another one learned.
-const SHARED_WINDOW_CHECK: Duration = Duration::from_secs(60);
 /// Error bodies larger than this are not read for overflow detection.
 const MAX_ERROR_BODY: usize = 1 << 20;
 
-/// The state-store key of a window learned from an overflow.
-fn window_key(upstream: &str, model: &str) -> String {
-    let h = xxhash_rust::xxh3::xxh3_128(format!("{upstream}\0{model}").as_bytes());
-    format!("window:{h:032x}")
-}
-
 impl Proxy {
-    /// Picks up a window another replica learned from an overflow (through
-    /// Redis), checking each model at most once a minute.
-    pub(super) async fn shared_window(&self, upstream: &str, model: &str) {
-        if self.state.kind() != "redis" || model.is_empty() {
-            return;
-        }
-        let key = pair_key(upstream, model);
-        let now = Instant::now();
-        let due = self
-            .window_checks
-            .get(&key)
-            .is_none_or(|at| now.duration_since(at) >= SHARED_WINDOW_CHECK);
-        if !due {
-            return;
-        }
-        self.window_checks.insert(key, now);
-        if let Some((value, left)) = self.state.get_expiring(&window_key(upstream, model)).await
-            && let Ok(window) = value.parse::<u64>()
-        {
-            self.tokens.learned.adopt(upstream, model, window, left);
-        }
-    }
-
     /// Handles an error response to a measured chat request: when it says
     /// the context overflowed, learns the window (and the provider's count),
     /// compacts the client's original request against it, and sends that
@@ -131,7 +102,10 @@ impl Proxy {
         let calibrated = prepared.report.as_ref().map_or(0, |r| r.tokens_after);
         // The ratio the rejected body was estimated with, before this
         // overflow's own observation moves it.
-        let ratio = self.tokens.calibration.ratio(upstream, &model);
+        let ratio = match &prepared.shared {
+            Some(snap) => snap.record(&self.tokens).calibration.ratios().observed,
+            None => self.tokens.calibration.ratio(upstream, &model),
+        };
         let Some((rejected, requested)) = self
             .measure_rejected(format, &prepared.body, encoding, calibrated, ratio)
             .await
@@ -146,28 +120,41 @@ impl Proxy {
         // counted it, or as condense estimates it, plus the completion
         // asked for); without that, a provider whose errors carry no
         // numbers would reject every later request of the conversation
-        // once. condense's estimate may be low, so that bound stays in
-        // process and expires sooner.
-        match o.limit {
-            Some(limit) if o.names_window => {
-                let learned = &self.tokens.learned;
-                if let Some(window) = learned.learn(upstream, &model, limit) {
-                    let key = window_key(upstream, &model);
-                    self.state
-                        .put_for(&key, &window.to_string(), learned.ttl())
-                        .await;
+        // once. condense's estimate may be low, so that bound expires
+        // sooner. When the error names the provider's count, it is an
+        // observation too.
+        let ttl = self.tokens.learned.ttl();
+        let (limit, names_window, prompt) = (o.limit, o.names_window, o.prompt);
+        let bound = prompt
+            .unwrap_or(calibrated)
+            .saturating_add(requested.unwrap_or(0));
+        let raw = rejected.raw;
+        let change: Change = Arc::new(move |s, now| {
+            match limit {
+                Some(limit) if names_window => s.windows.learn(limit, ttl, now),
+                Some(_) => {}
+                None => s.windows.bound(bound, now),
+            }
+            if let Some(p) = prompt {
+                s.calibration.observe(p, raw);
+            }
+        });
+        let mut snapshot = prepared.shared.clone();
+        let mut info = match (&self.shared, snapshot.as_mut()) {
+            (Some(plan), Some(snap)) => {
+                // Written before the retry goes: the client's next turn,
+                // on any replica, is planned with it.
+                if let Some(written) = plan.update(snap, change) {
+                    written.await;
                 }
+                let record = snap.record(&self.tokens);
+                self.tokens.model_info_shared(upstream, &model, &record)
             }
-            Some(_) => {}
-            None => {
-                let bound = o
-                    .prompt
-                    .unwrap_or(calibrated)
-                    .saturating_add(requested.unwrap_or(0));
-                self.tokens.learned.bound(upstream, &model, bound);
+            _ => {
+                self.tokens.change(pair_key(upstream, &model), &*change);
+                self.tokens.model_info(upstream, &model)
             }
-        }
-        let mut info = self.tokens.model_info(upstream, &model);
+        };
         // The retry aims at the limit the error names even where the learned
         // window stays above it (its floor): it is this request's own
         // answer, and a retry sized to more would be rejected again.
@@ -175,20 +162,16 @@ impl Proxy {
             info.window = limit;
             info.source = WindowSource::Overflow;
         }
-        if let Some(p) = o.prompt {
-            self.tokens
-                .calibration
-                .observe(upstream, &model, p, rejected.raw);
-        }
         info.correction = Some(o.correction(&rejected));
 
-        let Some(retry) = self
+        let Some(mut retry) = self
             .prepare_retry(format, original, &model, info, headers)
             .await
         else {
             count("not_recoverable");
             return Ok((unchanged(), prepared));
         };
+        retry.shared = snapshot;
         let resp = endpoint
             .send(
                 method.clone(),

@@ -6,6 +6,11 @@
 //! open when the server's shutdown grace ends is closed the way the API
 //! closes a failed one: an error event in its shape, then the body's proper
 //! end (the chunked terminator), not a cut connection.
+//!
+//! With Redis, what the usage teaches is written to the replicas' shared
+//! record before the response's last bytes go out (see `shared.rs`): a
+//! JSON answer is read for its usage before its last chunk is passed on,
+//! a stream's last event (or its end) waits for the write.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,6 +24,7 @@ use tokio::sync::watch;
 use super::learn::Background;
 use super::learn::UsageCallback;
 use super::read::BodyStream;
+use super::shared::Pending;
 use super::{Proxy, Timing, headers};
 use crate::metrics::Metrics;
 use crate::upstream::{self, BoxError, Upstream, UpstreamResponse};
@@ -200,6 +206,11 @@ struct Settle {
     anomaly_counted: bool,
     /// Where the work left for after the answer is counted.
     background: Background,
+    /// Whether what the usage teaches must be learned before the answer
+    /// ends (with Redis).
+    ordered: bool,
+    /// A write the answer's last bytes wait for.
+    pending: Option<Pending>,
 }
 
 impl Settle {
@@ -208,7 +219,24 @@ impl Settle {
             && let Some(usage) = self.tap.usage()
             && let Some(f) = self.on_usage.take()
         {
-            f(usage);
+            self.pending = f(usage);
+        }
+    }
+
+    /// Whether the bytes about to go out end the answer for the client: a
+    /// complete JSON body, a stream's last event.
+    fn at_end(&self) -> bool {
+        match &self.tap {
+            Tap::Json(t) => t.complete(),
+            Tap::Sse(t) => t.saw_done(),
+            Tap::None => false,
+        }
+    }
+
+    /// Waits for the write what the usage taught went to, if any.
+    async fn written(&mut self) {
+        if let Some(p) = self.pending.take() {
+            p.await;
         }
     }
 
@@ -232,22 +260,31 @@ impl Settle {
     /// [`Background::after_yield`], which `Proxy::settled` waits for):
     /// reading the usage and calibrating took about 7,000 instructions a
     /// small answer between the upstream's last byte and the client's.
+    ///
+    /// With Redis the answer is read now instead, so that what it teaches
+    /// is shared before its last bytes go out.
     fn json_later(&mut self) {
         let Tap::Json(_) = self.tap else {
             return;
         };
-        let json = Settle {
+        if self.ordered {
+            self.end();
+            return;
+        }
+        let mut json = Settle {
             tap: std::mem::replace(&mut self.tap, Tap::None),
             on_usage: self.on_usage.take(),
             metrics: self.metrics.clone(),
             anomaly_counted: self.anomaly_counted,
             background: self.background.clone(),
+            ordered: false,
+            pending: None,
         };
         self.background.after_yield(move || json.end());
     }
 
     /// The body is over: what is left in the tap is read and learned from.
-    fn end(mut self) {
+    fn end(&mut self) {
         self.tap.finish();
         self.report_usage();
         self.check(true);
@@ -274,12 +311,14 @@ async fn cut_off(cut: &mut watch::Receiver<bool>) {
 }
 
 /// The client-facing body for an upstream response. A stream (an SSE tap)
-/// ends with an error event once `cut` turns true.
+/// ends with an error event once `cut` turns true. With `ordered`, what
+/// the usage teaches is learned before the answer's last bytes go out.
 #[allow(clippy::too_many_arguments)]
 pub fn relay(
     body: BodyStream,
     tap: Tap,
     on_usage: Option<UsageCallback>,
+    ordered: bool,
     idle: Duration,
     metrics: Arc<Metrics>,
     inflight: InflightGuard,
@@ -295,6 +334,8 @@ pub fn relay(
             metrics,
             anomaly_counted: false,
             background: background.clone(),
+            ordered,
+            pending: None,
         },
         idle,
         done: false,
@@ -311,6 +352,7 @@ pub fn relay(
                 return Some((Err(e), st));
             }
             if st.done {
+                st.settle.written().await;
                 return None;
             }
             let next = tokio::time::timeout(st.idle, st.upstream.next());
@@ -360,6 +402,9 @@ pub fn relay(
                             st.settle.check(false);
                         }
                     }
+                    if st.settle.at_end() {
+                        st.settle.written().await;
+                    }
                     if !out.is_empty() {
                         return Some((Ok(out), st));
                     }
@@ -383,6 +428,7 @@ pub fn relay(
                     let rest = st.settle.tap.finish();
                     st.settle.report_usage();
                     st.settle.check(true);
+                    st.settle.written().await;
                     if !rest.is_empty() {
                         return Some((Ok(rest), st));
                     }
@@ -418,6 +464,7 @@ impl Proxy {
             resp.body,
             tap,
             on_usage,
+            self.shared.is_some(),
             upstream.idle_timeout(),
             self.metrics.clone(),
             guard,
@@ -434,5 +481,106 @@ impl Proxy {
             .with_label_values(&[route])
             .observe(overhead.as_secs_f64());
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::Format;
+    use http_body_util::BodyExt;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// A write to the shared record that takes a few turns of the
+    /// scheduler, and says when it is done; polled only by whoever waits
+    /// for it.
+    fn slow_write(done: Arc<AtomicBool>) -> UsageCallback {
+        Box::new(move |_| {
+            Some(Box::pin(async move {
+                for _ in 0..5 {
+                    tokio::task::yield_now().await;
+                }
+                done.store(true, Ordering::SeqCst);
+            }))
+        })
+    }
+
+    /// The frames of `body` in order, each with whether the write was done
+    /// when it came out.
+    async fn frames(body: Body, done: &AtomicBool) -> Vec<(Bytes, bool)> {
+        let mut body = body;
+        let mut out = Vec::new();
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame.unwrap().into_data() {
+                out.push((data, done.load(Ordering::SeqCst)));
+            }
+        }
+        out
+    }
+
+    fn relayed(chunks: Vec<&'static str>, tap: Tap, on_usage: UsageCallback) -> Body {
+        let stream: BodyStream = Box::pin(futures_util::stream::iter(
+            chunks
+                .into_iter()
+                .map(|c| Ok(Bytes::from_static(c.as_bytes()))),
+        ));
+        let metrics = Arc::new(Metrics::new().unwrap());
+        relay(
+            stream,
+            tap,
+            Some(on_usage),
+            true,
+            Duration::from_secs(5),
+            metrics.clone(),
+            InflightGuard::new(metrics),
+            &Background::default(),
+            &watch::Sender::new(false),
+        )
+    }
+
+    /// With ordered learning (Redis), the client cannot see an answer end
+    /// before what its usage taught is shared: the turn it sends next, on
+    /// any replica, is planned with it.
+    #[tokio::test]
+    async fn with_ordered_learning_the_last_bytes_wait_for_the_write() {
+        let api = Format::Chat.api();
+        // A JSON answer with its length: its last chunk waits.
+        let json = [
+            r#"{"id":"c","choices":[{"message":{"role":"assistant","content":"ok"}}],"#,
+            r#""usage":{"prompt_tokens":1200,"completion_tokens":1,"total_tokens":1201}}"#,
+        ];
+        let len = json.iter().map(|c| c.len()).sum::<usize>() as u64;
+        let done = Arc::new(AtomicBool::new(false));
+        let body = relayed(
+            json.to_vec(),
+            Tap::Json(JsonTap::new(api, Some(len))),
+            slow_write(done.clone()),
+        );
+        let got = frames(body, &done).await;
+        assert_eq!(got.len(), 2);
+        assert!(!got[0].1, "the first chunk does not wait");
+        assert!(
+            got[1].1,
+            "the last chunk went out before the write was done"
+        );
+
+        // A stream: the usage chunk passes, `[DONE]` waits.
+        let sse = [
+            "data: {\"choices\":[{\"delta\":{\"content\":\"ok\"}}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1200,\"completion_tokens\":1,\"total_tokens\":1201}}\n\n",
+            "data: [DONE]\n\n",
+        ];
+        let done = Arc::new(AtomicBool::new(false));
+        let body = relayed(
+            sse.to_vec(),
+            Tap::Sse(SseTap::new(api, false)),
+            slow_write(done.clone()),
+        );
+        let got = frames(body, &done).await;
+        let end = got
+            .iter()
+            .position(|(b, _)| b.ends_with(b"data: [DONE]\n\n"))
+            .unwrap();
+        assert!(got[end].1, "[DONE] went out before the write was done");
     }
 }

@@ -157,7 +157,17 @@ impl AgentPoint {
     /// The point recorded for this conversation, if it still starts as it
     /// did then.
     pub async fn recorded(&self, store: &StateStore) -> Option<usize> {
-        let value = store.get(&self.key).await?;
+        self.matches(&store.get(&self.key).await?)
+    }
+
+    /// The state-store key the point is recorded under.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The point a value recorded under [`AgentPoint::key`] gives, if this
+    /// conversation still starts as it did then.
+    pub fn matches(&self, value: &str) -> Option<usize> {
         let (n, hash) = value.split_once(':')?;
         let n: usize = n.parse().ok()?;
         let matches = n <= self.hashes.len() && format!("{:016x}", fold(&self.hashes[..n])) == hash;

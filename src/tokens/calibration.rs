@@ -26,6 +26,13 @@
 //!   margin. Compacting with a ratio up to 8% low leaves the request up to 8%
 //!   over the budget by the upstream's count: the reserve
 //!   (`tokens.reserve_ratio`) takes part of it, overflow recovery the rest.
+//!
+//! What is known of one pair is a [`Pair`]: the window of observations and
+//! the plan ratio, together, because the plan ratio is a function of the
+//! whole sequence of observations (the margin is hysteresis). Replicas
+//! sharing a Redis keep one [`Pair`] per pair there (see
+//! [`crate::tokens::shared`]) and apply each observation to it with
+//! [`Pair::observe`], as one process does to its own.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -43,7 +50,7 @@ pub const MIN_ESTIMATE: u64 = 64;
 /// it either way (observed / plan in [1 / 1.08, 1.08]).
 pub const PLAN_MARGIN: f64 = 0.08;
 /// Observations kept per (upstream, model).
-const WINDOW: usize = 9;
+pub const WINDOW: usize = 9;
 /// Pairs kept; client-invented model names cannot grow memory forever (the
 /// pairs in use survive a flood of names used once).
 const MAX_PAIRS: usize = 4096;
@@ -64,20 +71,65 @@ impl Ratios {
     };
 }
 
-#[derive(Default)]
-struct Pair {
-    /// (ratio, raw estimate of the request it was observed on).
-    observations: VecDeque<(f64, u64)>,
-    plan: Option<f64>,
+/// What is known of one (upstream, model): the recent observations and
+/// the plan ratio they led to.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Pair {
+    /// (ratio, raw estimate of the request it was observed on), oldest
+    /// first, at most [`WINDOW`].
+    pub observations: VecDeque<(f64, u64)>,
+    pub plan: Option<f64>,
 }
 
 impl Pair {
-    fn ratios(&self) -> Ratios {
+    pub fn ratios(&self) -> Ratios {
         let observed = median(&self.observations);
         Ratios {
             observed,
             plan: self.plan.unwrap_or(observed),
         }
+    }
+
+    /// Records that the upstream counted `reported` tokens for a body that
+    /// condense estimated at `estimated` (raw); false when the observation
+    /// was not used (too small to say much, or no usage).
+    pub fn observe(&mut self, reported: u64, estimated: u64) -> bool {
+        if estimated < MIN_ESTIMATE || reported == 0 {
+            return false;
+        }
+        let x = (reported as f64 / estimated as f64).clamp(MIN_RATIO, MAX_RATIO);
+        if self.observations.len() >= WINDOW {
+            self.observations.pop_front();
+        }
+        self.observations.push_back((x, estimated));
+        let observed = median(&self.observations);
+        let drift = observed / self.plan.unwrap_or(1.0);
+        if self.plan.is_none() || !(1.0 / (1.0 + PLAN_MARGIN)..=1.0 + PLAN_MARGIN).contains(&drift)
+        {
+            self.plan = Some(observed);
+        }
+        true
+    }
+
+    /// Keeps what another process made of the pair to the bounds this one
+    /// keeps (at most [`WINDOW`] observations, ratios in range), so that a
+    /// record read from the store cannot make this process hold more.
+    pub fn bounded(mut self) -> Pair {
+        while self.observations.len() > WINDOW {
+            self.observations.pop_front();
+        }
+        for o in &mut self.observations {
+            o.0 = if o.0.is_finite() {
+                o.0.clamp(MIN_RATIO, MAX_RATIO)
+            } else {
+                1.0
+            };
+        }
+        self.plan = self
+            .plan
+            .filter(|p| p.is_finite())
+            .map(|p| p.clamp(MIN_RATIO, MAX_RATIO));
+        self
     }
 }
 
@@ -102,6 +154,23 @@ impl Calibration {
             .unwrap_or(Ratios::UNKNOWN)
     }
 
+    /// What this process knows of the pair with this [`pair_key`].
+    pub fn pair(&self, key: u64) -> Pair {
+        self.pairs
+            .get(&key)
+            .and_then(|p| p.lock().ok().map(|p| p.clone()))
+            .unwrap_or_default()
+    }
+
+    /// Takes what the replicas know of the pair (read from, or just
+    /// written to, the state store) as this process's own.
+    pub fn set(&self, key: u64, pair: Pair) {
+        let slot = self.pairs.get_or_insert_with(key, Default::default);
+        if let Ok(mut p) = slot.lock() {
+            *p = pair;
+        }
+    }
+
     /// The observed ratio (1.0 until observed).
     pub fn ratio(&self, upstream: &str, model: &str) -> f64 {
         self.ratios(upstream, model).observed
@@ -120,22 +189,11 @@ impl Calibration {
         if estimated < MIN_ESTIMATE || reported == 0 {
             return None;
         }
-        let x = (reported as f64 / estimated as f64).clamp(MIN_RATIO, MAX_RATIO);
         let pair = self
             .pairs
             .get_or_insert_with(pair_key(upstream, model), Default::default);
         let mut pair = pair.lock().ok()?;
-        if pair.observations.len() == WINDOW {
-            pair.observations.pop_front();
-        }
-        pair.observations.push_back((x, estimated));
-        let observed = median(&pair.observations);
-        let drift = observed / pair.plan.unwrap_or(1.0);
-        if pair.plan.is_none() || !(1.0 / (1.0 + PLAN_MARGIN)..=1.0 + PLAN_MARGIN).contains(&drift)
-        {
-            pair.plan = Some(observed);
-        }
-        Some(pair.ratios())
+        pair.observe(reported, estimated).then(|| pair.ratios())
     }
 }
 

@@ -14,10 +14,13 @@
 //!   smaller one that has not expired.
 //!
 //! The floor is applied when a window is read, so a prompt accepted after
-//! the error raises it at once. A window picked up from another replica
-//! (through the state store) keeps the time it has left there.
+//! the error raises it at once. What is learned of one pair is one
+//! [`Windows`] record, its times on the wall clock (milliseconds since the
+//! Unix epoch) rather than a process's monotonic clock, because replicas
+//! sharing a Redis keep the record there and read each other's times (see
+//! [`crate::tokens::shared`]).
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::key::pair_key;
 use crate::cache::{Bounded, PreHashed, one};
@@ -25,31 +28,93 @@ use crate::cache::{Bounded, PreHashed, one};
 /// How long a bound from an overflow error that names no window lasts.
 pub const BOUND_TTL: Duration = Duration::from_secs(600);
 
-/// (upstream, model) pairs remembered in each table.
+/// (upstream, model) pairs remembered.
 const MAX_PAIRS: usize = 4096;
 
-/// A value and the instant it stops counting.
-#[derive(Debug, Clone, Copy)]
-struct Expiring {
-    value: u64,
-    until: Instant,
+/// Milliseconds since the Unix epoch, now.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-impl Expiring {
-    fn live(self, now: Instant) -> Option<u64> {
+/// A value and the time (milliseconds since the Unix epoch) it stops
+/// counting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    pub value: u64,
+    pub until: u64,
+}
+
+impl Stamp {
+    fn live(self, now: u64) -> Option<u64> {
         (now < self.until).then_some(self.value)
+    }
+}
+
+/// What is learned of one pair's window.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Windows {
+    /// The window an overflow error named.
+    pub window: Option<Stamp>,
+    /// An upper bound from an overflow error without numbers (the prompt
+    /// that was rejected).
+    pub bound: Option<Stamp>,
+    /// The largest prompt the upstream accepted (reported usage).
+    pub accepted: Option<Stamp>,
+}
+
+impl Windows {
+    /// Learns the window an overflow error named, for `ttl`.
+    pub fn learn(&mut self, window: u64, ttl: Duration, now: u64) {
+        keep_smaller(&mut self.window, window, later(now, ttl), now);
+    }
+
+    /// Records an upper bound from an overflow error that named no window.
+    pub fn bound(&mut self, bound: u64, now: u64) {
+        keep_smaller(&mut self.bound, bound, later(now, BOUND_TTL), now);
+    }
+
+    /// Records a prompt of `tokens` the upstream accepted. The largest is
+    /// kept for `ttl` from when it was seen: a deployment that shrank is
+    /// learned once that is over.
+    pub fn accepted(&mut self, tokens: u64, ttl: Duration, now: u64) {
+        let kept = self.accepted.and_then(|e| e.live(now));
+        if kept.is_none_or(|k| tokens >= k) {
+            self.accepted = Some(Stamp {
+                value: tokens,
+                until: later(now, ttl),
+            });
+        }
+    }
+
+    /// Whether a window or a bound was learned (live or not): without one
+    /// there is no learned window, and no clock need be read.
+    pub fn learned_any(&self) -> bool {
+        self.window.is_some() || self.bound.is_some()
+    }
+
+    /// The learned window at `now`, floored (never below `min`); None when
+    /// nothing is learned, or all of it expired.
+    pub fn window(&self, min: u64, now: u64) -> Option<u64> {
+        let learned = [self.window, self.bound]
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.live(now))
+            .min()?;
+        Some(learned.max(self.floor(min, now)))
+    }
+
+    /// The lowest window the pair may be given at `now`.
+    fn floor(&self, min: u64, now: u64) -> u64 {
+        let accepted = self.accepted.and_then(|e| e.live(now));
+        accepted.unwrap_or(0).max(min)
     }
 }
 
 /// Windows learned from overflow errors, with their floors.
 pub struct Learned {
-    /// Windows named by overflow errors.
-    windows: Bounded<u64, Expiring, PreHashed>,
-    /// Upper bounds from overflow errors without numbers (the prompt that
-    /// was rejected, in process only).
-    bounds: Bounded<u64, Expiring, PreHashed>,
-    /// The largest prompt the upstream accepted (reported usage).
-    accepted: Bounded<u64, Expiring, PreHashed>,
+    pairs: Bounded<u64, Windows, PreHashed>,
     /// The smallest window ever learned.
     min: u64,
     /// How long a window named by an error lasts.
@@ -59,11 +124,8 @@ pub struct Learned {
 impl Learned {
     /// `min` is raised to 1: a window of 0 is never learned.
     pub fn new(min: u64, ttl: Duration) -> Learned {
-        let table = || Bounded::hashed(MAX_PAIRS, MAX_PAIRS as u64, one);
         Learned {
-            windows: table(),
-            bounds: table(),
-            accepted: table(),
+            pairs: Bounded::hashed(MAX_PAIRS, MAX_PAIRS as u64, one),
             min: min.max(1),
             ttl,
         }
@@ -74,110 +136,84 @@ impl Learned {
         self.ttl
     }
 
-    /// Learns the window an overflow error named; returns the window that
-    /// now applies to the pair (floored), the value to share, or None when
-    /// nothing was learned (a window of 0).
-    pub fn learn(&self, upstream: &str, model: &str, window: u64) -> Option<u64> {
-        let key = pair_key(upstream, model);
-        let now = Instant::now();
-        self.keep_smaller(&self.windows, key, window, later(now, self.ttl), now);
-        self.window_at(key, now)
+    /// The smallest window ever learned.
+    pub fn min(&self) -> u64 {
+        self.min
     }
 
-    /// Takes a window another replica learned, with the time it has left.
-    pub fn adopt(&self, upstream: &str, model: &str, window: u64, left: Duration) {
-        let now = Instant::now();
-        let until = later(now, left.min(self.ttl));
-        self.keep_smaller(&self.windows, pair_key(upstream, model), window, until, now);
+    /// Learns the window an overflow error named; returns the window that
+    /// now applies to the pair (floored), or None when nothing was learned
+    /// (a window of 0).
+    pub fn learn(&self, upstream: &str, model: &str, window: u64) -> Option<u64> {
+        let (ttl, key) = (self.ttl, pair_key(upstream, model));
+        let (w, now) = self.update(key, |w, now| w.learn(window, ttl, now));
+        w.window(self.min, now)
     }
 
     /// Records an upper bound from an overflow error that named no window.
     pub fn bound(&self, upstream: &str, model: &str, bound: u64) {
-        let now = Instant::now();
-        let key = pair_key(upstream, model);
-        self.keep_smaller(&self.bounds, key, bound, later(now, BOUND_TTL), now);
+        self.update(pair_key(upstream, model), |w, now| w.bound(bound, now));
     }
 
     /// Records a prompt of `tokens` the upstream accepted for the pair.
     pub fn accepted(&self, upstream: &str, model: &str, tokens: u64) {
-        self.accepted_at(pair_key(upstream, model), tokens, Instant::now());
+        let ttl = self.ttl;
+        self.update(pair_key(upstream, model), |w, now| {
+            w.accepted(tokens, ttl, now);
+        });
     }
 
     /// The learned window of the pair with this [`pair_key`], floored; None
     /// when nothing is learned (or all of it expired). Asked on every
-    /// request: when nothing is learned it costs two lookups and no clock.
+    /// request: when nothing is learned it costs a lookup and no clock.
     pub fn window_keyed(&self, key: u64) -> Option<u64> {
-        let found = self.found(key);
-        if found.iter().all(Option::is_none) {
+        let w = self.pairs.get(&key)?;
+        if !w.learned_any() {
             return None;
         }
-        self.live_window(key, found, Instant::now())
+        w.window(self.min, now_ms())
     }
 
-    fn window_at(&self, key: u64, now: Instant) -> Option<u64> {
-        self.live_window(key, self.found(key), now)
+    /// What this process knows of the pair with this [`pair_key`].
+    pub fn windows(&self, key: u64) -> Windows {
+        self.pairs.get(&key).unwrap_or_default()
     }
 
-    /// What the window and bound tables hold for the pair.
-    fn found(&self, key: u64) -> [Option<Expiring>; 2] {
-        [self.windows.get(&key), self.bounds.get(&key)]
+    /// Takes what the replicas know of the pair (read from, or just
+    /// written to, the state store) as this process's own.
+    pub fn set(&self, key: u64, windows: Windows) {
+        self.pairs.insert(key, windows);
     }
 
-    fn live_window(&self, key: u64, found: [Option<Expiring>; 2], now: Instant) -> Option<u64> {
-        let learned = found
-            .into_iter()
-            .flatten()
-            .filter_map(|e| e.live(now))
-            .min()?;
-        Some(learned.max(self.floor_at(key, now)))
-    }
-
-    /// The lowest window the pair may be given now.
-    fn floor_at(&self, key: u64, now: Instant) -> u64 {
-        let accepted = self.accepted.get(&key).and_then(|e| e.live(now));
-        accepted.unwrap_or(0).max(self.min)
-    }
-
-    /// The largest accepted prompt is kept for `ttl` from when it was seen:
-    /// a deployment that shrank is learned once that is over.
-    fn accepted_at(&self, key: u64, tokens: u64, now: Instant) {
-        let kept = self.accepted.get(&key).and_then(|e| e.live(now));
-        if kept.is_none_or(|k| tokens >= k) {
-            let until = later(now, self.ttl);
-            self.accepted.insert(
-                key,
-                Expiring {
-                    value: tokens,
-                    until,
-                },
-            );
+    /// Changes the pair's record (stored only when that changed it); the
+    /// record and the time it was changed at.
+    fn update(&self, key: u64, change: impl FnOnce(&mut Windows, u64)) -> (Windows, u64) {
+        let now = now_ms();
+        let before = self.windows(key);
+        let mut w = before;
+        change(&mut w, now);
+        if w != before {
+            self.pairs.insert(key, w);
         }
-    }
-
-    /// Stores `value` unless a smaller one is live; 0 is never stored.
-    fn keep_smaller(
-        &self,
-        table: &Bounded<u64, Expiring, PreHashed>,
-        key: u64,
-        value: u64,
-        until: Instant,
-        now: Instant,
-    ) {
-        if value == 0 || until <= now {
-            return;
-        }
-        let kept = table.get(&key).and_then(|e| e.live(now));
-        if kept.is_none_or(|k| value <= k) {
-            table.insert(key, Expiring { value, until });
-        }
+        (w, now)
     }
 }
 
-/// `now` plus `d`, or as late as the clock goes.
-fn later(now: Instant, d: Duration) -> Instant {
-    now.checked_add(d)
-        .or_else(|| now.checked_add(Duration::from_secs(365 * 24 * 3600)))
-        .unwrap_or(now)
+/// Sets `slot` to `value` until `until` unless a smaller value is live; 0
+/// is never stored.
+fn keep_smaller(slot: &mut Option<Stamp>, value: u64, until: u64, now: u64) {
+    if value == 0 || until <= now {
+        return;
+    }
+    let kept = slot.and_then(|e| e.live(now));
+    if kept.is_none_or(|k| value <= k) {
+        *slot = Some(Stamp { value, until });
+    }
+}
+
+/// `now` plus `d`, in milliseconds, as late as a u64 goes.
+pub fn later(now: u64, d: Duration) -> u64 {
+    now.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 #[cfg(test)]
@@ -185,14 +221,10 @@ mod tests {
     use super::*;
 
     const HOUR: Duration = Duration::from_secs(3600);
+    const HOUR_MS: u64 = 3_600_000;
 
     fn learned() -> (Learned, u64) {
         (Learned::new(1024, HOUR), pair_key("u", "m"))
-    }
-
-    /// [`Learned::learn`] at a given instant.
-    fn learn_at(l: &Learned, key: u64, window: u64, now: Instant) {
-        l.keep_smaller(&l.windows, key, window, later(now, l.ttl), now);
     }
 
     #[test]
@@ -216,6 +248,7 @@ mod tests {
         let (l, key) = learned();
         l.accepted("u", "m", 20_000);
         l.accepted("u", "m", 9_000);
+        assert_eq!(l.window_keyed(key), None, "a floor alone is no window");
         assert_eq!(l.learn("u", "m", 8192), Some(20_000));
         l.accepted("u", "m", 30_000);
         assert_eq!(l.window_keyed(key), Some(30_000), "floored when read");
@@ -245,49 +278,49 @@ mod tests {
 
     #[test]
     fn windows_bounds_and_floors_expire() {
-        let (l, key) = learned();
-        let t0 = Instant::now();
-        learn_at(&l, key, 8192, t0);
-        assert_eq!(
-            l.window_at(key, t0 + HOUR - Duration::from_secs(1)),
-            Some(8192)
-        );
-        assert_eq!(l.window_at(key, t0 + HOUR), None);
+        let t0 = now_ms();
+        let mut w = Windows::default();
+        w.learn(8192, HOUR, t0);
+        assert_eq!(w.window(1024, t0 + HOUR_MS - 1000), Some(8192));
+        assert_eq!(w.window(1024, t0 + HOUR_MS), None);
         // Expired, a larger window is learned again.
-        learn_at(&l, key, 16_384, t0 + HOUR);
-        assert_eq!(l.window_at(key, t0 + HOUR), Some(16_384));
+        w.learn(16_384, HOUR, t0 + HOUR_MS);
+        assert_eq!(w.window(1024, t0 + HOUR_MS), Some(16_384));
 
-        let (l, key) = learned();
-        l.keep_smaller(&l.bounds, key, 5000, t0 + BOUND_TTL, t0);
-        assert_eq!(l.window_at(key, t0), Some(5000));
-        assert_eq!(l.window_at(key, t0 + BOUND_TTL), None);
+        let mut w = Windows::default();
+        w.bound(5000, t0);
+        let bound_ms = BOUND_TTL.as_millis() as u64;
+        assert_eq!(w.window(1024, t0), Some(5000));
+        assert_eq!(w.window(1024, t0 + bound_ms), None);
 
         // The floor of an accepted prompt lasts as long, then the window
         // learned after it applies.
-        let (l, key) = learned();
-        l.accepted_at(key, 20_000, t0);
-        learn_at(&l, key, 8192, t0 + HOUR / 2);
-        assert_eq!(l.window_at(key, t0 + HOUR / 2), Some(20_000));
-        assert_eq!(l.window_at(key, t0 + HOUR), Some(8192));
+        let mut w = Windows::default();
+        w.accepted(20_000, HOUR, t0);
+        w.learn(8192, HOUR, t0 + HOUR_MS / 2);
+        assert_eq!(w.window(1024, t0 + HOUR_MS / 2), Some(20_000));
+        assert_eq!(w.window(1024, t0 + HOUR_MS), Some(8192));
         // A smaller accepted prompt does not lower a live floor, but one
         // seen after it expired is the floor.
-        l.accepted_at(key, 10_000, t0 + HOUR / 2);
-        assert_eq!(l.floor_at(key, t0 + HOUR / 2), 20_000);
-        l.accepted_at(key, 10_000, t0 + HOUR);
-        assert_eq!(l.floor_at(key, t0 + HOUR), 10_000);
+        w.accepted(10_000, HOUR, t0 + HOUR_MS / 2);
+        assert_eq!(w.floor(1024, t0 + HOUR_MS / 2), 20_000);
+        w.accepted(10_000, HOUR, t0 + HOUR_MS);
+        assert_eq!(w.floor(1024, t0 + HOUR_MS), 10_000);
     }
 
     #[test]
-    fn an_adopted_window_keeps_the_time_it_has_left() {
+    fn a_record_set_from_another_process_keeps_its_times() {
         let (l, key) = learned();
-        l.adopt("u", "m", 8192, Duration::from_secs(10));
-        let now = Instant::now();
-        assert_eq!(l.window_at(key, now), Some(8192));
-        assert_eq!(l.window_at(key, now + Duration::from_secs(11)), None);
-        // Never longer than the configured time.
-        l.adopt("u", "m", 4096, 100 * HOUR);
-        assert_eq!(l.window_at(key, now + HOUR + Duration::from_secs(1)), None);
-        l.adopt("u", "m", 2048, Duration::ZERO);
-        assert_eq!(l.window_at(key, now), Some(4096));
+        let now = now_ms();
+        let mut w = Windows::default();
+        w.learn(8192, Duration::from_secs(10), now);
+        l.set(key, w);
+        assert_eq!(l.window_keyed(key), Some(8192));
+        assert_eq!(l.windows(key).window(1024, now + 11_000), None);
+        // A record whose window has passed applies nothing.
+        let mut gone = Windows::default();
+        gone.learn(4096, Duration::from_millis(1), now - 10);
+        l.set(key, gone);
+        assert_eq!(l.window_keyed(key), None);
     }
 }

@@ -9,6 +9,7 @@
 //!   applies.
 //! - `learned`: windows learned from overflow errors, their floors and
 //!   expiry.
+//! - `shared`: both of those for one pair as the record replicas share.
 //! - `budget`: the prompt budget and the pressure on it.
 
 pub mod bpe;
@@ -21,6 +22,7 @@ pub mod image;
 mod key;
 pub mod learned;
 pub mod models;
+pub mod shared;
 
 use std::sync::{Arc, OnceLock};
 
@@ -40,6 +42,7 @@ use cache::CountCache;
 use calibration::{Calibration, Ratios};
 use learned::Learned;
 use models::Listings;
+use shared::Shared;
 
 /// Bytes of masked message forms remembered across requests.
 const MEMO_BYTES: usize = 16 * 1024 * 1024;
@@ -165,11 +168,62 @@ impl TokenService {
         index.and_then(|i| self.profiles.get(i))
     }
 
-    /// The window, encoding and thresholds for a model on an upstream.
+    /// The window, encoding and thresholds for a model on an upstream, by
+    /// what this process learned.
     pub fn model_info(&self, upstream: &str, model: &str) -> ModelInfo {
-        let profile = self.profile(model);
         // One key for the three lookups.
         let key = pair_key(upstream, model);
+        let learned = self.learned.window_keyed(key);
+        self.model_info_with(upstream, model, key, learned, None)
+    }
+
+    /// [`TokenService::model_info`] by what the replicas learned: the
+    /// learned window and the calibration of `shared`, the record read
+    /// from the state store.
+    pub fn model_info_shared(&self, upstream: &str, model: &str, shared: &Shared) -> ModelInfo {
+        let key = pair_key(upstream, model);
+        let learned = if shared.windows.learned_any() {
+            shared.windows.window(self.learned.min(), learned::now_ms())
+        } else {
+            None
+        };
+        let ratios = shared.calibration.ratios();
+        self.model_info_with(upstream, model, key, learned, Some(ratios))
+    }
+
+    /// What this process knows of the pair with this [`pair_key`], as the
+    /// record replicas share.
+    pub fn local_record(&self, key: u64) -> Shared {
+        Shared {
+            calibration: self.calibration.pair(key),
+            windows: self.learned.windows(key),
+        }
+    }
+
+    /// Takes the replicas' record of the pair as this process's own (what
+    /// it falls back to when the store fails).
+    pub fn adopt(&self, key: u64, shared: &Shared) {
+        self.calibration.set(key, shared.calibration.clone());
+        self.learned.set(key, shared.windows);
+    }
+
+    /// Changes this process's record of the pair with this [`pair_key`]
+    /// (in process, what an overflow error teaches).
+    pub fn change(&self, key: u64, change: &dyn Fn(&mut Shared, u64)) {
+        let mut record = self.local_record(key);
+        change(&mut record, learned::now_ms());
+        self.adopt(key, &record);
+    }
+
+    fn model_info_with(
+        &self,
+        upstream: &str,
+        model: &str,
+        key: u64,
+        learned: Option<u64>,
+        ratios: Option<Ratios>,
+    ) -> ModelInfo {
+        let profile = self.profile(model);
         let listed = self.listings.window_keyed(upstream, key);
         let (window, source) = match (listed, profile) {
             (Some(l), Some(p)) if p.context_window < l => (p.context_window, WindowSource::Profile),
@@ -177,7 +231,7 @@ impl TokenService {
             (None, Some(p)) => (p.context_window, WindowSource::Profile),
             (None, None) => (self.config.default_context_window, WindowSource::Default),
         };
-        let (window, source) = match self.learned.window_keyed(key) {
+        let (window, source) = match learned {
             Some(learned) if learned < window => (learned, WindowSource::Overflow),
             _ => (window, source),
         };
@@ -191,6 +245,7 @@ impl TokenService {
             trigger,
             target,
             correction: None,
+            ratios,
         }
     }
 
@@ -388,7 +443,10 @@ impl TokenService {
                 observed: r,
                 plan: r,
             },
-            None => self.calibration.ratios(upstream, &model),
+            None => match &info.ratios {
+                Some(shared) => shared.clone(),
+                None => self.calibration.ratios(upstream, &model),
+            },
         };
         let cheap = allow_cheap
             && info.correction.is_none()

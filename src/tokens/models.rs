@@ -66,6 +66,9 @@ pub struct ModelInfo {
     pub target: f64,
     /// Set for the retry of a request rejected for its length.
     pub correction: Option<Correction>,
+    /// The calibration to measure with, when the replicas' shared record
+    /// gave it (see [`crate::tokens::shared`]); else the process's own.
+    pub ratios: Option<super::calibration::Ratios>,
 }
 
 /// Matches `name` against a glob `pattern`, ASCII case-insensitively.

@@ -709,6 +709,14 @@ impl Redis {
             .local_addr()
             .unwrap()
             .port();
+        Redis {
+            child: Redis::spawn(port),
+            port,
+        }
+    }
+
+    /// redis-server on `port`, once it accepts connections.
+    fn spawn(port: u16) -> std::process::Child {
         let mut child = std::process::Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
@@ -717,13 +725,25 @@ impl Redis {
             .unwrap_or_else(|e| panic!("redis-server is needed for this test: {e}"));
         for _ in 0..100 {
             if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return Redis { child, port };
+                return child;
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         let _ = child.kill();
         let _ = child.wait();
         panic!("redis-server did not start");
+    }
+
+    /// Kills the server (what it held is gone).
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// A new, empty server on the same port.
+    pub fn start_again(&mut self) {
+        self.stop();
+        self.child = Redis::spawn(self.port);
     }
 
     pub fn url(&self) -> String {
