@@ -9,6 +9,12 @@
 //!
 //! The store is a cache, never a dependency: a Redis that errs, is slow or
 //! is gone answers as a miss (and is counted), and condense carries on.
+//! A Redis that is gone answers at once (connection refused); one that
+//! hangs would cost every request `state.redis_timeout_seconds` on each
+//! operation, so after [`TIMEOUTS_TO_PAUSE`] operations in a row time out,
+//! the store is not asked for a pause ([`Pause`]: 1 s, doubling while it
+//! still times out, at most [`MAX_PAUSE`]) and answers as a miss at once;
+//! the first operation after the pause tries again.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -50,8 +56,63 @@ pub enum StateError {
     Redis(#[from] redis::RedisError),
 }
 
+/// Operations timed out in a row that pause the store.
+pub const TIMEOUTS_TO_PAUSE: u32 = 2;
+/// The longest pause.
+pub const MAX_PAUSE: Duration = Duration::from_secs(30);
+
+/// Whether a Redis that keeps timing out is left alone for now.
+#[derive(Default)]
+struct Pause {
+    /// Operations timed out in a row.
+    timeouts: std::sync::atomic::AtomicU32,
+    /// Until when (ms since `epoch`) operations are not tried; 0: none.
+    until_ms: std::sync::atomic::AtomicU64,
+    epoch: std::sync::OnceLock<Instant>,
+}
+
+impl Pause {
+    fn now_ms(&self) -> u64 {
+        let epoch = *self.epoch.get_or_init(Instant::now);
+        u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Whether operations are paused now.
+    fn paused(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        let until = self.until_ms.load(Ordering::Acquire);
+        until != 0 && self.now_ms() < until
+    }
+
+    /// An operation answered: the pause is over.
+    fn answered(&self) {
+        use std::sync::atomic::Ordering;
+        self.timeouts.store(0, Ordering::Release);
+        self.until_ms.store(0, Ordering::Release);
+    }
+
+    /// An operation timed out; true when this starts a pause.
+    fn timed_out(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        let n = self.timeouts.fetch_add(1, Ordering::AcqRel) + 1;
+        if n < TIMEOUTS_TO_PAUSE {
+            return false;
+        }
+        let doublings = (n - TIMEOUTS_TO_PAUSE).min(5);
+        let pause = Duration::from_secs(1 << doublings).min(MAX_PAUSE);
+        let until = self
+            .now_ms()
+            .saturating_add(pause.as_millis() as u64)
+            .max(1);
+        self.until_ms.store(until, Ordering::Release);
+        true
+    }
+}
+
 pub struct StateStore {
     backend: Backend,
+    /// A Redis that keeps timing out, left alone for a while.
+    pause: Pause,
     /// Makes [`StateStore::swap`] one step in process.
     swapping: std::sync::Mutex<()>,
     ttl: Duration,
@@ -89,6 +150,7 @@ impl StateStore {
         };
         Ok(StateStore {
             backend,
+            pause: Pause::default(),
             swapping: std::sync::Mutex::new(()),
             ttl,
             metrics,
@@ -99,6 +161,7 @@ impl StateStore {
     pub fn memory(max_bytes: usize, ttl: Duration) -> StateStore {
         StateStore {
             backend: Backend::Memory(Memory::new(max_bytes)),
+            pause: Pause::default(),
             swapping: std::sync::Mutex::new(()),
             ttl,
             metrics: None,
@@ -275,10 +338,24 @@ impl StateStore {
         timeout: Duration,
         f: impl std::future::Future<Output = redis::RedisResult<T>>,
     ) -> Option<T> {
+        if self.pause.paused() {
+            return None;
+        }
         let error = match tokio::time::timeout(timeout, f).await {
-            Ok(Ok(v)) => return Some(v),
+            Ok(Ok(v)) => {
+                self.pause.answered();
+                return Some(v);
+            }
+            // A quick failure (refused: Redis is down, or its connection
+            // is being made again) costs no time: it neither pauses nor
+            // ends a pause.
             Ok(Err(e)) => e.to_string(),
-            Err(_) => "timed out".to_string(),
+            Err(_) => {
+                if self.pause.timed_out() {
+                    tracing::warn!(op, "Redis keeps timing out; not asked for a while");
+                }
+                "timed out".to_string()
+            }
         };
         tracing::warn!(op, error, "state store unavailable; carrying on without it");
         if let Some(m) = &self.metrics {
@@ -374,6 +451,43 @@ mod tests {
         // A time to live past the clock's reach does not panic.
         s.put_for("long", "x", Duration::MAX).await;
         assert_eq!(s.get("long").await.as_deref(), Some("x"));
+    }
+
+    #[tokio::test]
+    async fn a_redis_that_keeps_timing_out_is_left_alone_for_a_while() {
+        // Takes connections and never answers.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let held = tokio::spawn(async move {
+            let mut sockets = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                sockets.push(s);
+            }
+        });
+        let metrics = Arc::new(Metrics::new().unwrap());
+        let config = StateConfig {
+            redis_url: Some(crate::config::Secret::new(format!("redis://{addr}/0"))),
+            redis_timeout_seconds: 0.1,
+            ..StateConfig::default()
+        };
+        let s = StateStore::new(&config, Some(metrics.clone())).unwrap();
+        let errors = || metrics.state_errors_total.with_label_values(&["get"]).get();
+        for _ in 0..TIMEOUTS_TO_PAUSE {
+            assert_eq!(s.get("k").await, None);
+        }
+        assert_eq!(errors(), u64::from(TIMEOUTS_TO_PAUSE));
+        // Paused: misses without asking.
+        for _ in 0..5 {
+            assert_eq!(s.get("k").await, None);
+        }
+        assert_eq!(errors(), u64::from(TIMEOUTS_TO_PAUSE));
+        assert!(s.pause.paused());
+        // After the pause, asked again.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        assert!(!s.pause.paused());
+        assert_eq!(s.get("k").await, None);
+        assert_eq!(errors(), u64::from(TIMEOUTS_TO_PAUSE) + 1);
+        held.abort();
     }
 
     #[tokio::test]
