@@ -6,7 +6,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 
 use crate::chat::ChatRequest;
-use crate::compaction::{self, Counter, Limits, Outcome, Replacement, Span};
+use crate::compaction::{self, Counter, Earlier, Limits, Outcome, Replacement, Span};
 use crate::config::CompactionConfig;
 use crate::recall::Recallable;
 use crate::summary::{Checkpoint, Failure, Need, Summarizer};
@@ -233,7 +233,10 @@ fn apply(
         &setup.settings,
         &counter,
         &setup.replacement,
-        setup.due,
+        &Earlier {
+            due: setup.due,
+            budgets: Vec::new(),
+        },
     );
     let mut recallable = None;
     if let Some(messages) = outcome.messages.clone() {
