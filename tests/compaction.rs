@@ -1022,6 +1022,7 @@ fn forwarded(svc: &TokenService, body: &Bytes, window: u64) -> (Bytes, f64) {
             model: "gpt-4o",
             info,
             due: None,
+            history: None,
         },
         ChatRequest::parse(body).unwrap(),
         body,

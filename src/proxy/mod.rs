@@ -18,6 +18,7 @@ mod jobs;
 pub mod learn;
 pub mod listing;
 mod prepare;
+pub mod reached;
 pub mod read;
 mod recall;
 mod recover;

@@ -14,9 +14,10 @@ use http::HeaderMap;
 
 use super::Proxy;
 use super::jobs::BLOCKING_PREPARE_BYTES;
+use super::reached::Course;
 use super::recall::Offer;
 use crate::compaction::Replacement;
-use crate::pipeline;
+use crate::pipeline::{self, History, Reached};
 use crate::recall::{self, store::AgentPoint, store::Originals};
 use crate::tokens::ModelInfo;
 use crate::wire::{Format, NotUnderstood, Parsed, Provider, Writer};
@@ -30,6 +31,9 @@ pub struct Prepared {
     pub report: Option<Report>,
     /// condense's own tools offered to the model, and what answers them.
     pub offer: Option<Box<Offer>>,
+    /// The conversation's record of what compaction did on its earlier
+    /// turns (see `reached.rs`), when one was read: a retry keeps it too.
+    pub course: Option<Box<Course>>,
 }
 
 /// What condense measured and did, for the response headers.
@@ -41,6 +45,9 @@ pub struct Report {
     /// The raw count of the body sent, for calibration (None on the cheap
     /// path).
     pub raw_after: Option<u64>,
+    /// What compaction did to the request, when it changed it (for the
+    /// conversation's record).
+    pub reached: Option<Reached>,
 }
 
 impl Prepared {
@@ -51,18 +58,22 @@ impl Prepared {
             strip_usage: false,
             report: None,
             offer: None,
+            course: None,
         }
     }
 }
 
 /// What condense may add to a request beyond compacting it.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Own {
     /// Its tools (`condense_recall`, `compress_context`) may be offered,
     /// and rewrites carry recall keys; not on an overflow retry.
     pub tools: bool,
     /// The model asked for compaction up to this message.
     pub due: Option<usize>,
+    /// What the conversation's earlier turns were planned against and
+    /// reached.
+    pub history: Option<History>,
 }
 
 /// A measured request on its way: the pipeline's result and how it is
@@ -137,6 +148,22 @@ impl Proxy {
             Some(p) => p.recorded(&self.recall_state).await,
             None => None,
         };
+        // What compaction did on the conversation's earlier turns, read
+        // for a request that may be at its trigger at all (see
+        // `reached.rs`).
+        let mut course = self
+            .tokens
+            .may_reach_trigger(&info, &parsed.conversation, bytes)
+            .then(|| Course::of(&scope(), parsed.conversation.messages()))
+            .flatten();
+        if let Some(c) = course.as_mut() {
+            c.read(&self.state).await;
+        }
+        let own = Own {
+            tools: true,
+            due,
+            history: course.as_ref().and_then(|c| c.history.clone()),
+        };
         let measured = if bytes.len() >= BLOCKING_PREPARE_BYTES
             && self
                 .tokens
@@ -145,26 +172,12 @@ impl Proxy {
         {
             let (this, body, name) = (self.clone(), bytes.clone(), model.clone());
             self.off_workers(bytes.len(), move || {
-                this.measure_or_forward(
-                    format,
-                    parsed,
-                    &body,
-                    &name,
-                    info,
-                    Own { tools: true, due },
-                )
+                this.measure_or_forward(format, parsed, &body, &name, info, own)
             })
             .await
             .unwrap_or_else(|| Err(Box::new(Prepared::unchanged(bytes.clone(), None))))
         } else {
-            self.measure_or_forward(
-                format,
-                parsed,
-                bytes,
-                &model,
-                info,
-                Own { tools: true, due },
-            )
+            self.measure_or_forward(format, parsed, bytes, &model, info, own)
         };
         let mut prepared = match measured {
             Ok(m) => self.complete(format, m, bytes, model, headers).await,
@@ -185,6 +198,10 @@ impl Proxy {
             offer.originals.scope = scope();
             offer.point = point;
         }
+        if let Some(c) = course {
+            self.record_reached(&c, &prepared).await;
+            prepared.course = Some(Box::new(c));
+        }
         (prepared, waited)
     }
 
@@ -200,7 +217,11 @@ impl Proxy {
         info: ModelInfo,
         own: Own,
     ) -> Result<Measured, Box<Prepared>> {
-        let Own { tools, due } = own;
+        let Own {
+            tools,
+            due,
+            history,
+        } = own;
         let replacement = self
             .summarizer_for(format)
             .map_or(Replacement::Digest, |(s, _)| s.replacement());
@@ -210,6 +231,7 @@ impl Proxy {
             model,
             info,
             due,
+            history,
         };
         let Parsed {
             conversation,
@@ -241,6 +263,14 @@ impl Proxy {
         }))
         .map(|p| (p, writer))
         .map_err(|_| Box::new(self.forward_unchanged(body, model)))
+    }
+
+    /// Adds what `prepared`'s compaction did to its conversation's record
+    /// (which changes only when the budget or the frontier moved).
+    pub(super) async fn record_reached(&self, course: &Course, prepared: &Prepared) {
+        if let Some(now) = prepared.report.as_ref().and_then(|r| r.reached) {
+            course.record(&self.state, now).await;
+        }
     }
 
     /// Counts a failure inside condense; the request goes out as it came.
@@ -370,6 +400,7 @@ impl Proxy {
             tokens_after: p.tokens_after,
             actions: p.actions(),
             raw_after: p.raw_after,
+            reached: p.reached,
         };
         let offered = crate::wire::tools::offered(&p.request);
         let room = p
@@ -432,6 +463,7 @@ impl Proxy {
             strip_usage,
             report: Some(report),
             offer: None,
+            course: None,
         };
         if let Some((before, after)) = tools {
             // What the tools add is part of what is sent (and of what the

@@ -15,6 +15,7 @@ use http::HeaderMap;
 
 use super::jobs::BLOCKING_PREPARE_BYTES;
 use super::prepare::{Own, Prepared};
+use super::reached::Course;
 use super::respond::Reply;
 use super::{Proxy, read};
 use crate::error::ProxyError;
@@ -182,13 +183,19 @@ impl Proxy {
         }
         info.correction = Some(o.correction(&rejected));
 
+        // The retry keeps what the conversation's earlier turns did, and
+        // records what it does.
+        let course = prepared.course.as_deref();
         let Some(retry) = self
-            .prepare_retry(format, original, &model, info, headers)
+            .prepare_retry(format, original, &model, info, headers, course)
             .await
         else {
             count("not_recoverable");
             return Ok((unchanged(), prepared));
         };
+        if let Some(c) = course {
+            self.record_reached(c, &retry).await;
+        }
         let resp = endpoint
             .send(
                 method.clone(),
@@ -255,6 +262,7 @@ impl Proxy {
         model: &str,
         info: ModelInfo,
         headers: &HeaderMap,
+        course: Option<&Course>,
     ) -> Option<Prepared> {
         let parsed = format.api().parse(original).ok()?;
         let completion = info
@@ -271,8 +279,12 @@ impl Proxy {
         if completion >= window {
             return None;
         }
+        let own = Own {
+            history: course.and_then(|c| c.history.clone()),
+            ..Own::default()
+        };
         let (p, writer) = self
-            .measure_or_forward(format, parsed, original, model, info, Own::default())
+            .measure_or_forward(format, parsed, original, model, info, own)
             .ok()?;
         let p = self.checkpointed(format, p, model, headers, false).await?;
         let outcome = p.outcome.as_ref()?;
