@@ -88,6 +88,7 @@ fn run(svc: &TokenService, config: &Config, body: &Bytes) -> usize {
             model: "gpt-4o",
             info,
             due: None,
+            history: None,
         },
         req,
         body,

@@ -81,8 +81,11 @@ enum Command {
         upstream: Option<String>,
         /// How the simulated provider counts prompt tokens: `o200k` (as
         /// condense does), `chars:N` (N characters of text per token, e.g.
-        /// chars:3.6 for a Llama-like tokenizer) or `bytes:N`. condense
-        /// learns the difference from its usage, as in production.
+        /// chars:3.6 for a Llama-like tokenizer), `bytes:N`, or `mix:T,P`
+        /// (T characters per token in tool output, call arguments and tool
+        /// schemas, P in the rest: a ratio that moves with the content
+        /// mix). condense learns the difference from its usage, as in
+        /// production.
         #[arg(long, value_name = "RULE", default_value = "o200k")]
         provider_count: condense::simulate::CountRule,
         /// The window the provider enforces (default: the window condense

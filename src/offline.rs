@@ -88,6 +88,7 @@ pub fn process(
         model,
         info,
         due: None,
+        history: None,
     };
     pipeline::process(
         tokens,

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 
 use crate::chat::ChatRequest;
-use crate::compaction::{self, Counter, Limits, Outcome, Replacement, Span};
+use crate::compaction::{self, Counter, Earlier, Limits, Outcome, Replacement, Span};
 use crate::config::CompactionConfig;
 use crate::recall::Recallable;
 use crate::summary::{Checkpoint, Failure, Need, Summarizer};
@@ -67,6 +67,38 @@ pub struct Processed {
     /// The recall keys the compacted request holds (`compaction.recall`,
     /// a request with tools).
     pub recallable: Option<Recallable>,
+    /// What this request's compaction did, when it changed anything: for
+    /// the conversation's [`History`].
+    pub reached: Option<Reached>,
+}
+
+/// What compaction did on one request of a conversation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reached {
+    /// The messages the request had.
+    pub messages: usize,
+    /// The budget it was planned against, in raw tokens (the prompt budget
+    /// over the plan ratio).
+    pub budget: f64,
+    /// Where its mask frontier stood.
+    pub frontier: usize,
+}
+
+/// What the earlier turns of a conversation were planned against and
+/// reached (`proxy/reached.rs` keeps it per conversation). The plan replays
+/// every earlier turn against the budget it was planned against, so that a
+/// move of the learned ratio (or window) changes no decision made before
+/// it: nothing an earlier turn masked or dropped comes back, and only this
+/// turn is planned against today's budget.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct History {
+    /// `(messages, budget)`, oldest first: from the request with `messages`
+    /// messages on, the conversation was planned against `budget` raw
+    /// tokens (the first pair also holds for the turns before it).
+    pub budgets: Vec<(usize, f64)>,
+    /// The furthest frontier an earlier turn reached: the least this
+    /// turn's is (should the budgets not replay it).
+    pub frontier: usize,
 }
 
 /// A compaction waiting for a checkpoint of `span`.
@@ -79,7 +111,7 @@ pub struct Pending {
 /// its checkpoint comes.
 struct Setup {
     limits: Limits,
-    due: Option<usize>,
+    earlier: Earlier,
     settings: CompactionConfig,
     replacement: Replacement,
     encoding: Encoding,
@@ -113,6 +145,10 @@ pub struct Subject<'a> {
     /// The model asked for the messages before this index to be compacted
     /// (`compress_context`): they are, whatever the pressure.
     pub due: Option<usize>,
+    /// What the earlier turns of this conversation were planned against
+    /// and reached: the request is compacted whatever its pressure, each
+    /// earlier turn replayed as it was planned.
+    pub history: Option<History>,
 }
 
 /// Measures `req` for `subject`, and compacts it when its pressure reaches
@@ -132,9 +168,12 @@ pub fn process(
         model,
         info,
         due,
+        history,
     } = subject;
-    let due = due.filter(|&d| d > 0 && d <= req.messages().len());
-    let forced = replacement.forced(req.messages().len()) || due.is_some();
+    let n = req.messages().len();
+    let due = due.filter(|&d| d > 0 && d <= n);
+    let history = history.filter(|h| h.frontier <= n);
+    let forced = replacement.forced(n) || due.is_some() || history.is_some();
     let assessment = tokens.assess_as(
         upstream,
         model,
@@ -156,6 +195,7 @@ pub fn process(
             outcome: None,
             pending: None,
             recallable: None,
+            reached: None,
         };
     };
     // Boundaries are planned with the plan ratio, which a small drift of
@@ -175,9 +215,26 @@ pub fn process(
         window: assessment.budget.window as f64 / plan,
         fixed: count.total - count.per_message.iter().sum::<u64>(),
     };
+    // Earlier turns are replayed against the budgets they were planned
+    // against, and the frontier they reached stays the least (see
+    // `compact_until`).
+    let earlier = match history {
+        None => Earlier {
+            due,
+            budgets: Vec::new(),
+        },
+        Some(h) => Earlier {
+            due: Some(due.unwrap_or(0).max(h.frontier)),
+            budgets: h
+                .budgets
+                .into_iter()
+                .filter(|&(m, b)| m < n && b > 0.0)
+                .collect(),
+        },
+    };
     let setup = Setup {
         limits,
-        due,
+        earlier,
         settings,
         replacement: replacement.for_budget(limits.budget),
         encoding: info.encoding,
@@ -227,13 +284,14 @@ fn apply(
         encoding: setup.encoding,
         density: setup.density,
     };
+    let messages = req.messages().len();
     let outcome = compaction::compact_until(
         req.messages(),
         &setup.limits,
         &setup.settings,
         &counter,
         &setup.replacement,
-        setup.due,
+        &setup.earlier,
     );
     let mut recallable = None;
     if let Some(messages) = outcome.messages.clone() {
@@ -253,6 +311,11 @@ fn apply(
     } else {
         outcome.tokens_after
     };
+    let reached = outcome.messages.is_some().then_some(Reached {
+        messages,
+        budget: setup.limits.budget,
+        frontier: outcome.frontier,
+    });
     let pending = outcome.span.clone().map(|span| Pending { span, setup });
     Processed {
         tokens_after: (outcome.tokens_after as f64 * ratio).round() as u64,
@@ -262,6 +325,7 @@ fn apply(
         outcome: Some(outcome),
         pending,
         recallable,
+        reached,
     }
 }
 

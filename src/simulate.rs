@@ -54,11 +54,20 @@ pub enum CountRule {
     /// UTF-8 bytes of that text per token: CJK and emoji cost 3–4 times
     /// what ASCII does, as in byte-level tokenizers without merges for them.
     Bytes(f64),
+    /// Characters per token that depend on the content mix: `tools` for
+    /// what tools put in and out (tool results, call arguments, tool
+    /// schemas: code, JSON, logs), `prose` for the rest (instructions,
+    /// user and assistant text, reasoning), plus the same per-message and
+    /// reply overheads as [`CountRule::Chars`]. With `tools` above
+    /// `prose`, condense's learned ratio falls as a conversation fills with
+    /// tool output and rises again when that output is masked, as against
+    /// a real tokenizer whose strengths differ from o200k's by content.
+    Mix { tools: f64, prose: f64 },
 }
 
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "unknown counting rule {0:?}: use o200k, chars:N or bytes:N (N tokens per character/byte, e.g. chars:3.6)"
+    "unknown counting rule {0:?}: use o200k, chars:N, bytes:N or mix:T,P (N characters/bytes per token, e.g. chars:3.6; T in tool output and arguments, P elsewhere, e.g. mix:4.5,3.0)"
 )]
 pub struct RuleError(String);
 
@@ -77,6 +86,13 @@ impl std::str::FromStr for CountRule {
             None if s == "o200k" => Ok(CountRule::O200k),
             Some(("chars", n)) => Ok(CountRule::Chars(per(n)?)),
             Some(("bytes", n)) => Ok(CountRule::Bytes(per(n)?)),
+            Some(("mix", n)) => {
+                let (tools, prose) = n.split_once(',').ok_or_else(bad)?;
+                Ok(CountRule::Mix {
+                    tools: per(tools)?,
+                    prose: per(prose)?,
+                })
+            }
             _ => Err(bad()),
         }
     }
@@ -88,6 +104,7 @@ impl std::fmt::Display for CountRule {
             CountRule::O200k => f.write_str("o200k"),
             CountRule::Chars(n) => write!(f, "chars:{n}"),
             CountRule::Bytes(n) => write!(f, "bytes:{n}"),
+            CountRule::Mix { tools, prose } => write!(f, "mix:{tools},{prose}"),
         }
     }
 }
@@ -139,6 +156,12 @@ impl CountRule {
             CountRule::O200k if tools => return crate::tokens::count::tools_tokens(enc, raw),
             CountRule::O200k => return crate::tokens::count::message_tokens(enc, raw),
             CountRule::Chars(n) | CountRule::Bytes(n) => *n,
+            CountRule::Mix { tools: t, prose } => {
+                let v: Value = serde_json::from_slice(raw).unwrap_or(Value::Null);
+                let (of_tools, of_prose) = mix_units(&v, tools, self);
+                let text = (of_tools as f64 / t + of_prose as f64 / prose).ceil() as u64;
+                return if tools { text } else { text + PER_MESSAGE };
+            }
         };
         let v: Value = serde_json::from_slice(raw).unwrap_or(Value::Null);
         let text = (text_units(&v, self) as f64 / per).ceil() as u64;
@@ -158,6 +181,22 @@ fn text_units(v: &Value, rule: &CountRule) -> usize {
         Value::Number(n) => n.to_string().len(),
         _ => 0,
     }
+}
+
+/// Characters of a message (or of the tool list, `tools`) in tool
+/// input and output, and in the rest: a tool result's every string, an
+/// assistant message's `tool_calls`, the tool schemas; the rest is prose.
+fn mix_units(v: &Value, tools: bool, rule: &CountRule) -> (usize, usize) {
+    if tools || matches!(v["role"].as_str(), Some("tool" | "function")) {
+        return (text_units(v, rule), 0);
+    }
+    let Value::Object(o) = v else {
+        return (0, text_units(v, rule));
+    };
+    o.iter().fold((0, 0), |(t, p), (k, x)| match k.as_str() {
+        "tool_calls" | "function_call" => (t + text_units(x, rule), p),
+        _ => (t, p + text_units(x, rule)),
+    })
 }
 
 /// The kind of server behind the simulated chat completions endpoint, and so

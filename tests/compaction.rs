@@ -486,6 +486,48 @@ fn boundaries_stay_put_between_steps() {
 }
 
 #[test]
+fn a_budget_that_grows_undoes_nothing_an_earlier_turn_decided() {
+    // A conversation compacted against 9000 raw tokens; then calibration's
+    // ratio fell, and the next request's budget is 20000. Replayed against
+    // today's budget alone, no turn was ever over it and the request goes
+    // out whole: every result masked on the turn before comes back.
+    // Replayed against the budget each earlier turn had, each stays as it
+    // was sent, byte for byte.
+    let svc = service();
+    let all = agent_turns(21, 2500);
+    let counter = CachedCounter::new(&svc, Encoding::O200k);
+    let limits = |budget: f64| Limits {
+        budget,
+        window: budget * 1.3,
+        fixed: 3,
+    };
+    let (end, small, large) = (all.len() - 2, 9000.0, 20_000.0);
+    let before = run(&svc, &all[..end], small);
+    let sent = before.fates.expect("compacted against the small budget");
+    let masked: Vec<usize> = (0..end).filter(|&i| sent.rewritten[i].is_some()).collect();
+    assert!(masked.len() >= 5, "{masked:?}");
+
+    assert!(run(&svc, &all, large).messages.is_none());
+
+    let earlier = compaction::Earlier {
+        due: Some(before.frontier),
+        budgets: vec![(end, small)],
+    };
+    let now = compaction::compact_until(
+        &all,
+        &limits(large),
+        &settings(),
+        &counter,
+        &Replacement::Digest,
+        &earlier,
+    );
+    let fates = now.fates.expect("still compacted");
+    assert_eq!(fates.rewritten[..end], sent.rewritten[..]);
+    assert_eq!(fates.dropped[..end], sent.dropped[..]);
+    assert!(now.frontier >= before.frontier);
+}
+
+#[test]
 fn fit_cuts_a_single_huge_result() {
     let svc = service();
     let mut m = agent_turns(3, 300);
@@ -980,6 +1022,7 @@ fn forwarded(svc: &TokenService, body: &Bytes, window: u64) -> (Bytes, f64) {
             model: "gpt-4o",
             info,
             due: None,
+            history: None,
         },
         ChatRequest::parse(body).unwrap(),
         body,

@@ -20,7 +20,9 @@
 //!
 //! Where the boundaries of `mask` and `prune` stand is decided by
 //! `plan.rs`, replayed over the turns the request contains, so they stay put
-//! for many turns and the provider's prompt cache stays warm.
+//! for many turns and the provider's prompt cache stays warm; each earlier
+//! turn against the budget it was planned against when the caller knows it
+//! ([`Earlier`]), so that they never move back.
 //!
 //! Invariants (property-tested in `tests/compaction.rs`): system and developer
 //! messages, the last user message and unconsumed tool results come out
@@ -175,6 +177,9 @@ pub struct Outcome {
     /// Set when a checkpoint is needed and was not given; nothing was
     /// compacted then.
     pub span: Option<Span>,
+    /// Where the mask frontier stands (0 when nothing changed): the
+    /// messages before it are compacted.
+    pub frontier: usize,
 }
 
 impl Outcome {
@@ -314,21 +319,42 @@ pub fn compact_with(
     counter: &dyn Counter,
     replacement: &Replacement,
 ) -> Outcome {
-    compact_until(messages, limits, s, counter, replacement, None)
+    compact_until(
+        messages,
+        limits,
+        s,
+        counter,
+        replacement,
+        &Earlier::default(),
+    )
 }
 
-/// [`compact_with`], with the messages before `due` compacted whatever the
-/// pressure: the model asked for it at that point (`compress_context`).
-/// The frontier stays there on every later request, so the prefix stays
-/// byte-identical as with any boundary.
+/// What earlier turns of the conversation decided, which this request
+/// keeps: [`compact_until`] compacts whatever the pressure when it has any.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Earlier {
+    /// The messages before this index are compacted: the model asked for it
+    /// at that point (`compress_context`), or an earlier turn's frontier
+    /// stood there. The frontier stays there on every later request, so the
+    /// prefix stays byte-identical as with any boundary.
+    pub due: Option<usize>,
+    /// The budget, in raw tokens, each earlier turn was planned against
+    /// (see `plan::Costs::budgets`): the plan replays it so, and a budget
+    /// that moved since (a new calibration ratio, a learned window) changes
+    /// only what this turn decides.
+    pub budgets: Vec<(usize, f64)>,
+}
+
+/// [`compact_with`], keeping what `earlier` turns decided.
 pub fn compact_until(
     messages: &[Message],
     limits: &Limits,
     s: &Settings,
     counter: &dyn Counter,
     replacement: &Replacement,
-    due: Option<usize>,
+    earlier: &Earlier,
 ) -> Outcome {
+    let due = earlier.due;
     let full: Vec<u64> = messages.iter().map(|m| counter.message(m.raw())).collect();
     let before = limits.fixed + full.iter().sum::<u64>();
     let unchanged = |fits| Outcome {
@@ -339,10 +365,11 @@ pub fn compact_until(
         tokens_after: before,
         fits,
         span: None,
+        frontier: 0,
     };
     if (before as f64) < s.trigger * limits.budget
         && !replacement.forced(messages.len())
-        && due.is_none_or(|d| d == 0)
+        && due.is_none()
     {
         return unchanged(true);
     }
@@ -407,13 +434,17 @@ pub fn compact_until(
         })
         .collect();
     // Whether a large call's results report a failure (only calls large
-    // enough to be masked ahead are read).
+    // enough to be masked ahead, on this turn or an earlier one, are read).
     let ahead_saving = s.ahead_share * limits.budget;
+    let least_scale = earlier
+        .budgets
+        .iter()
+        .fold(1.0_f64, |m, &(_, b)| m.min(b / limits.budget));
     let mut failed = vec![false; n];
     for i in 0..n {
         if let Some(o) = a.owner[i]
             && !failed[o]
-            && (w.cost[o].saturating_sub(plan_masked[o]) as f64) >= ahead_saving
+            && (w.cost[o].saturating_sub(plan_masked[o]) as f64) >= ahead_saving * least_scale
         {
             failed[o] =
                 content_text(messages[i].content()).is_some_and(|t| extract::reports_error(&t));
@@ -438,6 +469,7 @@ pub fn compact_until(
             failed: &failed,
             ahead_saving,
             drops: drop_policy(replacement, limits),
+            budgets: &earlier.budgets,
         },
     );
     // The point the model asked for, up to the turn in progress.
@@ -518,6 +550,7 @@ pub fn compact_until(
         tokens_after: after,
         fits,
         span: None,
+        frontier: plan.frontier,
     }
 }
 

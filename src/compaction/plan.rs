@@ -10,6 +10,16 @@
 //! an assistant message, then the whole request), using cached per-message
 //! counts, so every replica and every restart reaches the same boundaries.
 //!
+//! Except the budget. It is in raw tokens, the prompt budget over the plan
+//! ratio of calibration, and that ratio moves (against an upstream whose
+//! tokens per byte depend on what a request holds, compaction itself moves
+//! it). Replayed against a larger budget than it had, an earlier turn
+//! masks and drops less, and what it had masked comes back. So a
+//! conversation that has been compacted keeps the budgets its turns were
+//! planned against (`proxy/reached.rs`, in the state store), each earlier
+//! turn is replayed against its own ([`Costs::budgets`]), and only the
+//! newest is planned against today's: boundaries move forward, never back.
+//!
 //! Drops (the `prune` stage) are replayed the same way, and only when masking
 //! everything outside the recent window still leaves the request over its
 //! budget; they also jump to the target, so they are rare and large. They
@@ -130,6 +140,33 @@ pub struct Costs<'a> {
     /// at least this many tokens is masked ahead of the frontier.
     pub ahead_saving: f64,
     pub drops: DropPolicy,
+    /// The budget each earlier turn was planned against: `(from, budget)`
+    /// pairs, ascending by `from`. A prefix that ends at `e`, short of the
+    /// whole request, was planned against the budget of the last pair with
+    /// `from <= e` (of the first pair when none is), and every threshold
+    /// drawn from the budget scales with it. Empty: every turn against
+    /// `budget`.
+    pub budgets: &'a [(usize, f64)],
+}
+
+impl Costs<'_> {
+    /// The budget the prefix ending at `e` is planned against (see
+    /// [`Costs::budgets`]).
+    fn budget_at(&self, e: usize) -> f64 {
+        if e >= self.full.len() {
+            return self.budget;
+        }
+        let after = self.budgets.partition_point(|&(from, _)| from <= e);
+        self.budgets
+            .get(after.saturating_sub(1))
+            .map_or(self.budget, |&(_, b)| b)
+    }
+
+    /// [`Costs::budget_at`] as a share of `budget`, for the thresholds drawn
+    /// from it.
+    fn scale(&self, e: usize) -> f64 {
+        self.budget_at(e) / self.budget
+    }
 }
 
 fn prefix_sums(v: &[u64]) -> Vec<u64> {
@@ -175,8 +212,10 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         full: prefix_sums(&full),
         masked: prefix_sums(c.masked),
         raw: prefix_sums(c.full),
-        unfit: tail_sums(a, c, |i| c.sent[i].saturating_sub(c.full[i])),
-        relief: tail_sums(a, c, |i| c.sent[i].saturating_sub(answered_cost(c, i))),
+        unfit: tail_sums(a, c, |i, _| c.sent[i].saturating_sub(c.full[i])),
+        relief: tail_sums(a, c, |i, e| {
+            c.sent[i].saturating_sub(answered_cost(c, i, c.scale(e)))
+        }),
     };
     let mut frontier = a.base;
     let mut dropped = vec![false; n];
@@ -200,12 +239,15 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         if e <= a.base || e < frontier {
             continue;
         }
+        // This turn's budget: an earlier turn is replayed against the one
+        // it was planned against.
+        let budget = c.budget_at(e);
         // Once compaction has begun, every large result the agent has
         // answered is masked ahead of the frontier (see the module notes).
         if engaged && mask_answered(a, c, e, &mut ahead_from, &mut full, &mut ahead) {
             sums.full = prefix_sums(&full);
         }
-        let hot = cost(&sums, c, e, frontier, dropped_cost) >= c.trigger * c.budget;
+        let hot = cost(&sums, c, e, frontier, dropped_cost) >= c.trigger * budget;
         if !hot && !over_messages(e, dropped_count, p.over_messages) {
             continue;
         }
@@ -220,7 +262,7 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
                 candidates.push(limit);
             }
             let first_ok = candidates
-                .partition_point(|&f| cost(&sums, c, e, f, dropped_cost) > c.target * c.budget);
+                .partition_point(|&f| cost(&sums, c, e, f, dropped_cost) > c.target * budget);
             frontier = candidates.get(first_ok).copied().unwrap_or(limit);
         }
         if hot && !engaged {
@@ -235,13 +277,14 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // Results the agent has not answered yet count at the size `fit`
         // gives them once it has: a result too large for the target now
         // must not take every droppable turn with it.
+        let over_tokens = p.over_tokens * c.scale(e);
         let done = |sums: &Sums, dc: u64, count: usize| {
             let now = cost(sums, c, e, frontier, dc);
-            now - sums.relief[e] as f64 <= c.target * c.budget
-                && now <= p.over_tokens.min(c.budget)
+            now - sums.relief[e] as f64 <= c.target * budget
+                && now <= over_tokens.min(budget)
                 && !over_messages(e, count, half)
         };
-        if cost(&sums, c, e, frontier, dropped_cost) > p.over_tokens
+        if cost(&sums, c, e, frontier, dropped_cost) > over_tokens
             || over_messages(e, dropped_count, p.over_messages)
         {
             match p.kind {
@@ -282,12 +325,12 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // recent window yields to masking (turn by turn, newest last): an
         // extractive placeholder that stays put beats cutting the same
         // results differently on every turn.
-        if cost(&sums, c, e, frontier, dropped_cost) >= c.trigger * c.budget {
+        if cost(&sums, c, e, frontier, dropped_cost) >= c.trigger * budget {
             let last = a.assistants.partition_point(|&x| x < e);
             let lo = a.assistants.partition_point(|&x| x <= frontier);
             let candidates: Vec<usize> = a.assistants[lo..last].to_vec();
             let first_ok = candidates
-                .partition_point(|&f| cost(&sums, c, e, f, dropped_cost) > c.target * c.budget);
+                .partition_point(|&f| cost(&sums, c, e, f, dropped_cost) > c.target * budget);
             if let Some(&f) = candidates.get(first_ok).or(candidates.last()) {
                 frontier = f;
             }
@@ -322,6 +365,7 @@ fn mask_answered(
         k => a.assistants[k - 1],
     };
     let mut changed = false;
+    let saving = c.ahead_saving * c.scale(e);
     for i in *from..e {
         let done = match a.roles[i] {
             _ if a.output(i) => i < answered_before,
@@ -330,7 +374,7 @@ fn mask_answered(
             Role::Assistant => i < answered_before || !c.failed[i],
             _ => false,
         };
-        if done && !ahead[i] && (full[i].saturating_sub(c.masked[i]) as f64) >= c.ahead_saving {
+        if done && !ahead[i] && (full[i].saturating_sub(c.masked[i]) as f64) >= saving {
             ahead[i] = true;
             full[i] = c.masked[i];
             changed = true;
@@ -341,32 +385,32 @@ fn mask_answered(
 }
 
 /// What a result that came in at `c.sent[i]` is expected to cost once it is
-/// answered: a placeholder if it is large enough to be masked ahead of the
-/// frontier, else what `fit` leaves of it. It depends on the sent size
-/// alone, so every later turn replays the same figure.
-fn answered_cost(c: &Costs, i: usize) -> u64 {
-    let fitted = c.sent[i].min(c.fit_limit as u64);
-    if (fitted.saturating_sub(c.placeholder_tokens)) as f64 >= c.ahead_saving {
+/// answered, in a turn whose budget is `scale` times this one's: a
+/// placeholder if it is large enough to be masked ahead of the frontier,
+/// else what `fit` leaves of it. It depends on the sent size and that
+/// budget alone, so every later turn replays the same figure.
+fn answered_cost(c: &Costs, i: usize, scale: f64) -> u64 {
+    let fitted = c.sent[i].min((c.fit_limit * scale) as u64);
+    if (fitted.saturating_sub(c.placeholder_tokens)) as f64 >= c.ahead_saving * scale {
         c.placeholder_tokens
     } else {
         fitted
     }
 }
 
-/// For every prefix end `e`, `excess` summed over the tool results after its
+/// For every prefix end `e` (an assistant message or the whole request;
+/// 0 elsewhere), `excess(i, e)` summed over the tool results `i` after its
 /// last assistant message.
-fn tail_sums(a: &Analysis, c: &Costs, excess: impl Fn(usize) -> u64) -> Vec<u64> {
+fn tail_sums(a: &Analysis, c: &Costs, excess: impl Fn(usize, usize) -> u64) -> Vec<u64> {
     let n = c.full.len();
     let mut out = vec![0; n + 1];
-    let mut extra = 0;
+    let mut tail = Vec::new();
     for e in 0..=n {
-        out[e] = extra;
-        if e < n {
-            if a.roles[e] == Role::Assistant {
-                extra = 0;
-            } else if a.output(e) {
-                extra += excess(e);
-            }
+        if e == n || a.roles[e] == Role::Assistant {
+            out[e] = tail.iter().map(|&i| excess(i, e)).sum();
+            tail.clear();
+        } else if a.output(e) {
+            tail.push(e);
         }
     }
     out
@@ -408,13 +452,14 @@ fn protect_start(a: &Analysis, sums: &Sums, c: &Costs, e: usize) -> usize {
         return a.base;
     }
     let mut pos = idx - c.recent_turns.max(1);
-    let min_tokens = c.recent_share * c.window;
+    let scale = c.scale(e);
+    let min_tokens = c.recent_share * c.window * scale;
     while pos > 0 && ((sums.raw[e] - sums.raw[a.assistants[pos]]) as f64) < min_tokens {
         pos -= 1;
     }
     // ... but at most `recent_max_share` of the budget (at least one turn):
     // on a small window, three turns of large results cannot all stay.
-    let max_tokens = c.recent_max_share * c.budget;
+    let max_tokens = c.recent_max_share * c.budget_at(e);
     while pos + 1 < idx && ((sums.raw[e] - sums.raw[a.assistants[pos]]) as f64) > max_tokens {
         pos += 1;
     }

@@ -19,6 +19,7 @@ mod jobs;
 pub mod learn;
 pub mod listing;
 mod prepare;
+pub mod reached;
 pub mod read;
 mod recall;
 mod recover;

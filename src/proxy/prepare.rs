@@ -14,10 +14,11 @@ use http::HeaderMap;
 
 use super::Proxy;
 use super::jobs::BLOCKING_PREPARE_BYTES;
+use super::reached::Course;
 use super::recall::Offer;
 use super::shared::Snapshot;
 use crate::compaction::Replacement;
-use crate::pipeline;
+use crate::pipeline::{self, History, Reached};
 use crate::recall::{self, store::AgentPoint, store::Originals};
 use crate::tokens::ModelInfo;
 use crate::wire::{Format, NotUnderstood, Parsed, Provider, Writer};
@@ -33,6 +34,9 @@ pub struct Prepared {
     pub offer: Option<Box<Offer>>,
     /// The replicas' record the request was measured with (with Redis).
     pub shared: Option<Snapshot>,
+    /// The conversation's record of what compaction did on its earlier
+    /// turns (see `reached.rs`), when one was read: a retry keeps it too.
+    pub course: Option<Box<Course>>,
 }
 
 /// What condense measured and did, for the response headers.
@@ -44,6 +48,9 @@ pub struct Report {
     /// The raw count of the body sent, for calibration (None on the cheap
     /// path).
     pub raw_after: Option<u64>,
+    /// What compaction did to the request, when it changed it (for the
+    /// conversation's record).
+    pub reached: Option<Reached>,
 }
 
 impl Prepared {
@@ -55,18 +62,22 @@ impl Prepared {
             report: None,
             offer: None,
             shared: None,
+            course: None,
         }
     }
 }
 
 /// What condense may add to a request beyond compacting it.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Own {
     /// Its tools (`condense_recall`, `compress_context`) may be offered,
     /// and rewrites carry recall keys; not on an overflow retry.
     pub tools: bool,
     /// The model asked for compaction up to this message.
     pub due: Option<usize>,
+    /// What the conversation's earlier turns were planned against and
+    /// reached.
+    pub history: Option<History>,
 }
 
 /// A measured request on its way: the pipeline's result and how it is
@@ -138,6 +149,22 @@ impl Proxy {
         let (snapshot, info, due) = self
             .what_the_plan_reads(upstream.base_url(), &model, point.as_ref())
             .await;
+        // What compaction did on the conversation's earlier turns, read
+        // for a request that may be at its trigger at all (see
+        // `reached.rs`).
+        let mut course = self
+            .tokens
+            .may_reach_trigger(&info, &parsed.conversation, bytes)
+            .then(|| Course::of(&scope(), parsed.conversation.messages()))
+            .flatten();
+        if let Some(c) = course.as_mut() {
+            c.read(&self.state).await;
+        }
+        let own = Own {
+            tools: true,
+            due,
+            history: course.as_ref().and_then(|c| c.history.clone()),
+        };
         let measured = if bytes.len() >= BLOCKING_PREPARE_BYTES
             && self
                 .tokens
@@ -146,26 +173,12 @@ impl Proxy {
         {
             let (this, body, name) = (self.clone(), bytes.clone(), model.clone());
             self.off_workers(bytes.len(), move || {
-                this.measure_or_forward(
-                    format,
-                    parsed,
-                    &body,
-                    &name,
-                    info,
-                    Own { tools: true, due },
-                )
+                this.measure_or_forward(format, parsed, &body, &name, info, own)
             })
             .await
             .unwrap_or_else(|| Err(Box::new(Prepared::unchanged(bytes.clone(), None))))
         } else {
-            self.measure_or_forward(
-                format,
-                parsed,
-                bytes,
-                &model,
-                info,
-                Own { tools: true, due },
-            )
+            self.measure_or_forward(format, parsed, bytes, &model, info, own)
         };
         let mut prepared = match measured {
             Ok(m) => self.complete(format, m, bytes, model, headers).await,
@@ -186,6 +199,10 @@ impl Proxy {
         if let Some(offer) = prepared.offer.as_mut() {
             offer.originals.scope = scope();
             offer.point = point;
+        }
+        if let Some(c) = course {
+            self.record_reached(&c, &prepared).await;
+            prepared.course = Some(Box::new(c));
         }
         (prepared, waited)
     }
@@ -238,7 +255,11 @@ impl Proxy {
         info: ModelInfo,
         own: Own,
     ) -> Result<Measured, Box<Prepared>> {
-        let Own { tools, due } = own;
+        let Own {
+            tools,
+            due,
+            history,
+        } = own;
         let replacement = self
             .summarizer_for(format)
             .map_or(Replacement::Digest, |(s, _)| s.replacement());
@@ -248,6 +269,7 @@ impl Proxy {
             model,
             info,
             due,
+            history,
         };
         let Parsed {
             conversation,
@@ -279,6 +301,14 @@ impl Proxy {
         }))
         .map(|p| (p, writer))
         .map_err(|_| Box::new(self.forward_unchanged(body, model)))
+    }
+
+    /// Adds what `prepared`'s compaction did to its conversation's record
+    /// (which changes only when the budget or the frontier moved).
+    pub(super) async fn record_reached(&self, course: &Course, prepared: &Prepared) {
+        if let Some(now) = prepared.report.as_ref().and_then(|r| r.reached) {
+            course.record(&self.state, now).await;
+        }
     }
 
     /// Counts a failure inside condense; the request goes out as it came.
@@ -408,6 +438,7 @@ impl Proxy {
             tokens_after: p.tokens_after,
             actions: p.actions(),
             raw_after: p.raw_after,
+            reached: p.reached,
         };
         let offered = crate::wire::tools::offered(&p.request);
         let room = p
@@ -471,6 +502,7 @@ impl Proxy {
             report: Some(report),
             offer: None,
             shared: None,
+            course: None,
         };
         if let Some((before, after)) = tools {
             // What the tools add is part of what is sent (and of what the

@@ -16,6 +16,7 @@ use http::HeaderMap;
 
 use super::jobs::BLOCKING_PREPARE_BYTES;
 use super::prepare::{Own, Prepared};
+use super::reached::Course;
 use super::respond::Reply;
 use super::shared::Change;
 use super::{Proxy, read};
@@ -164,14 +165,20 @@ impl Proxy {
         }
         info.correction = Some(o.correction(&rejected));
 
+        // The retry keeps what the conversation's earlier turns did, and
+        // records what it does.
+        let course = prepared.course.as_deref();
         let Some(mut retry) = self
-            .prepare_retry(format, original, &model, info, headers)
+            .prepare_retry(format, original, &model, info, headers, course)
             .await
         else {
             count("not_recoverable");
             return Ok((unchanged(), prepared));
         };
         retry.shared = snapshot;
+        if let Some(c) = course {
+            self.record_reached(c, &retry).await;
+        }
         let resp = endpoint
             .send(
                 method.clone(),
@@ -238,6 +245,7 @@ impl Proxy {
         model: &str,
         info: ModelInfo,
         headers: &HeaderMap,
+        course: Option<&Course>,
     ) -> Option<Prepared> {
         let parsed = format.api().parse(original).ok()?;
         let completion = info
@@ -254,8 +262,12 @@ impl Proxy {
         if completion >= window {
             return None;
         }
+        let own = Own {
+            history: course.and_then(|c| c.history.clone()),
+            ..Own::default()
+        };
         let (p, writer) = self
-            .measure_or_forward(format, parsed, original, model, info, Own::default())
+            .measure_or_forward(format, parsed, original, model, info, own)
             .ok()?;
         let p = self.checkpointed(format, p, model, headers, false).await?;
         let outcome = p.outcome.as_ref()?;

@@ -189,7 +189,7 @@ async fn run(
         let before = fixed + prefix.iter().map(|m| counter.message(m.raw())).sum::<u64>();
 
         let seen = simulator.received().len();
-        let (status, actions) = send_turn(&proxy, format, turn_body.clone()).await;
+        let (status, actions, estimate) = send_turn(&proxy, format, turn_body.clone()).await;
         let received = simulator.received();
         let new = &received[seen.min(received.len())..];
         rejections += new.iter().filter(|(_, ok)| !ok).count();
@@ -225,6 +225,7 @@ async fn run(
             turn: t + 1,
             messages: end,
             tokens_before: before,
+            estimate,
             status,
             actions,
             lost,
@@ -317,16 +318,16 @@ fn proxy_config(
 }
 
 /// Sends one turn through the proxy and reads the whole answer (which is
-/// when usage is taken); returns the status the client got and the actions
-/// condense reported.
-async fn send_turn(proxy: &Arc<Proxy>, format: Format, body: Bytes) -> (u16, String) {
+/// when usage is taken); returns the status the client got, the actions
+/// condense reported and its calibrated estimate of the turn.
+async fn send_turn(proxy: &Arc<Proxy>, format: Format, body: Bytes) -> (u16, String, Option<u64>) {
     let request = http::Request::builder()
         .method(http::Method::POST)
         .uri(format.path())
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(axum::body::Body::from(body));
     let Ok(request) = request else {
-        return (0, "none".to_string());
+        return (0, "none".to_string(), None);
     };
     let response = proxy.clone().conversation(format, request).await;
     let status = response.status().as_u16();
@@ -336,7 +337,11 @@ async fn send_turn(proxy: &Arc<Proxy>, format: Format, body: Bytes) -> (u16, Str
         .and_then(|v| v.to_str().ok())
         .unwrap_or("none")
         .to_string();
+    let estimate = response
+        .headers()
+        .get(crate::proxy::X_TOKENS_BEFORE)
+        .and_then(|v| v.to_str().ok()?.parse().ok());
     let _ = axum::body::to_bytes(response.into_body(), usize::MAX).await;
     proxy.settled().await;
-    (status, actions)
+    (status, actions, estimate)
 }

@@ -29,6 +29,10 @@ pub struct Turn {
     pub turn: usize,
     pub messages: usize,
     pub tokens_before: u64,
+    /// condense's calibrated estimate of the turn as the client sent it
+    /// (`x-condense-tokens-before`): the raw count times the ratio it had
+    /// learned by then.
+    pub estimate: Option<u64>,
     /// The status the client got.
     pub status: u16,
     pub actions: String,

@@ -26,6 +26,23 @@ fn rules_count_text_their_own_way() {
     );
 }
 
+#[test]
+fn the_mix_rule_counts_tool_output_and_prose_at_their_own_rates() {
+    let rule: CountRule = "mix:4,2".parse().unwrap();
+    assert_eq!(rule.to_string(), "mix:4,2");
+    // "user" + 36 "x" at 2 (20), "tool" + "a" + 36 "y" at 4 (11 rounded
+    // up), "assistant" + "ok" at 2 and the call's "c", "run" and "{}" at 4
+    // (5.5 + 1.5 = 7); 3 a message, 3 priming.
+    let b = body(json!({"model": "m", "messages": [
+        {"role": "user", "content": "x".repeat(36)},
+        {"role": "assistant", "content": "ok", "tool_calls": [{"id": "c", "function": {"name": "run", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "y".repeat(36)}]}));
+    assert_eq!(rule.count(&b), Some(20 + 7 + 11 + 9 + 3));
+    for bad in ["mix:4", "mix:4,", "mix:0,3", "mix:a,b"] {
+        assert!(bad.parse::<CountRule>().is_err(), "{bad}");
+    }
+}
+
 /// A chat body whose prompt is `chars` + 10 tokens under `Chars(1.0)`
 /// ("user" and the content, 3 for the message, 3 priming), asking for
 /// `max_tokens` when given.

@@ -414,6 +414,32 @@ impl TokenService {
         self.assess_as(upstream, &model, info, req, body, allow_cheap)
     }
 
+    /// The prompt budget of `req` for a model with `info`.
+    fn budget(&self, info: &ModelInfo, req: &ChatRequest) -> Budget {
+        let correction = info.correction.clone().unwrap_or_default();
+        let mut budget = Budget::new(
+            info.window,
+            correction.completion.or(req.max_completion_tokens()),
+            self.config.tokens.default_completion_tokens,
+            self.config.tokens.reserve_ratio,
+        );
+        if let Some(cap) = correction.prompt_budget {
+            budget.prompt_budget = budget.prompt_budget.min(cap.max(1));
+        }
+        budget
+    }
+
+    /// Whether `req` (whose body is `body`) could be at its trigger under
+    /// any calibration ratio: false for a request so far below it that not
+    /// even the largest ratio would put its bytes' upper bound there. Such
+    /// a request was never compacted at any ratio, nor was any shorter
+    /// request of its conversation, so nothing about it needs looking up.
+    pub fn may_reach_trigger(&self, info: &ModelInfo, req: &ChatRequest, body: &[u8]) -> bool {
+        let budget = self.budget(info, req);
+        upper_bound(body) as f64 * calibration::MAX_RATIO
+            >= info.trigger * budget.prompt_budget as f64
+    }
+
     /// [`TokenService::assess`] with the model name and its window, encoding
     /// and thresholds given (offline tools override them).
     pub fn assess_as(
@@ -427,15 +453,7 @@ impl TokenService {
     ) -> Assessment {
         let model = model.to_string();
         let correction = info.correction.clone().unwrap_or_default();
-        let mut budget = Budget::new(
-            info.window,
-            correction.completion.or(req.max_completion_tokens()),
-            self.config.tokens.default_completion_tokens,
-            self.config.tokens.reserve_ratio,
-        );
-        if let Some(cap) = correction.prompt_budget {
-            budget.prompt_budget = budget.prompt_budget.min(cap.max(1));
-        }
+        let budget = self.budget(&info, req);
         // A retry after an overflow measures with the ratio its correction
         // gives, for the report and the plan alike.
         let ratios = match correction.ratio {

@@ -23,6 +23,7 @@ pub(crate) fn decide(view: ChatRequest, body: &Bytes, model: &str, window: u64) 
             model,
             info,
             due: None,
+            history: None,
         },
         view,
         body,
