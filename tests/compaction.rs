@@ -1102,6 +1102,88 @@ fn on_a_tiny_budget_only_the_system_prompt_the_task_and_the_turn_in_progress_are
     );
 }
 
+/// The turns the last resort drops, and the digest it drops after them,
+/// stay recallable: the replacement (a one-line notice when the digest
+/// must go too) holds one key for every dropped message, and it stands
+/// right after the last user message, so that a request whose last user
+/// message fills the window keeps its bytes up to it turn after turn.
+#[test]
+fn what_the_last_resort_drops_is_under_one_key_after_the_last_user_message() {
+    let svc = service();
+    let turn = |t: usize| {
+        let id = format!("call_{t}");
+        [
+            msg(json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": id, "type": "function", "function": {"name": "run", "arguments": json!({"cmd": format!("cat src/file_{t}.rs")}).to_string()}}]})),
+            msg(
+                json!({"role": "tool", "tool_call_id": id, "content": format!("FACT_{t}\n{}", "fn f() {}\n".repeat(30))}),
+            ),
+        ]
+    };
+    let mut messages = vec![
+        msg(json!({"role": "system", "content": "You are an agent."})),
+        msg(json!({"role": "user", "content": "Fix the failing test in src/parser.rs."})),
+    ];
+    (0..20).for_each(|t| messages.extend(turn(t)));
+    let spec: String = (0..700).map(|i| format!("w{} ", i % 97)).collect();
+    messages.push(msg(json!({"role": "user", "content": spec})));
+    let last_user = messages.len() - 1;
+    (20..26).for_each(|t| messages.extend(turn(t)));
+
+    let raws = |ms: &[Message]| ms.iter().map(|m| m.raw().to_vec()).collect::<Vec<_>>();
+    let mut previous: Option<Vec<Message>> = None;
+    for end in [messages.len() - 2, messages.len()] {
+        let input = &messages[..end];
+        let out = run(&svc, input, 1_700.0);
+        assert!(
+            out.stages.iter().any(|s| s.stage == "emergency"),
+            "{:?}",
+            out.stages
+        );
+        let fates = out.fates.clone().unwrap();
+        let result = out.messages.unwrap();
+        assert!(well_paired(&result));
+        // The system prompt, the task, the last user message, then the
+        // replacement.
+        assert!(raws(&result[..2]) == raws(&input[..2]));
+        assert!(
+            result[2].raw() == input[last_user].raw(),
+            "the last user message moved"
+        );
+        let notice = String::from_utf8_lossy(result[3].raw()).into_owned();
+        assert!(notice.contains("earlier messages were removed"), "{notice}");
+        if let Some(prev) = &previous {
+            assert!(
+                raws(&prev[..3]) == raws(&result[..3]),
+                "the request up to the last user message changed"
+            );
+        }
+        // Every fact is in the request or behind one of its keys.
+        let recallable = condense::recall::Recallable::of(input.to_vec(), &fates);
+        let text: String = result
+            .iter()
+            .map(|m| String::from_utf8_lossy(m.raw()).into_owned())
+            .collect();
+        let recalled: String = compaction::keys::keys_in(&text)
+            .filter_map(|k| recallable.text(k))
+            .collect();
+        for t in 0..26 {
+            let fact = format!("FACT_{t}\\n");
+            let held = |s: &str| s.contains(&fact) || s.contains(&fact.replace("\\n", "\n"));
+            if input
+                .iter()
+                .any(|m| held(&String::from_utf8_lossy(m.raw())))
+            {
+                assert!(
+                    held(&text) || held(&recalled),
+                    "FACT_{t} lost for good (end {end})"
+                );
+            }
+        }
+        previous = Some(result);
+    }
+}
+
 /// When nothing but the last resort fits, older turns go whole, but the
 /// head stays: the environment and the task (shortened at worst), so a
 /// Messages body still starts with the client's first user message.

@@ -15,12 +15,23 @@
 //! dropped whole, oldest first, then the digest of earlier drops, and the
 //! shares are tried again on what is left, which now has room. A client
 //! gets an overflow error only when those alone do not fit.
+//!
+//! With recall on, what the last resort drops stays recoverable: the digest
+//! (or checkpoint, or a one-line notice when there is none) comes to stand
+//! for every dropped message, under one key for all of them, and when it
+//! must go it leaves the notice holding that key. A drop without a key
+//! would lose its turns for good, the one cut the agent could not ask for
+//! again. The replacement then stands right after the last user message
+//! (where the first dropped message stood when nothing follows it): its
+//! key changes as turns go, and there it leaves the prefix up to the
+//! client's last message byte-identical from turn to turn, the bulk of a
+//! request whose last user message fills most of the window.
 
 use bytes::Bytes;
 
 use super::conversation::{Analysis, Role};
 use super::text::{content_text, head_tail, with_string_field};
-use super::{Counter, Work, mask};
+use super::{Counter, Work, keys, mask, prune};
 
 /// The shares of each text tried, largest first.
 pub const STEPS: &[f64] = &[0.5, 0.25, 0.1, 0.05, 0.0];
@@ -39,7 +50,7 @@ pub(super) fn run(w: &mut Work, a: &Analysis, target: f64, budget: f64, counter:
         .collect();
     let mut touched = shorten(w, a, &snapshot, target, counter);
     if (w.total() as f64) > budget {
-        let dropped = last_resort(w, a, budget);
+        let dropped = last_resort(w, a, budget, counter);
         if dropped > 0 {
             touched = dropped + shorten(w, a, &snapshot, target, counter);
         }
@@ -105,12 +116,13 @@ fn shorten(
 
 /// Drops whole turns, oldest first, and then the digest, until the request
 /// is within `budget` or only what it cannot do without is left; returns
-/// how many messages went.
-fn last_resort(w: &mut Work, a: &Analysis, budget: f64) -> usize {
+/// how many messages went. With recall on, the digest is cut to a notice
+/// holding the key of every dropped message instead of going.
+fn last_resort(w: &mut Work, a: &Analysis, budget: f64, counter: &dyn Counter) -> usize {
     let mut dropped = 0;
     for unit in &a.units {
         if (w.total() as f64) <= budget {
-            return dropped;
+            break;
         }
         // The head, the last user message and the turn in progress stay.
         if unit
@@ -124,8 +136,42 @@ fn last_resort(w: &mut Work, a: &Analysis, budget: f64) -> usize {
             dropped += 1;
         }
     }
-    if (w.total() as f64) > budget && w.digest.take().is_some() {
+    if w.recall && dropped > 0 {
+        cover(w, a, false, counter);
+    }
+    if (w.total() as f64) > budget && w.digest.is_some() {
+        match w.recall {
+            true => cover(w, a, true, counter),
+            false => w.digest = None,
+        }
         dropped += 1;
     }
     dropped
+}
+
+/// Makes the replacement stand for every dropped message, under their span
+/// key: the digest or checkpoint with its key changed, or (`bare`, or with
+/// none yet) a notice; right after the last user message.
+fn cover(w: &mut Work, a: &Analysis, bare: bool, counter: &dyn Counter) {
+    let count = w.dropped.iter().filter(|d| **d).count();
+    if count == 0 {
+        return;
+    }
+    w.replaced = w.dropped.clone();
+    let span = (0..w.src.len())
+        .filter(|&i| w.replaced[i])
+        .map(|i| w.src[i].raw());
+    let k = keys::span_key(span);
+    let kept = match (&w.digest, bare) {
+        (Some((d, _)), false) => keys::retag(d, &k),
+        _ => None,
+    };
+    let notice = || {
+        let n = prune::notice(count);
+        keys::tag(&n, &k).unwrap_or(n)
+    };
+    let d = kept.unwrap_or_else(notice);
+    let cost = counter.message(&d);
+    w.digest = Some((d, cost));
+    w.digest_at = a.last_user.map(|u| u + 1).filter(|&i| i < w.src.len());
 }

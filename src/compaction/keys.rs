@@ -69,6 +69,22 @@ pub fn tag(raw: &[u8], key: &str) -> Option<Bytes> {
     Some(Bytes::from(out))
 }
 
+/// The message `raw` with the key of its first marker changed to `key`
+/// (a replacement that comes to stand for more messages than it was made
+/// for); None when it holds no key.
+pub fn retag(raw: &[u8], key: &str) -> Option<Bytes> {
+    let at = memmem::find(raw, LABEL.as_bytes())? + LABEL.len();
+    let old = raw[at..]
+        .iter()
+        .take_while(|b| b.is_ascii_alphanumeric() || **b == b'_' || **b == b'-')
+        .count();
+    let mut out = Vec::with_capacity(raw.len() + key.len());
+    out.extend_from_slice(&raw[..at]);
+    out.extend_from_slice(key.as_bytes());
+    out.extend_from_slice(&raw[at + old..]);
+    Some(Bytes::from(out))
+}
+
 /// Whether any of `messages` mentions a recall key.
 pub fn mentions_key(messages: &[Message]) -> bool {
     let finder = memmem::Finder::new(LABEL.as_bytes());
@@ -115,6 +131,18 @@ mod tests {
         // Tagged once only; nothing to tag without a marker.
         assert!(tag(&tagged, "other-key").is_none());
         assert!(tag(br#"{"content":"plain"}"#, &k).is_none());
+    }
+
+    #[test]
+    fn retag_changes_the_first_key_only() {
+        let raw = br#"{"content":"[condense: recall key: 123456789012345; 3 removed] recall key: 999999"}"#;
+        let out = retag(raw, "543210987654321").unwrap();
+        let text = std::str::from_utf8(&out).unwrap();
+        assert_eq!(
+            keys_in(text).collect::<Vec<_>>(),
+            vec!["543210987654321", "999999"]
+        );
+        assert!(retag(br#"{"content":"[condense: 3 removed]"}"#, "543210987654321").is_none());
     }
 
     #[test]

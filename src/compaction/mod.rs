@@ -205,10 +205,15 @@ pub struct Fates {
     /// Per message: whether it was dropped.
     pub dropped: Vec<bool>,
     /// The digest or checkpoint message that stands where the first
-    /// dropped message stood.
+    /// dropped message stood (or where `replacement_at` says).
     pub replacement: Option<Bytes>,
+    /// The message the replacement stands before, when not the first
+    /// dropped one: `emergency`'s last resort puts it right after the last
+    /// user message (see `emergency.rs`).
+    pub replacement_at: Option<usize>,
     /// Per message: whether the replacement stands for it (the messages
-    /// dropped when it was made; a last-resort drop after that is not).
+    /// dropped when it was made; with recall on, also those `emergency`'s
+    /// last resort dropped after, whose key it then holds).
     pub replaced: Vec<bool>,
 }
 
@@ -221,6 +226,9 @@ struct Work<'a> {
     digest: Option<(Bytes, u64)>,
     /// The messages the digest stands for.
     replaced: Vec<bool>,
+    /// The message the digest stands before, when not the first dropped
+    /// one.
+    digest_at: Option<usize>,
     fixed: u64,
     stages: Vec<StageReport>,
     /// Whether rewrites carry their recall key (`compaction.recall`).
@@ -279,19 +287,22 @@ impl Work<'_> {
 
     fn into_messages(self) -> (Vec<Message>, Fates) {
         let mut out = Vec::with_capacity(self.src.len());
-        let mut digest = self.digest.as_ref().map(|d| d.0.clone());
+        let placed = self.digest_at.filter(|&i| i < self.src.len());
+        let at = placed.or_else(|| self.dropped.iter().position(|d| *d));
         for i in 0..self.src.len() {
-            if self.dropped[i] {
-                if let Some(d) = digest.take() {
-                    out.push(Message::from_bytes(d));
-                }
-                continue;
+            if Some(i) == at
+                && let Some((d, _)) = &self.digest
+            {
+                out.push(Message::from_bytes(d.clone()));
             }
-            out.push(self.current(i));
+            if !self.dropped[i] {
+                out.push(self.current(i));
+            }
         }
         let fates = Fates {
             rewritten: self.bytes,
             dropped: self.dropped,
+            replacement_at: self.digest.as_ref().and(placed),
             replacement: self.digest.map(|d| d.0),
             replaced: self.replaced,
         };
@@ -384,6 +395,7 @@ pub fn compact_until(
         dropped: vec![false; n],
         digest: None,
         replaced: vec![false; n],
+        digest_at: None,
         fixed: limits.fixed,
         stages: Vec::new(),
         recall: s.recall,

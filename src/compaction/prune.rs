@@ -29,12 +29,18 @@ pub fn digest(messages: &[Message], dropped: &[bool]) -> Bytes {
         text.push('\n');
     }
     let kept = key_lines(&text, DIGEST_CHARS);
-    let body = if kept.is_empty() {
-        format!("{MARK} {count} earlier messages were removed to fit the context window.]")
-    } else {
-        format!(
-            "{MARK} {count} earlier messages were removed to fit the context window; key lines they held:]\n{kept}"
-        )
-    };
+    if kept.is_empty() {
+        return notice(count);
+    }
+    let body = format!(
+        "{MARK} {count} earlier messages were removed to fit the context window; key lines they held:]\n{kept}"
+    );
+    Bytes::from(json!({"role": "user", "content": body}).to_string())
+}
+
+/// The shortest stand-in for `count` dropped messages: only that they went
+/// (with recall on, the key that gives them back is written into it).
+pub fn notice(count: usize) -> Bytes {
+    let body = format!("{MARK} {count} earlier messages were removed to fit the context window.]");
     Bytes::from(json!({"role": "user", "content": body}).to_string())
 }

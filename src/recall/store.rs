@@ -212,6 +212,7 @@ mod tests {
             rewritten: vec![masked],
             dropped: vec![false],
             replacement: None,
+            replacement_at: None,
             replaced: vec![false],
         };
         let own = Recallable::of(vec![Message::from_bytes(Bytes::from_static(raw))], &fates);
@@ -288,6 +289,7 @@ mod tests {
             rewritten: vec![masked],
             dropped: vec![false],
             replacement: None,
+            replacement_at: None,
             replaced: vec![false],
         };
         let own = Recallable::of(vec![Message::from_bytes(Bytes::from_static(raw))], &fates);

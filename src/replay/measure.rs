@@ -1,5 +1,8 @@
 //! The figures of one turn: tokens, prefix stability, uncached tokens,
-//! probe retention (present, or recallable by a key the request holds).
+//! probe retention (present, or recallable by a key the request holds),
+//! and the same over the probes the agent used again (see [`reused`]):
+//! a fact it quoted in a later call or answer is one it needed to do its
+//! job, where many probes are only ever read once.
 
 use bytes::Bytes;
 
@@ -19,6 +22,16 @@ pub(super) struct Track {
     retention_sum: f64,
     recoverable_sum: f64,
     retention_turns: usize,
+    reused_sum: f64,
+    reused_recoverable_sum: f64,
+    reused_turns: usize,
+}
+
+/// The probes a turn is measured on: those its request (as the client sent
+/// it) holds, and among them those the agent used again.
+pub(super) struct Here<'a> {
+    pub all: Vec<&'a Probe>,
+    pub reused: Vec<&'a Probe>,
 }
 
 impl Track {
@@ -29,7 +42,7 @@ impl Track {
         messages: &[Message],
         fixed: u64,
         counter: &dyn Counter,
-        probes: &[&Probe],
+        probes: &Here,
         fits: bool,
         recallable: &str,
     ) -> Strategy {
@@ -49,8 +62,12 @@ impl Track {
         self.previous = Some(raws);
         let hay = haystack(messages);
         let (retention, recoverable) = (
-            share_kept(&hay, probes, ""),
-            share_kept(&hay, probes, recallable),
+            share_kept(&hay, &probes.all, ""),
+            share_kept(&hay, &probes.all, recallable),
+        );
+        let (reused, reused_recoverable) = (
+            share_kept(&hay, &probes.reused, ""),
+            share_kept(&hay, &probes.reused, recallable),
         );
         self.totals.tokens_sent += tokens;
         self.totals.uncached_tokens += tokens - stable;
@@ -59,6 +76,11 @@ impl Track {
             self.retention_sum += r;
             self.recoverable_sum += rr;
             self.retention_turns += 1;
+        }
+        if let (Some(r), Some(rr)) = (reused, reused_recoverable) {
+            self.reused_sum += r;
+            self.reused_recoverable_sum += rr;
+            self.reused_turns += 1;
         }
         if !fits {
             self.totals.turns_not_fit += 1;
@@ -73,6 +95,8 @@ impl Track {
             uncached: tokens - stable,
             retention,
             recoverable,
+            reused,
+            reused_recoverable,
             fits,
         }
     }
@@ -88,6 +112,10 @@ impl Track {
             (self.retention_turns > 0).then(|| self.retention_sum / turns);
         self.totals.recoverable_retention =
             (self.retention_turns > 0).then(|| self.recoverable_sum / turns);
+        let turns = self.reused_turns as f64;
+        self.totals.reused_retention = (self.reused_turns > 0).then(|| self.reused_sum / turns);
+        self.totals.reused_recoverable =
+            (self.reused_turns > 0).then(|| self.reused_recoverable_sum / turns);
         self.totals
     }
 }
@@ -123,6 +151,26 @@ pub(super) async fn recallable(proxy: &Proxy, hay: &str) -> String {
         }
     }
     out
+}
+
+/// Per probe: whether the agent used it again, i.e. an assistant message
+/// (its text or a tool call's arguments) holds it after the first message
+/// that does. `texts`: each message's [`message_text`] of the whole
+/// conversation; `assistant`: whether each message is the model's.
+/// Thinking and reasoning are not read (they are not in [`message_text`],
+/// and Codex's are encrypted): what the agent wrote or called counts.
+pub(super) fn reused(texts: &[String], assistant: &[bool], probes: &[Probe]) -> Vec<bool> {
+    probes
+        .iter()
+        .map(|p| {
+            let mut holding = texts
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| t.contains(&p.text));
+            holding.next().is_some()
+                && holding.any(|(i, _)| assistant.get(i).copied().unwrap_or(false))
+        })
+        .collect()
 }
 
 /// The text a probe is looked for in: message contents and tool-call

@@ -12,8 +12,11 @@
 //! stability (the token-weighted share of a turn's request that is a
 //! byte-identical prefix of the previous turn's), uncached tokens (the rest,
 //! which a provider bills at full price), probe retention (the share of
-//! known facts from earlier messages still present verbatim), and whether
-//! each turn fit its budget. Several conversations make a [`Suite`]: each
+//! known facts from earlier messages still present verbatim; recoverable:
+//! present or given back by a recall key the request holds), the same over
+//! the facts the agent used again (a probe quoted in a later assistant
+//! message or tool call: what it needs to do its job), and whether each
+//! turn fit its budget. Several conversations make a [`Suite`]: each
 //! one's totals and the means over all of them.
 
 use bytes::Bytes;
@@ -22,6 +25,7 @@ use std::sync::Arc;
 
 use crate::chat::{ChatRequest, Message};
 use crate::compaction::Counter;
+use crate::compaction::text::message_text;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::offline::{self, CompactOptions, OfflineError};
@@ -40,7 +44,7 @@ mod turns;
 
 use baselines::{drop_oldest, last_10_results};
 pub use error::ReplayError;
-use measure::{Track, haystack, recallable};
+use measure::{Here, Track, haystack, recallable, reused};
 pub use report::*;
 use turns::Source;
 
@@ -172,6 +176,15 @@ async fn run(
             .is_some_and(|n| simulator.accepts(format.path(), n, completion))
     };
     let fixed = tokens.count(&full, info.encoding).tools + crate::tokens::count::REPLY_PRIMING;
+    let reused = {
+        let texts: Vec<String> = full.messages().iter().map(message_text).collect();
+        let assistant: Vec<bool> = full
+            .messages()
+            .iter()
+            .map(|m| m.role() == Some("assistant"))
+            .collect();
+        reused(&texts, &assistant, probes)
+    };
     let (mut ours, mut drop, mut sliding) = (Track::default(), Track::default(), Track::default());
     let mut turns = Vec::new();
     let mut rejections = 0;
@@ -179,13 +192,19 @@ async fn run(
         let turn_body = source.prefix(end, options.model.as_deref());
         let prefix_view = source.prefix_view(end, &turn_body);
         let prefix = &prefix_view[..];
-        // Probes are placed by the chat form's message index, which the
-        // view keeps.
+        // A probe counts from the first turn whose request, as the client
+        // sent it, holds it. Not by `first_message_index`: that indexes the
+        // list it was written for (the chat form of a converted trace, the
+        // body's own `messages` or `input` of a native one), and a view's
+        // index is neither (a Messages view has a message per tool result,
+        // a Responses view one per assistant run), so a native Claude Code
+        // turn was measured on facts its agent had not seen yet.
         let end = prefix.len();
-        let probes_here: Vec<&Probe> = probes
-            .iter()
-            .filter(|p| p.first_message_index < end)
-            .collect();
+        let client_hay = haystack(prefix);
+        let probes_here = Here {
+            all: present(probes, &client_hay, |_| true),
+            reused: present(probes, &client_hay, |i| reused[i]),
+        };
         let before = fixed + prefix.iter().map(|m| counter.message(m.raw())).sum::<u64>();
 
         let seen = simulator.received().len();
@@ -216,10 +235,16 @@ async fn run(
         let drop_s = drop.turn(&d, fixed, &counter, &probes_here, accepts(&d), "");
         let s = last_10_results(prefix, before, info.trigger * budget.prompt_budget as f64);
         let sliding_s = sliding.turn(&s, fixed, &counter, &probes_here, accepts(&s), "");
-        let lost = probes_here
+        let lost: Vec<String> = probes_here
+            .all
             .iter()
             .filter(|pr| !hay.contains(&pr.text))
             .map(|pr| pr.text.clone())
+            .collect();
+        let unrecoverable = lost
+            .iter()
+            .filter(|text| !recalled.contains(text.as_str()))
+            .cloned()
             .collect();
         turns.push(Turn {
             turn: t + 1,
@@ -229,6 +254,7 @@ async fn run(
             status,
             actions,
             lost,
+            unrecoverable,
             condense,
             drop_oldest: drop_s,
             last_10_results: sliding_s,
@@ -268,6 +294,17 @@ async fn run(
         summarizer: stats,
     };
     Ok((report, simulator))
+}
+
+/// The probes (with their index in `probes`) that `hay` holds and `keep`
+/// takes.
+fn present<'a>(probes: &'a [Probe], hay: &str, keep: impl Fn(usize) -> bool) -> Vec<&'a Probe> {
+    probes
+        .iter()
+        .enumerate()
+        .filter(|(i, p)| keep(*i) && hay.contains(&p.text))
+        .map(|(_, p)| p)
+        .collect()
 }
 
 /// The model name the replayed requests carry.
@@ -345,3 +382,6 @@ async fn send_turn(proxy: &Arc<Proxy>, format: Format, body: Bytes) -> (u16, Str
     proxy.settled().await;
     (status, actions, estimate)
 }
+
+#[cfg(test)]
+mod tests;

@@ -21,6 +21,11 @@ pub struct Strategy {
     /// Probes present, or in an original a recall key in the prompt gives
     /// back (the baselines have no keys: their retention).
     pub recoverable: Option<f64>,
+    /// Retention over the probes the agent used again (quoted in a later
+    /// assistant message or tool call); None before any.
+    pub reused: Option<f64>,
+    /// The same, counting probes a recall key gives back.
+    pub reused_recoverable: Option<f64>,
     pub fits: bool,
 }
 
@@ -38,6 +43,8 @@ pub struct Turn {
     pub actions: String,
     /// Probes condense lost on this turn (present in the uncompacted turn).
     pub lost: Vec<String>,
+    /// Of those, the ones no recall key in the request gives back either.
+    pub unrecoverable: Vec<String>,
     pub condense: Strategy,
     pub drop_oldest: Strategy,
     pub last_10_results: Strategy,
@@ -53,6 +60,11 @@ pub struct Totals {
     pub probe_retention: Option<f64>,
     /// The same, counting probes a recall key in the prompt gives back.
     pub recoverable_retention: Option<f64>,
+    /// Probe retention over the probes the agent used again: mean over
+    /// turns that had one.
+    pub reused_retention: Option<f64>,
+    /// The same, counting probes a recall key in the prompt gives back.
+    pub reused_recoverable: Option<f64>,
     pub turns_not_fit: usize,
 }
 
@@ -159,6 +171,7 @@ impl Suite {
 fn mean<'a>(totals: impl Iterator<Item = &'a Totals>) -> Totals {
     let (mut out, mut n, mut kept, mut with_probes) = (Totals::default(), 0, 0.0, 0);
     let mut recoverable = 0.0;
+    let (mut reused, mut reused_recoverable, mut with_reused) = (0.0, 0.0, 0);
     for t in totals {
         out.tokens_sent += t.tokens_sent;
         out.uncached_tokens += t.uncached_tokens;
@@ -170,12 +183,19 @@ fn mean<'a>(totals: impl Iterator<Item = &'a Totals>) -> Totals {
             recoverable += t.recoverable_retention.unwrap_or(r);
             with_probes += 1;
         }
+        if let Some(r) = t.reused_retention {
+            reused += r;
+            reused_recoverable += t.reused_recoverable.unwrap_or(r);
+            with_reused += 1;
+        }
     }
     if n > 0 {
         out.prefix_stability /= n as f64;
     }
     out.probe_retention = (with_probes > 0).then(|| kept / with_probes as f64);
     out.recoverable_retention = (with_probes > 0).then(|| recoverable / with_probes as f64);
+    out.reused_retention = (with_reused > 0).then(|| reused / with_reused as f64);
+    out.reused_recoverable = (with_reused > 0).then(|| reused_recoverable / with_reused as f64);
     out
 }
 
@@ -232,23 +252,24 @@ fn provider_line(p: &ProviderReport) -> String {
 /// The strategies' totals as a table.
 fn strategies(s: &mut String, condense: &Totals, drop_oldest: &Totals, last_10: &Totals) {
     s.push_str(
-        "strategy          tokens sent  uncached  prefix stability  probe retention  recoverable  turns not fit\n",
+        "strategy          tokens sent  uncached  prefix stability  probe retention  recoverable  reused  reused rec.  turns not fit\n",
     );
+    let num = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3}"));
     for (name, t) in [
         ("condense", condense),
         ("drop_oldest", drop_oldest),
         ("last_10_results", last_10),
     ] {
         s.push_str(&format!(
-            "{:<17} {:>11} {:>9} {:>17.3} {:>16} {:>12} {:>14}\n",
+            "{:<17} {:>11} {:>9} {:>17.3} {:>16} {:>12} {:>7} {:>12} {:>14}\n",
             name,
             t.tokens_sent,
             t.uncached_tokens,
             t.prefix_stability,
-            t.probe_retention
-                .map_or("-".to_string(), |v| format!("{v:.3}")),
-            t.recoverable_retention
-                .map_or("-".to_string(), |v| format!("{v:.3}")),
+            num(t.probe_retention),
+            num(t.recoverable_retention),
+            num(t.reused_retention),
+            num(t.reused_recoverable),
             t.turns_not_fit
         ));
     }

@@ -18,7 +18,9 @@
 //! `tool_use` gets the shortened arguments as its `input` (still a JSON
 //! object), rewritten text replaces the text blocks (a `cache_control` on
 //! them moves to the replacement). Dropped messages take their blocks with
-//! them; the digest or checkpoint becomes a user text block. Messages of the
+//! them; the digest or checkpoint becomes a user text block where the
+//! first dropped message stood (or before the one `Fates::replacement_at`
+//! names; see `request/write.rs` for where it ends up). Messages of the
 //! same role that end up next to each other are merged (`tool_result`
 //! blocks first), so roles still alternate. The result is checked against
 //! the API's rules before it goes out; a result that breaks one is an

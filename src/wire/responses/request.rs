@@ -18,7 +18,8 @@
 //! masked output gets the new text as its `output`, a shortened call the
 //! new `arguments` (or `input`), rewritten assistant text replaces the
 //! message's text parts. The digest or checkpoint becomes a user `message`
-//! item where the first dropped item stood. The result is checked (every
+//! item where the first dropped item stood (or before the item of the view
+//! message `Fates::replacement_at` names). The result is checked (every
 //! output after its call, every call answered when it was before) before it
 //! goes out; a body that breaks the rules already goes out as it came.
 //!
@@ -383,7 +384,17 @@ impl ResponsesRequest {
         // Per item: gone, or its replacement.
         let mut gone = vec![false; self.items.len()];
         let mut replaced: Vec<Option<Item>> = vec![None; self.items.len()];
-        let mut digest_at = None;
+        // Where the replacement stands: before the item(s) of view message
+        // `replacement_at`, else where the first dropped one stood.
+        let first_item = |o: &Origin| match o {
+            Origin::Instructions => None,
+            Origin::Item(k) => Some(*k),
+            Origin::Run(m) => m.first().copied(),
+        };
+        let mut digest_at = fates
+            .replacement_at
+            .and_then(|j| origins.get(j))
+            .and_then(first_item);
         for (j, o) in origins.iter().enumerate() {
             let members: &[usize] = match o {
                 Origin::Instructions => {

@@ -31,7 +31,12 @@ impl MessagesRequest {
         let digest_at = fates
             .replacement
             .as_ref()
-            .and_then(|_| (0..n).find(|&j| fates.dropped[j]))
+            .and_then(|_| {
+                fates
+                    .replacement_at
+                    .filter(|&j| j < n)
+                    .or_else(|| (0..n).find(|&j| fates.dropped[j]))
+            })
             .map(|j| match origins[j] {
                 Origin::User(t)
                 | Origin::UserBlock(t, _)
@@ -40,9 +45,18 @@ impl MessagesRequest {
                 | Origin::Inner(t) => t,
                 Origin::System => 0,
             });
+        // The turn holding the client's last words (its last user text).
+        let last_words = origins.iter().rev().find_map(|o| match *o {
+            Origin::User(t) | Origin::UserBlock(t, _) => Some(t),
+            _ => None,
+        });
         let mut out: Vec<Out> = Vec::with_capacity(self.turns.len() + 1);
         let mut digest_out = None;
+        let mut last_words_out = None;
         for (t, turn) in self.turns.iter().enumerate() {
+            if last_words == Some(t) {
+                last_words_out = Some(out.len());
+            }
             if digest_at == Some(t)
                 && let Some(d) = &fates.replacement
             {
@@ -67,7 +81,10 @@ impl MessagesRequest {
             }
         }
         if let Some(d) = digest_out {
-            self.place_digest(&mut out, d);
+            // Placed by the last resort (see `Fates::replacement_at`).
+            let after_last_words =
+                fates.replacement_at.is_some() && last_words_out.is_some_and(|w| w + 1 == d);
+            self.place_digest(&mut out, d, after_last_words);
         }
         let merged = self.merged(out);
         let shape: Vec<(Side, Vec<&Block>)> = merged
@@ -165,14 +182,38 @@ impl MessagesRequest {
     /// newest: the messages before the drop, the task among them, then keep
     /// their bytes (and the provider's cache of them) as they would in a
     /// chat request, where the digest is a message of its own. Otherwise it
-    /// stays, and joins the user message before it.
-    fn place_digest(&self, out: &mut Vec<Out>, d: usize) {
+    /// stays, and joins the user message before it; but not the one with
+    /// the client's last words when the last resort put the digest right
+    /// after them (`after_last_words`; its key changes as turns go): that
+    /// one keeps its bytes, the prefix up to it stays cached, and the
+    /// digest goes into the assistant message after it, behind that
+    /// message's thinking (which must come first).
+    fn place_digest(&self, out: &mut Vec<Out>, d: usize, after_last_words: bool) {
         let next_user = (d + 1..out.len()).find(|&i| out[i].side(self) == Side::User);
         if let Some(u) = next_user.filter(|&u| u + 1 < out.len()) {
             let digest = out.remove(d);
             // `u` moved down by one with the removal.
             out.insert(u, digest);
+            return;
         }
+        let next = d + 1;
+        if !after_last_words || out.get(next).map(|o| o.side(self)) != Some(Side::Assistant) {
+            return;
+        }
+        let digest = out.remove(d).owned_blocks(self);
+        let into = &mut out[d];
+        let fields = into.fields(self);
+        let mut blocks = into.owned_blocks(self);
+        let at = blocks
+            .iter()
+            .take_while(|b| matches!(b.kind(), "thinking" | "redacted_thinking"))
+            .count();
+        blocks.splice(at..at, digest);
+        *into = Out::Built {
+            side: Side::Assistant,
+            fields,
+            blocks,
+        };
     }
 
     /// Neighbouring messages of the same role joined into one. Each is
