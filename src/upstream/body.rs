@@ -21,6 +21,10 @@ pub enum Outgoing {
     Streamed(UnsyncBoxBody<Bytes, BoxError>),
 }
 
+/// A request body as the connections send it: one condense holds whole, or
+/// one relayed as it comes.
+pub type RequestBody = http_body_util::Either<Full<Bytes>, UnsyncBoxBody<Bytes, BoxError>>;
+
 /// A body condense holds whole, as a response body.
 pub fn whole_body(bytes: Bytes) -> ResponseBody {
     Full::new(bytes)

@@ -30,7 +30,8 @@ use hyper_util::client::proxy::matcher::Matcher;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tower::ServiceExt;
 
-use super::pool::{PoolError, RequestBody};
+use super::body::RequestBody;
+use super::error::PoolError;
 use super::settings::{ASSUMED_STREAMS, Sniffed};
 
 /// How a host is reached.

@@ -31,6 +31,17 @@ pub enum SendError {
     Unreachable(String),
 }
 
+/// Why a connection could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    #[error("the upstream URL has no host")]
+    NoHost,
+    #[error("cannot connect to the upstream")]
+    Connect(#[source] BoxError),
+    #[error("the HTTP handshake with the upstream failed")]
+    Handshake(#[source] hyper::Error),
+}
+
 /// A client path that maps to no URL under the upstream's base URL; the
 /// reason ends the sentence "the request path ...".
 #[derive(Debug, thiserror::Error)]

@@ -46,14 +46,13 @@ use tokio::time::Instant;
 use bytes::Bytes;
 use http::uri::{Authority, Scheme};
 use http::{HeaderValue, Request, Response, Uri};
-use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{Either, Full};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::client::conn::{http1, http2};
 use tokio::sync::Notify;
 
+use super::body::RequestBody;
 use super::connect::{Connector, Opened, Via};
-use super::error::BoxError;
+use super::error::{BoxError, PoolError};
 
 /// How long an unused connection is kept.
 pub const IDLE: Duration = Duration::from_secs(90);
@@ -69,20 +68,6 @@ const MAX_IDLE_PER_HOST: usize = 256;
 /// configuration (the upstream, Anthropic's, the summarizer's); past this,
 /// a request gets a connection of its own.
 const MAX_HOSTS: usize = 32;
-
-/// A request body for the upstream: one condense holds whole, or one
-/// relayed as it comes.
-pub type RequestBody = Either<Full<Bytes>, UnsyncBoxBody<Bytes, BoxError>>;
-
-#[derive(Debug, thiserror::Error)]
-pub enum PoolError {
-    #[error("the upstream URL has no host")]
-    NoHost,
-    #[error("cannot connect to the upstream")]
-    Connect(#[source] BoxError),
-    #[error("the HTTP handshake with the upstream failed")]
-    Handshake(#[source] hyper::Error),
-}
 
 /// The unused HTTP/1.1 connections of every pool, and their bound.
 pub struct IdleBound {

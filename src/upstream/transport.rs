@@ -12,10 +12,11 @@ use bytes::Bytes;
 use http::{HeaderMap, Method, Uri};
 use http_body_util::{BodyExt, Either, Full};
 
+use super::body::RequestBody;
 use super::body::{Outgoing, UpstreamResponse};
 use super::connect::Connector;
 use super::error::{BoxError, causes};
-use super::pool::{IdleBound, Pool, PooledBody, RequestBody};
+use super::pool::{IdleBound, Pool, PooledBody};
 use crate::server::workers;
 
 /// One connection pool per worker thread, and one for the other threads: a

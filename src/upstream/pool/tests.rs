@@ -1,5 +1,5 @@
 use super::*;
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, Either, Full};
 use std::sync::atomic::AtomicUsize;
 
 /// What a test server saw: connections opened and ended, and the
