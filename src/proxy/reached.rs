@@ -51,6 +51,7 @@
 
 use crate::chat::Message;
 use crate::pipeline::{History, Reached};
+use crate::recall::store::fold;
 use crate::state::StateStore;
 
 /// Entries kept under one id: branches of one conversation, or reruns of
@@ -196,14 +197,6 @@ fn parse(value: &str) -> Vec<Entry> {
         })
         .take(ENTRIES)
         .collect()
-}
-
-fn fold(hashes: &[u64]) -> u64 {
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
-    for x in hashes {
-        h.update(&x.to_le_bytes());
-    }
-    h.digest()
 }
 
 #[cfg(test)]

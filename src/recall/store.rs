@@ -182,7 +182,9 @@ impl AgentPoint {
     }
 }
 
-fn fold(hashes: &[u64]) -> u64 {
+/// One hash of a run of message hashes (what a conversation point is
+/// checked against).
+pub(crate) fn fold(hashes: &[u64]) -> u64 {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     for x in hashes {
         h.update(&x.to_le_bytes());
