@@ -67,8 +67,10 @@ pub const BUDGETS: usize = 8;
 #[derive(Debug, Clone)]
 pub struct Course {
     key: String,
-    /// Each message's digest, for the prefix hashes.
-    hashes: Vec<u64>,
+    /// The conversation's messages (handles sharing their bytes), hashed
+    /// only as far as an entry asks: a request with no record, often a
+    /// large one below the trigger, hashes no more than its first turn.
+    messages: Vec<Message>,
     /// What the earlier turns of this conversation did.
     pub history: Option<History>,
 }
@@ -87,11 +89,10 @@ impl Course {
         let first = messages
             .iter()
             .position(|m| m.role() == Some("assistant"))?;
-        let hashes: Vec<u64> = messages.iter().map(Message::digest).collect();
-        let id = fold(&hashes[..=first]);
+        let id = prefix(&messages[..=first]);
         Some(Course {
             key: format!("reached:{scope}:{id:016x}"),
-            hashes,
+            messages: messages.to_vec(),
             history: None,
         })
     }
@@ -110,7 +111,7 @@ impl Course {
     /// it: this conversation's entry first, the other conversations' after
     /// it (the entries this one supersedes go).
     pub async fn record(&self, store: &StateStore, now: Reached) {
-        if now.frontier > self.hashes.len() || !(now.budget.is_finite() && now.budget > 0.0) {
+        if now.frontier > self.messages.len() || !(now.budget.is_finite() && now.budget > 0.0) {
             return;
         }
         let before = self.history.clone().unwrap_or_default();
@@ -131,7 +132,7 @@ impl Course {
         }
         let entry = Entry {
             frontier,
-            hash: fold(&self.hashes[..frontier]),
+            hash: prefix(&self.messages[..frontier]),
             budgets,
         };
         // Read again: another replica may have written since.
@@ -162,8 +163,13 @@ impl Course {
     /// Whether an entry was written by (an earlier turn of) a conversation
     /// that starts as this one does, up to the entry's frontier.
     fn applies(&self, e: &Entry) -> bool {
-        e.frontier <= self.hashes.len() && fold(&self.hashes[..e.frontier]) == e.hash
+        e.frontier <= self.messages.len() && prefix(&self.messages[..e.frontier]) == e.hash
     }
+}
+
+/// The hash of a run of messages, as conversation points take it.
+fn prefix(messages: &[Message]) -> u64 {
+    fold(&messages.iter().map(Message::digest).collect::<Vec<_>>())
 }
 
 fn render(e: Entry) -> String {
