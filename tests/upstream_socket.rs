@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{Ws, response, user};
+use common::{Ws, connect, response, user};
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -28,7 +28,6 @@ use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::protocol::Role;
 
 #[derive(Default)]
@@ -163,20 +162,6 @@ async fn condense(up: &Upstream) -> Server {
     config.models.push(common::profile("agent-*", 8192));
     config.validate().unwrap();
     Server::start(&config).await.unwrap()
-}
-
-async fn connect(server: &Server) -> Ws {
-    let mut req = format!("ws://{}/v1/responses", server.local_addr())
-        .into_client_request()
-        .unwrap();
-    req.headers_mut()
-        .insert("authorization", "Bearer sk-test".parse().unwrap());
-    req.headers_mut().insert(
-        "openai-beta",
-        "responses_websockets=2026-02-06".parse().unwrap(),
-    );
-    let (ws, _) = tokio_tungstenite::connect_async(req).await.unwrap();
-    ws
 }
 
 fn create(input: Vec<Value>, previous: Option<&str>) -> Value {

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{Ws, next_event, response, user};
+use common::{connect, next_event, response, user};
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,8 +26,6 @@ use futures_util::{SinkExt, StreamExt};
 use peak_alloc::PeakAlloc;
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 
 #[global_allocator]
@@ -177,28 +175,6 @@ async fn condense(up: &Upstream, tweak: impl FnOnce(&mut Config)) -> Server {
     tweak(&mut config);
     config.validate().unwrap();
     Server::start(&config).await.unwrap()
-}
-
-async fn connect(server: &Server) -> Ws {
-    let addr = server.local_addr();
-    let mut req = format!("ws://{addr}/v1/responses")
-        .into_client_request()
-        .unwrap();
-    req.headers_mut()
-        .insert("authorization", "Bearer sk-test".parse().unwrap());
-    req.headers_mut().insert(
-        "openai-beta",
-        "responses_websockets=2026-02-06".parse().unwrap(),
-    );
-    // Small buffers: the heap the 200-socket test measures is condense's.
-    let config = WebSocketConfig::default()
-        .read_buffer_size(4096)
-        .write_buffer_size(0);
-    let (ws, resp) = tokio_tungstenite::connect_async_with_config(req, Some(config), false)
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 101);
-    ws
 }
 
 fn create(input: Vec<Value>, previous: Option<&str>) -> Value {

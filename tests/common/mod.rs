@@ -762,6 +762,32 @@ impl Drop for Redis {
 pub type Ws =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
+/// A Responses WebSocket to condense, with a key and the beta that asks
+/// for sockets, as Codex opens it. Small buffers: the heap the 200-socket
+/// test measures is condense's.
+pub async fn connect(server: &Server) -> Ws {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
+    let addr = server.local_addr();
+    let mut req = format!("ws://{addr}/v1/responses")
+        .into_client_request()
+        .unwrap();
+    req.headers_mut()
+        .insert("authorization", "Bearer sk-test".parse().unwrap());
+    req.headers_mut().insert(
+        "openai-beta",
+        "responses_websockets=2026-02-06".parse().unwrap(),
+    );
+    let config = WebSocketConfig::default()
+        .read_buffer_size(4096)
+        .write_buffer_size(0);
+    let (ws, resp) = tokio_tungstenite::connect_async_with_config(req, Some(config), false)
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 101);
+    ws
+}
+
 /// The next event on a Responses WebSocket (pings and pongs passed over),
 /// within 20 s.
 pub async fn next_event(ws: &mut Ws) -> Value {
