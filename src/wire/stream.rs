@@ -418,6 +418,16 @@ mod tests {
         let mut delta = json!({"type": "message_delta", "delta": {},
             "content_block": {"type": "tool_use", "name": RECALL_TOOL}});
         assert_eq!(f.event(&mut delta), Edit::Drop);
+        // A chat call entry that is a number, in a round whose indices go
+        // on after the last one's: passed on as it came.
+        let mut f = Filter::new(Format::Chat.api(), Sum::default());
+        let mut call = json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "y",
+            "function": {"name": "shell", "arguments": "{}"}}]}}]});
+        f.event(&mut call);
+        f.next_round(Sum::default());
+        let mut odd = json!({"choices": [{"index": 0, "delta": {"tool_calls": [7]}}]});
+        f.event(&mut odd);
+        assert_eq!(odd["choices"][0]["delta"]["tool_calls"], json!([7]));
     }
 
     #[test]

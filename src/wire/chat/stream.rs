@@ -393,11 +393,13 @@ pub(super) fn filter(f: &mut Filter, data: &mut Value) -> Edit {
                 !f.dropped.contains(&i)
             });
             changed |= calls.len() != before;
-            for tc in calls.iter_mut() {
+            // An entry that is not an object (an upstream's malformed
+            // chunk) is passed on as it came.
+            for tc in calls.iter_mut().filter_map(Value::as_object_mut) {
                 let i = tc.get("index").and_then(Value::as_u64).unwrap_or(0);
                 let s = f.shifted(i);
                 if s != i {
-                    tc["index"] = json!(s);
+                    tc.insert("index".to_string(), json!(s));
                     changed = true;
                 }
             }
