@@ -103,6 +103,11 @@ enum Command {
         /// max_model_len does).
         #[arg(long)]
         provider_lists_window: bool,
+        /// Write every request body the provider received to DIR, one
+        /// folder per conversation, numbered in order (`NNNN.json`, or
+        /// `NNNN.rejected.json` for one it refused): what condense sent.
+        #[arg(long, value_name = "DIR")]
+        dump: Option<PathBuf>,
     },
 }
 
@@ -153,6 +158,7 @@ fn main() -> ExitCode {
             provider_window,
             provider_errors,
             provider_lists_window,
+            dump,
         } => replay(
             &config,
             &files,
@@ -165,6 +171,7 @@ fn main() -> ExitCode {
                     overflow: provider_errors,
                     lists_window: provider_lists_window,
                 },
+                dump,
             },
             probes.as_deref(),
             json,
@@ -190,6 +197,8 @@ struct ReplayArgs {
     options: CompactOptions,
     summarizer: Option<String>,
     provider: condense::replay::Provider,
+    /// Where the provider's received bodies are written (`--dump`).
+    dump: Option<PathBuf>,
 }
 
 fn replay(
@@ -298,7 +307,7 @@ fn replay_one(
             eprintln!("condense: cannot start the runtime: {e}");
             ExitCode::FAILURE
         })?;
-    let report = runtime.block_on(condense::replay::replay_with(
+    let replayed = runtime.block_on(condense::replay::replay_all(
         config,
         &body,
         &args.options,
@@ -306,10 +315,37 @@ fn replay_one(
         &args.provider,
         args.summarizer.as_deref(),
     ));
-    report.map_err(|e| {
+    let (report, received) = replayed.map_err(|e| {
         eprintln!("condense: {}: {e}", file.display());
         ExitCode::FAILURE
-    })
+    })?;
+    if let Some(dir) = &args.dump {
+        dump(dir, file, &received)?;
+    }
+    Ok(report)
+}
+
+/// Writes `received` (each body the provider got, and whether it accepted
+/// it) under `dir`, in a folder named like the conversation `file`.
+fn dump(dir: &Path, file: &Path, received: &[(bytes::Bytes, bool)]) -> Result<(), ExitCode> {
+    let stem = file
+        .file_stem()
+        .map_or("stdin".into(), |s| s.to_string_lossy());
+    let folder = dir.join(stem.as_ref());
+    let fail = |e: std::io::Error| {
+        eprintln!("condense: cannot write {}: {e}", folder.display());
+        ExitCode::FAILURE
+    };
+    std::fs::create_dir_all(&folder).map_err(fail)?;
+    for (i, (body, accepted)) in received.iter().enumerate() {
+        let name = if *accepted {
+            format!("{:04}.json", i + 1)
+        } else {
+            format!("{:04}.rejected.json", i + 1)
+        };
+        std::fs::write(folder.join(name), body).map_err(fail)?;
+    }
+    Ok(())
 }
 
 fn compact(config: &Config, file: &Path, options: CompactOptions) -> ExitCode {

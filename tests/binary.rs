@@ -554,6 +554,34 @@ fn replay_of_several_conversations_reports_each_and_their_means() {
     );
     assert!(text.contains("all 2 conversations"), "{text}");
 
+    // --dump writes what the provider received, turn by turn, per
+    // conversation: the long one's later requests carry condense's marks.
+    let dumped = dir.join("dumped");
+    let out = condense()
+        .arg("replay")
+        .arg(dir.join("long.json"))
+        .arg(dir.join("short.json"))
+        .args(["--window", "12000", "--dump"])
+        .arg(&dumped)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let bodies = |name: &str| {
+        let mut files: Vec<_> = std::fs::read_dir(dumped.join(name))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        files.sort();
+        files
+    };
+    let (long, short) = (bodies("long"), bodies("short"));
+    assert!(long.len() >= each[0]["turns"].as_u64().unwrap() as usize);
+    assert!(short.len() >= each[1]["turns"].as_u64().unwrap() as usize);
+    assert!(long[0].ends_with("0001.json"));
+    let last: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(long.last().unwrap()).unwrap()).unwrap();
+    assert!(last["messages"].to_string().contains("[condense:"));
+
     // With several conversations, one probe file cannot serve them all.
     let out = condense()
         .arg("replay")

@@ -27,6 +27,16 @@ pub fn placeholder(text: &str, budget: usize) -> String {
     if (trimmed.starts_with('{') || trimmed.starts_with('['))
         && let Ok(v) = serde_json::from_str::<Value>(text)
     {
+        // A wrapper around text (Codex's `{"output": …, "metadata":
+        // {"exit_code": …}}`, a tool that returns a file in a field): the
+        // key lines of that text, as for any other output.
+        if let Some(inner) = wrapped_text(&v, chars) {
+            let kept = key_lines(&inner, budget);
+            return format!(
+                "{MARK} earlier tool output elided: {chars} chars of JSON, {}; key lines kept:]\n{kept}",
+                shape(&v)
+            );
+        }
         return format!(
             "{MARK} earlier tool output elided: {chars} chars of JSON, {}]",
             json_digest(&v, budget)
@@ -39,6 +49,77 @@ pub fn placeholder(text: &str, budget: usize) -> String {
         format!(
             "{MARK} earlier tool output elided: {chars} chars, {lines} lines; key lines kept:]\n{kept}"
         )
+    }
+}
+
+/// The text a JSON value carries when it is mostly text (its multi-line
+/// strings hold at least half of its `chars`): its string values, and its
+/// numbers and booleans as `key: value` (an exit code), one per line, in
+/// document order. None for data (records, lists of ids).
+fn wrapped_text(v: &Value, chars: usize) -> Option<String> {
+    fn multiline(v: &Value, depth: usize) -> usize {
+        match v {
+            Value::String(s) if s.contains('\n') => s.chars().count(),
+            Value::Array(a) if depth < 8 => a.iter().map(|v| multiline(v, depth + 1)).sum(),
+            Value::Object(o) if depth < 8 => o.values().map(|v| multiline(v, depth + 1)).sum(),
+            _ => 0,
+        }
+    }
+    if multiline(v, 0) * 2 < chars {
+        return None;
+    }
+    let mut out = String::with_capacity(chars);
+    readable_into(v, None, &mut out, 0);
+    Some(out)
+}
+
+/// `text` as key lines are read from it: itself, or when it is JSON (a
+/// tool call's arguments, a wrapped output) its strings, numbers and
+/// booleans one per line, so that a script or a file in a string field has
+/// its own lines instead of one escaped line.
+pub fn readable(text: &str) -> std::borrow::Cow<'_, str> {
+    let trimmed = text.trim_start();
+    if (trimmed.starts_with('{') || trimmed.starts_with('['))
+        && let Ok(v) = serde_json::from_str::<Value>(text)
+    {
+        let mut out = String::with_capacity(text.len());
+        readable_into(&v, None, &mut out, 0);
+        return std::borrow::Cow::Owned(out);
+    }
+    std::borrow::Cow::Borrowed(text)
+}
+
+fn readable_into(v: &Value, key: Option<&str>, out: &mut String, depth: usize) {
+    let scalar = |out: &mut String, s: &str| {
+        if let Some(k) = key {
+            out.push_str(k);
+            out.push_str(": ");
+        }
+        out.push_str(s);
+        out.push('\n');
+    };
+    match v {
+        Value::String(s) if s.contains('\n') => {
+            out.push_str(s);
+            out.push('\n');
+        }
+        Value::String(s) => scalar(out, s),
+        Value::Number(n) => scalar(out, &n.to_string()),
+        Value::Bool(b) => scalar(out, if *b { "true" } else { "false" }),
+        Value::Null => {}
+        // serde_json reads no deeper than 128 levels; this walk stops
+        // sooner, as the digest does.
+        Value::Array(a) if depth < 16 => {
+            for v in a {
+                readable_into(v, key, out, depth + 1);
+            }
+        }
+        Value::Object(o) if depth < 16 => {
+            for (k, v) in o {
+                readable_into(v, Some(k), out, depth + 1);
+            }
+        }
+        _ => {}
     }
 }
 
@@ -58,6 +139,11 @@ fn score(line: &str) -> (u32, Option<&str>) {
     }
     let lower = l.to_ascii_lowercase();
     let mut s = 0;
+    // "Exit code: 2", "exit_code: 1", "Process exited with code 1": a
+    // command failed (whose output says why, in lines that score more).
+    if exit_code(&lower).is_some_and(|code| code != "0") {
+        s += 4;
+    }
     // "ValueError: ...", "requests.exceptions.ProxyError: ...": the line a
     // traceback ends with.
     let head = l.split(':').next().unwrap_or("");
@@ -137,6 +223,22 @@ fn score(line: &str) -> (u32, Option<&str>) {
         s += 1;
     }
     (s, path)
+}
+
+/// The code of a line reporting a command's exit status.
+fn exit_code(lower: &str) -> Option<&str> {
+    let rest = ["exit code", "exit_code", "exit status", "exited with code"]
+        .iter()
+        .find_map(|k| {
+            lower
+                .strip_prefix(k)
+                .or_else(|| lower.split_once(k).map(|(_, r)| r))
+        })?;
+    let rest = rest.trim_start_matches([':', '=', ' ']);
+    let end = rest
+        .find(|c: char| !(c.is_ascii_digit() || c == '-'))
+        .unwrap_or(rest.len());
+    (end > 0 && lower.len() < 120).then(|| &rest[..end])
 }
 
 /// A frame of pytest's short traceback: `pkg/render.py:142: in render`.
@@ -406,6 +508,59 @@ FAILED tests/test_render.py::test_heading - TypeError\n",
             p.contains("credit_card_2929732") && p.contains("2FBBAH"),
             "{p}"
         );
+    }
+
+    #[test]
+    fn json_wrapping_text_keeps_the_text_s_key_lines() {
+        // Codex's older shell output: the command's output inside a JSON
+        // string, its exit code in the metadata.
+        let mut out = String::from("============ ERRORS ============\n");
+        for i in 0..80 {
+            out.push_str(&format!("collected line {i} of nothing much\n"));
+        }
+        out.push_str("E   ModuleNotFoundError: No module named 'opk'\n");
+        out.push_str("ERROR tests/test_schema_profiles.py\n");
+        let v = serde_json::json!({"output": out, "metadata": {"exit_code": 2, "duration_seconds": 0.4}});
+        let p = placeholder(&v.to_string(), 300);
+        for kept in [
+            "ModuleNotFoundError: No module named 'opk'",
+            "ERROR tests/test_schema_profiles.py",
+            "exit_code: 2",
+            "object with keys metadata, output",
+        ] {
+            assert!(p.contains(kept), "{kept} missing from {p}");
+        }
+        assert!(!p.contains("collected line"), "{p}");
+        // Data stays a digest of its shape and identifiers.
+        let data = r#"{"reservations":["2FBBAH","X1Y2Z3"],"name":"a\nb"}"#;
+        assert!(placeholder(data, 300).contains("values: 2FBBAH"));
+    }
+
+    #[test]
+    fn a_failed_command_s_exit_code_is_a_key_line() {
+        let mut text = String::from("Exit code: 255\nWall time: 0.2 seconds\nOutput:\n");
+        for i in 0..60 {
+            text.push_str(&format!("plain output line {i}\n"));
+        }
+        assert!(placeholder(&text, 200).contains("Exit code: 255"));
+        let ok = text.replace("Exit code: 255", "Exit code: 0");
+        assert!(!placeholder(&ok, 200).contains("Exit code"));
+        assert_eq!(exit_code("process exited with code 1"), Some("1"));
+        assert_eq!(exit_code("[command finished with exit code 0]"), Some("0"));
+        assert_eq!(exit_code("the exit code matters"), None);
+    }
+
+    #[test]
+    fn readable_json_has_its_strings_as_lines() {
+        let args = r#"{"command":["bash","-lc","apply_patch <<'P'\n*** Add File: tests/test_install.py\n+import x\nP"],"workdir":"/w"}"#;
+        let r = readable(args);
+        assert!(
+            r.lines()
+                .any(|l| l == "*** Add File: tests/test_install.py"),
+            "{r}"
+        );
+        assert!(r.lines().any(|l| l == "workdir: /w"), "{r}");
+        assert_eq!(readable("plain text"), "plain text");
     }
 
     #[test]

@@ -12,8 +12,8 @@
 use bytes::Bytes;
 use serde_json::json;
 
-use super::extract::key_lines;
-use super::text::{MARK, message_text};
+use super::extract::{key_lines, readable};
+use super::text::{MARK, content_text};
 use crate::chat::Message;
 
 /// Characters of key lines a digest keeps.
@@ -25,8 +25,18 @@ pub fn digest(messages: &[Message], dropped: &[bool]) -> Bytes {
     let mut count = 0;
     for (m, _) in messages.iter().zip(dropped).filter(|(_, d)| **d) {
         count += 1;
-        text.push_str(&message_text(m));
-        text.push('\n');
+        // Each piece on its own: a JSON output or arguments string has its
+        // lines read out of its strings.
+        if let Some(content) = content_text(m.content()) {
+            text.push_str(&readable(&content));
+            text.push('\n');
+        }
+        for call in m.tool_calls() {
+            if let Some(args) = call.pointer("/function/arguments").and_then(|a| a.as_str()) {
+                text.push_str(&readable(args));
+                text.push('\n');
+            }
+        }
     }
     let kept = key_lines(&text, DIGEST_CHARS);
     if kept.is_empty() {

@@ -118,15 +118,28 @@ pub async fn replay_with(
     Ok(report)
 }
 
-/// [`replay_with`], and every chat request body the provider received, in
-/// order, with whether it accepted it.
+/// [`replay_all`] without probes or a summarizer.
 pub async fn replay_received(
     config: &Config,
     body: &Bytes,
     options: &CompactOptions,
     provider: &Provider,
 ) -> Result<(Report, Vec<(Bytes, bool)>), ReplayError> {
-    let (report, simulator) = run(config, body, options, &[], provider, None).await?;
+    replay_all(config, body, options, &[], provider, None).await
+}
+
+/// [`replay_with`], and every request body the provider received, in
+/// order, with whether it accepted it (what `condense replay --dump`
+/// writes).
+pub async fn replay_all(
+    config: &Config,
+    body: &Bytes,
+    options: &CompactOptions,
+    probes: &[Probe],
+    provider: &Provider,
+    summarizer: Option<&str>,
+) -> Result<(Report, Vec<(Bytes, bool)>), ReplayError> {
+    let (report, simulator) = run(config, body, options, probes, provider, summarizer).await?;
     Ok((report, simulator.received()))
 }
 
