@@ -468,7 +468,7 @@ pub fn compact_until(
             full: &w.cost,
             sent: &full,
             fit_limit: fit::limit(limits.budget, s.fit_share),
-            placeholder_tokens: mask::placeholder_tokens(s.placeholder_chars),
+            placeholder_chars: s.placeholder_chars,
             masked: &plan_masked,
             fixed: limits.fixed,
             budget: limits.budget,

@@ -121,8 +121,9 @@ pub struct Costs<'a> {
     pub sent: &'a [u64],
     /// The most tokens `fit` leaves an answered result.
     pub fit_limit: f64,
-    /// About what a placeholder costs.
-    pub placeholder_tokens: u64,
+    /// The characters of key lines a placeholder keeps for a 2 KB output
+    /// (see [`super::mask::placeholder_size`]).
+    pub placeholder_chars: usize,
     /// Each message masked (equal to `full` when masking does not apply).
     pub masked: &'a [u64],
     /// Assistant messages a result of whose calls reports a failure.
@@ -391,8 +392,9 @@ fn mask_answered(
 /// budget alone, so every later turn replays the same figure.
 fn answered_cost(c: &Costs, i: usize, scale: f64) -> u64 {
     let fitted = c.sent[i].min((c.fit_limit * scale) as u64);
-    if (fitted.saturating_sub(c.placeholder_tokens)) as f64 >= c.ahead_saving * scale {
-        c.placeholder_tokens
+    let placeholder = super::mask::placeholder_tokens(c.placeholder_chars, fitted);
+    if (fitted.saturating_sub(placeholder)) as f64 >= c.ahead_saving * scale {
+        placeholder
     } else {
         fitted
     }
