@@ -276,10 +276,16 @@ fn path_in(l: &str) -> Option<&str> {
 /// a list of the ones seen.
 pub fn key_lines(text: &str, budget: usize) -> String {
     let mut seen_paths: HashSet<&str> = HashSet::new();
+    let mut seen_lines: HashSet<&str> = HashSet::new();
     // (score, line index, line, where a path new to the placeholder ends)
     let mut scored: Vec<(u32, usize, &str, Option<usize>)> = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let (mut s, path) = score(line);
+        // A line said again (a warning per epoch, the same error per
+        // file) is kept once.
+        if s > 0 && !seen_lines.insert(line.trim()) {
+            continue;
+        }
         let mut path_end = None;
         if let Some(p) = path {
             if !seen_paths.insert(p) {
@@ -561,6 +567,23 @@ FAILED tests/test_render.py::test_heading - TypeError\n",
         );
         assert!(r.lines().any(|l| l == "workdir: /w"), "{r}");
         assert_eq!(readable("plain text"), "plain text");
+    }
+
+    #[test]
+    fn a_line_said_again_is_kept_once() {
+        let mut text = String::new();
+        for epoch in 0..40 {
+            text.push_str("UserWarning: torchaudio.load is deprecated\n");
+            text.push_str(&format!("epoch {epoch} done\n"));
+        }
+        text.push_str("ValueError: sample rate 22050 does not match 44100\n");
+        text.push_str("  File \"/srv/train/loader.py\", line 88, in load\n");
+        let p = placeholder(&text, 200);
+        assert_eq!(p.matches("UserWarning").count(), 1, "{p}");
+        assert!(
+            p.contains("ValueError: sample rate") && p.contains("loader.py"),
+            "{p}"
+        );
     }
 
     #[test]
