@@ -886,6 +886,41 @@ fn prune_drops_whole_units_and_leaves_a_digest() {
 }
 
 #[test]
+fn what_the_user_wrote_after_the_first_answer_is_dropped_last() {
+    // A greeting first, then the real task after the model's hello (as
+    // Claude Code sessions begin), and a correction halfway.
+    let svc = service();
+    let mut m = vec![
+        msg(json!({"role": "system", "content": "You are an agent."})),
+        msg(json!({"role": "user", "content": "hi"})),
+        msg(json!({"role": "assistant", "content": "Hello! What can I do for you?"})),
+        msg(
+            json!({"role": "user", "content": "Port the login page from template/login to src/pages."}),
+        ),
+    ];
+    let turns = agent_turns(30, 1500);
+    let (first, second) = turns[2..].split_at(30);
+    m.extend_from_slice(first);
+    m.push(msg(
+        json!({"role": "user", "content": "Keep the light theme, not the dark one."}),
+    ));
+    m.extend_from_slice(second);
+    let before = tokens(&svc, &m);
+    let out = run(&svc, &m, before as f64 / 6.0);
+    assert!(out.actions().contains("prune"), "{}", out.actions());
+    let result = out.messages.unwrap();
+    assert!(well_paired(&result));
+    let text: Vec<String> = result.iter().map(content).collect();
+    for said in ["Port the login page", "Keep the light theme"] {
+        assert!(
+            text.iter().any(|t| t.starts_with(said)),
+            "{said} was dropped: {:?}",
+            out.stages
+        );
+    }
+}
+
+#[test]
 fn repeated_ids_are_paired_by_position_when_pruning() {
     let svc = service();
     let mut m = vec![

@@ -469,8 +469,9 @@ fn protect_start(a: &Analysis, sums: &Sums, c: &Costs, e: usize) -> usize {
 }
 
 /// Units that may be dropped below `frontier`, in the order to drop them:
-/// the oldest first, those with epistemic markers after all others. Never
-/// the task, the last user message, or anything of the recent window.
+/// the oldest first, those with epistemic markers after the others, what
+/// the user wrote after all of them. Never the task, the last user
+/// message, or anything of the recent window.
 fn drop_order(a: &Analysis, frontier: usize, dropped: &[bool]) -> Vec<usize> {
     let eligible = |u: &Vec<usize>| {
         u.iter().all(|&i| {
@@ -480,6 +481,20 @@ fn drop_order(a: &Analysis, frontier: usize, dropped: &[bool]) -> Vec<usize> {
     let mut order: Vec<usize> = (0..a.units.len())
         .filter(|&u| eligible(&a.units[u]))
         .collect();
-    order.sort_by_key(|&u| (a.units[u].iter().any(|&i| a.marker[i]), a.units[u][0]));
+    // What the user wrote goes last of all: an agent's later instructions
+    // (the real task after a greeting, a correction) are few and short,
+    // and nothing else stands for them.
+    let said = |u: usize| {
+        a.units[u]
+            .iter()
+            .any(|&i| a.roles[i] == Role::User && !a.output(i))
+    };
+    order.sort_by_key(|&u| {
+        (
+            said(u),
+            a.units[u].iter().any(|&i| a.marker[i]),
+            a.units[u][0],
+        )
+    });
     order
 }

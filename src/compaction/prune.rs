@@ -3,7 +3,8 @@
 //! with one short digest message in their place.
 //!
 //! Which units go is decided by the replayed plan (`plan.rs`): the oldest
-//! first, those with epistemic markers last, never the task, the last user
+//! first, those with epistemic markers later, what the user wrote last of
+//! all, never the task, the last user
 //! message or the recent window, and a call always together with its
 //! results (so no orphan remains). The digest lists the key lines and paths
 //! the dropped messages held; a drop breaks the cached prefix anyway, so the
