@@ -121,7 +121,7 @@ pub struct Costs<'a> {
     pub sent: &'a [u64],
     /// The most tokens `fit` leaves an answered result.
     pub fit_limit: f64,
-    /// The characters of key lines a placeholder keeps for a 2 KB output
+    /// The characters of key lines a placeholder keeps for a 3 KB output
     /// (see [`super::mask::placeholder_size`]).
     pub placeholder_chars: usize,
     /// Each message masked (equal to `full` when masking does not apply).
