@@ -805,7 +805,7 @@ fn responses_reasoning(sent: &Value, client: &Value) -> Result<(), String> {
     Ok(())
 }
 
-/// While the bug it names stands, the property lets `emergency` shorten
+/// While the bug it names stands, the property lets compaction change
 /// the blocks of a Messages last user message but its last.
 const TOLERATE_SPLIT_LAST_USER: bool = true;
 
@@ -818,6 +818,7 @@ fn protected(
     c: &Conv,
     k: usize,
     emergency: bool,
+    tolerate: bool,
 ) -> Result<(), String> {
     let results = !emergency;
     let unconsumed: Vec<String> = match k {
@@ -876,8 +877,8 @@ fn protected(
             // Known bug (see `a_messages_last_user_message_of_several_blocks_
             // stays_whole_under_emergency`): the view splits the message into
             // one user message per block and protects only the last, which
-            // `emergency` then spares alone.
-            let spared = match emergency && TOLERATE_SPLIT_LAST_USER {
+            // `emergency` then spares alone, and `prune` keeps alone.
+            let spared = match tolerate {
                 true => blocks.len().saturating_sub(1),
                 false => 0,
             };
@@ -966,6 +967,18 @@ fn check(
     rule: CountRule,
     overflow: OverflowStyle,
 ) -> Result<(), String> {
+    check_with(c, fmt, window, rule, overflow, TOLERATE_SPLIT_LAST_USER)
+}
+
+/// [`check`], the known bug tolerated or not.
+fn check_with(
+    c: &Conv,
+    fmt: Fmt,
+    window: u64,
+    rule: CountRule,
+    overflow: OverflowStyle,
+    tolerate: bool,
+) -> Result<(), String> {
     let Outcome { report, received } = replay(c, fmt, window, rule, overflow);
     let sim = Simulator::new(rule, window, overflow);
     let n = c.turns.len();
@@ -1043,7 +1056,7 @@ fn check(
         }
         if *accepted {
             let emergency = report.turns[k].actions.contains("emergency");
-            protected(fmt, &sent, &client, c, k, emergency).map_err(at)?;
+            protected(fmt, &sent, &client, c, k, emergency, tolerate).map_err(at)?;
         }
     }
     Ok(())
@@ -1070,7 +1083,7 @@ fn lang() -> impl Strategy<Value = Lang> {
 
 /// Mostly a few kilobytes; now and then more than a small window holds.
 fn size() -> impl Strategy<Value = usize> {
-    prop_oneof![6 => 0usize..6000, 1 => 20_000usize..90_000]
+    prop_oneof![6 => 0usize..10_000, 1 => 20_000usize..90_000]
 }
 
 fn shape() -> impl Strategy<Value = Shape> {
@@ -1140,7 +1153,7 @@ fn conv() -> impl Strategy<Value = Conv> {
             prop::bool::weighted(0.25),
         ),
         any::<bool>(),
-        prop::collection::vec(turn(), 1..10),
+        prop::collection::vec(turn(), 1..14),
         prop::option::of(prop_oneof![Just(512u64), Just(1024), Just(4096)]),
     )
         .prop_map(|(task, env, turns, max_tokens)| Conv {
@@ -1171,10 +1184,15 @@ proptest! {
         c in conv(),
         window in 8_000u64..32_000,
         bare in any::<bool>(),
+        extra in prop_oneof![
+            2 => Just(None),
+            1 => Just(Some(CountRule::Bytes(4.0))),
+            1 => Just(Some(CountRule::Mix { tools: 4.5, prose: 3.0 })),
+        ],
     ) {
         let overflow = if bare { OverflowStyle::Bare } else { OverflowStyle::OpenAi };
         for fmt in FORMATS {
-            for rule in RULES {
+            for rule in RULES.into_iter().chain(extra) {
                 if let Err(e) = check(&c, fmt, window, rule, overflow) {
                     prop_assert!(false, "{fmt:?}, {rule}, window {window}, {overflow:?}: {e}");
                 }
@@ -1249,4 +1267,75 @@ fn a_messages_last_user_message_of_several_blocks_stays_whole_under_emergency() 
     for first in firsts {
         assert_eq!(first, task, "the task as the provider got it");
     }
+}
+
+/// The same split, with no `emergency`: the user's latest words (a text
+/// and a screenshot after two results) are the last user message of every
+/// later turn. On turn 4 the provider rejects the request (whitespace it
+/// counts in full) and condense's recovery prunes old turns: the image,
+/// the view's last user message, stays (merged into the task's message),
+/// the text beside it goes with the pruned span. The agent carries on
+/// without what the user last said.
+#[test]
+#[ignore = "bug: prune drops a Messages last user message's text and keeps its image"]
+fn a_messages_last_user_text_beside_an_image_survives_prune() {
+    let plain = |shape| Call {
+        shape,
+        long_args: None,
+        image: false,
+        custom: false,
+    };
+    let c = Conv {
+        task: (Lang::English, 20, false),
+        env: false,
+        turns: vec![
+            Turn {
+                thinking: None,
+                say: Lang::English,
+                calls: vec![
+                    plain(Shape::Log(49)),
+                    Call {
+                        long_args: Some(2000),
+                        ..plain(Shape::Wrapped(49))
+                    },
+                ],
+                user: None,
+            },
+            Turn {
+                thinking: None,
+                say: Lang::English,
+                calls: vec![plain(Shape::Log(256)), plain(Shape::Wrapped(205))],
+                user: Some((Lang::English, true)),
+            },
+            Turn {
+                thinking: None,
+                say: Lang::Cyrillic,
+                calls: vec![tiny(); 149],
+                user: None,
+            },
+            Turn {
+                thinking: None,
+                say: Lang::Cyrillic,
+                calls: vec![
+                    Call {
+                        long_args: Some(4959),
+                        ..plain(Shape::Wrapped(835))
+                    },
+                    plain(Shape::Whitespace(7689)),
+                    plain(Shape::Log(2420)),
+                ],
+                user: None,
+            },
+        ],
+        max_tokens: Some(1024),
+    };
+    let checked = check_with(
+        &c,
+        Fmt::Messages,
+        12_149,
+        CountRule::Chars(3.0),
+        OverflowStyle::OpenAi,
+        false,
+    );
+    assert_eq!(checked, Ok(()));
 }
