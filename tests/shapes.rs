@@ -531,15 +531,25 @@ enum Fit {
 }
 
 fn fit(c: &Conv, fmt: Fmt, k: usize, sim: &Simulator) -> Fit {
-    let count = |v: Value| sim.count(&Bytes::from(v.to_string())).unwrap_or(u64::MAX);
-    let room = sim.window.saturating_sub(completion(c, fmt));
-    if count(minimum(c, fmt, k, true)) > room {
+    let (whole, least, room) = measure(c, fmt, k, sim);
+    if whole > room {
         return Fit::Over;
     }
-    if (count(minimum(c, fmt, k, false)) as f64) <= room as f64 * (1.0 - SPARE) - 300.0 {
+    if (least as f64) <= room as f64 * (1.0 - SPARE) - 300.0 {
         return Fit::Fits;
     }
     Fit::Unknown
+}
+
+/// Request `k`'s system prompt and last user message, its protected
+/// minimum, and the room the window leaves them, as `sim` counts.
+fn measure(c: &Conv, fmt: Fmt, k: usize, sim: &Simulator) -> (u64, u64, u64) {
+    let count = |v: Value| sim.count(&Bytes::from(v.to_string())).unwrap_or(u64::MAX);
+    (
+        count(minimum(c, fmt, k, true)),
+        count(minimum(c, fmt, k, false)),
+        sim.window.saturating_sub(completion(c, fmt)),
+    )
 }
 
 // ------------------------------------------------------------ the checks
@@ -1012,11 +1022,14 @@ fn check_with(
         }
     }
     if std::env::var_os("SHAPES_VERBOSE").is_some() {
-        let fits: Vec<&str> = (0..=n)
+        let fits: Vec<String> = (0..=n)
             .map(|k| match fit(c, fmt, k, &sim) {
-                Fit::Fits => "F",
-                Fit::Over => "O",
-                Fit::Unknown => "?",
+                Fit::Fits => "F".to_string(),
+                Fit::Over => "O".to_string(),
+                Fit::Unknown => {
+                    let (_, least, room) = measure(c, fmt, k, &sim);
+                    format!("?{least}/{room}")
+                }
             })
             .collect();
         let rows: Vec<String> = report
@@ -1200,6 +1213,103 @@ proptest! {
         }
     }
 }
+
+/// Each check fails on the body it is there to catch (the property only
+/// ever shows them bodies condense wrote).
+#[test]
+fn the_checks_catch_what_they_name() {
+    let c = Conv {
+        task: (Lang::English, 20, false),
+        env: false,
+        turns: vec![Turn {
+            thinking: Some(12),
+            say: Lang::English,
+            calls: vec![tiny(), tiny()],
+            user: None,
+        }],
+        max_tokens: None,
+    };
+    for fmt in FORMATS {
+        let good = render(&c, fmt, 1);
+        assert_eq!(pairing(fmt, &good), Ok(()), "{fmt:?}");
+        assert_eq!(protected(fmt, &good, &good, &c, 1, false, false), Ok(()));
+    }
+    // Chat: a result without its call; a call without its result.
+    let mut chat = render(&c, Fmt::Chat, 1);
+    chat["messages"].as_array_mut().unwrap().remove(2);
+    assert!(chat_pairing(&chat).is_err());
+    let mut chat = render(&c, Fmt::Chat, 1);
+    chat["messages"].as_array_mut().unwrap().pop();
+    assert!(chat_pairing(&chat).is_err());
+    // Messages: a result gone, roles that do not alternate, changed
+    // thinking, a changed newest result.
+    let good = render(&c, Fmt::Messages, 1);
+    let mut bad = good.clone();
+    bad["messages"][2]["content"].as_array_mut().unwrap().pop();
+    assert!(messages_pairing(&bad).is_err());
+    let mut bad = good.clone();
+    bad["messages"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"role": "user", "content": "more"}));
+    assert!(messages_pairing(&bad).is_err());
+    let mut bad = good.clone();
+    bad["messages"][1]["content"][0]["signature"] = json!("forged");
+    assert!(messages_thinking(&bad, &good).is_err());
+    let mut bad = good.clone();
+    bad["messages"][1]["content"]
+        .as_array_mut()
+        .unwrap()
+        .remove(0);
+    assert!(messages_thinking(&bad, &good).is_err());
+    let mut bad = good.clone();
+    bad["messages"][2]["content"][0]["content"] = json!("[masked]");
+    assert!(protected(Fmt::Messages, &bad, &good, &c, 1, false, false).is_err());
+    // Responses: an output before its call, reasoning detached from its
+    // run, changed instructions.
+    let good = render(&c, Fmt::Responses, 1);
+    let mut bad = good.clone();
+    bad["input"].as_array_mut().unwrap().swap(3, 5);
+    assert!(responses_pairing(&bad).is_err());
+    let mut bad = good.clone();
+    bad["input"].as_array_mut().unwrap().remove(1);
+    assert!(responses_reasoning(&bad, &good).is_err());
+    let mut bad = good.clone();
+    bad["instructions"] = json!("You are something else.");
+    assert!(protected(Fmt::Responses, &bad, &good, &c, 1, true, false).is_err());
+    // The last user message of the task.
+    let good = render(&c, Fmt::Chat, 1);
+    let mut bad = good.clone();
+    bad["messages"][1]["content"] = json!("#task# Fix");
+    assert!(protected(Fmt::Chat, &bad, &good, &c, 1, true, false).is_err());
+}
+
+/// Hundreds of tiny results one turn after another (an agent polling a
+/// job, or listing one file at a time): hundreds of requests, each a
+/// little longer, on a small window.
+#[test]
+fn hundreds_of_tiny_turns_in_every_format() {
+    let turn = |t: usize| Turn {
+        thinking: (t % 3 == 0).then_some(40),
+        say: [Lang::English, Lang::Cjk, Lang::Emoji][t % 3],
+        calls: vec![tiny()],
+        user: (t % 50 == 49).then_some((Lang::Cyrillic, false)),
+    };
+    let c = Conv {
+        task: (Lang::English, 400, false),
+        env: true,
+        turns: (0..TINY_TURNS).map(turn).collect(),
+        max_tokens: Some(1024),
+    };
+    for fmt in FORMATS {
+        for rule in RULES {
+            let checked = check(&c, fmt, 8000, rule, OverflowStyle::OpenAi);
+            assert_eq!(checked, Ok(()), "{fmt:?}, {rule}");
+        }
+    }
+}
+
+const TINY_TURNS: usize = 100;
 
 // ------------------------------------------------------------ found bugs
 
