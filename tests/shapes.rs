@@ -1290,7 +1290,7 @@ fn the_checks_catch_what_they_name() {
 #[test]
 fn hundreds_of_tiny_turns_in_every_format() {
     let turn = |t: usize| Turn {
-        thinking: (t % 3 == 0).then_some(40),
+        thinking: t.is_multiple_of(3).then_some(40),
         say: [Lang::English, Lang::Cjk, Lang::Emoji][t % 3],
         calls: vec![tiny()],
         user: (t % 50 == 49).then_some((Lang::Cyrillic, false)),
