@@ -535,15 +535,6 @@ fn fit(c: &Conv, fmt: Fmt, k: usize, sim: &Simulator) -> Fit {
     // Well over: the minimum is counted in chat form, which differs from
     // another API's view by a few tokens a message.
     if whole as f64 > room as f64 * 1.05 + 100.0 {
-        // The known bug: the text beside an image in a Messages last user
-        // message is not protected, and `emergency` cuts it to fit.
-        let image = match last_user_turn(c, k) {
-            None => c.task.2,
-            Some(t) => c.turns[t].user.is_some_and(|(_, img)| img),
-        };
-        if TOLERATE_SPLIT_LAST_USER && fmt == Fmt::Messages && image {
-            return Fit::Unknown;
-        }
         return Fit::Over;
     }
     if (least as f64) <= room as f64 * (1.0 - SPARE) - 300.0 {
@@ -826,10 +817,6 @@ fn responses_reasoning(sent: &Value, client: &Value) -> Result<(), String> {
     Ok(())
 }
 
-/// While the bug it names stands, the property lets compaction change
-/// the blocks of a Messages last user message but its last.
-const TOLERATE_SPLIT_LAST_USER: bool = true;
-
 /// The system prompt and the last user message, as the client sent them;
 /// unless `emergency` ran, the unconsumed results too.
 fn protected(
@@ -839,7 +826,6 @@ fn protected(
     c: &Conv,
     k: usize,
     emergency: bool,
-    tolerate: bool,
 ) -> Result<(), String> {
     let results = !emergency;
     let unconsumed: Vec<String> = match k {
@@ -895,15 +881,7 @@ fn protected(
                 .iter()
                 .filter(|b| b["type"] != "tool_result")
                 .collect();
-            // Known bug (see `a_messages_last_user_message_of_several_blocks_
-            // stays_whole_under_emergency`): the view splits the message into
-            // one user message per block and protects only the last, which
-            // `emergency` then spares alone, and `prune` keeps alone.
-            let spared = match tolerate {
-                true => blocks.len().saturating_sub(1),
-                false => 0,
-            };
-            for b in &blocks[spared..] {
+            for b in &blocks {
                 if !ours.contains(b) {
                     return Err(format!("the last user message's block changed: {b}"));
                 }
@@ -988,18 +966,6 @@ fn check(
     rule: CountRule,
     overflow: OverflowStyle,
 ) -> Result<(), String> {
-    check_with(c, fmt, window, rule, overflow, TOLERATE_SPLIT_LAST_USER)
-}
-
-/// [`check`], the known bug tolerated or not.
-fn check_with(
-    c: &Conv,
-    fmt: Fmt,
-    window: u64,
-    rule: CountRule,
-    overflow: OverflowStyle,
-    tolerate: bool,
-) -> Result<(), String> {
     let Outcome { report, received } = replay(c, fmt, window, rule, overflow);
     let sim = Simulator::new(rule, window, overflow);
     let n = c.turns.len();
@@ -1083,7 +1049,7 @@ fn check_with(
         }
         if *accepted {
             let emergency = report.turns[k].actions.contains("emergency");
-            protected(fmt, &sent, &client, c, k, emergency, tolerate).map_err(at)?;
+            protected(fmt, &sent, &client, c, k, emergency).map_err(at)?;
         }
     }
     // A failed turn is the provider's error passed on (in its API's shape,
@@ -1258,7 +1224,7 @@ fn the_checks_catch_what_they_name() {
     for fmt in FORMATS {
         let good = render(&c, fmt, 1);
         assert_eq!(pairing(fmt, &good), Ok(()), "{fmt:?}");
-        assert_eq!(protected(fmt, &good, &good, &c, 1, false, false), Ok(()));
+        assert_eq!(protected(fmt, &good, &good, &c, 1, false), Ok(()));
     }
     // Chat: a result without its call; a call without its result.
     let mut chat = render(&c, Fmt::Chat, 1);
@@ -1290,7 +1256,7 @@ fn the_checks_catch_what_they_name() {
     assert!(messages_thinking(&bad, &good).is_err());
     let mut bad = good.clone();
     bad["messages"][2]["content"][0]["content"] = json!("[masked]");
-    assert!(protected(Fmt::Messages, &bad, &good, &c, 1, false, false).is_err());
+    assert!(protected(Fmt::Messages, &bad, &good, &c, 1, false).is_err());
     // Responses: an output before its call, reasoning detached from its
     // run, changed instructions.
     let good = render(&c, Fmt::Responses, 1);
@@ -1302,12 +1268,12 @@ fn the_checks_catch_what_they_name() {
     assert!(responses_reasoning(&bad, &good).is_err());
     let mut bad = good.clone();
     bad["instructions"] = json!("You are something else.");
-    assert!(protected(Fmt::Responses, &bad, &good, &c, 1, true, false).is_err());
+    assert!(protected(Fmt::Responses, &bad, &good, &c, 1, true).is_err());
     // The last user message of the task.
     let good = render(&c, Fmt::Chat, 1);
     let mut bad = good.clone();
     bad["messages"][1]["content"] = json!("#task# Fix");
-    assert!(protected(Fmt::Chat, &bad, &good, &c, 1, true, false).is_err());
+    assert!(protected(Fmt::Chat, &bad, &good, &c, 1, true).is_err());
 }
 
 /// Tiny results one turn after another (an agent polling a job, or
@@ -1381,7 +1347,6 @@ fn task_blocks_sent(body: &Value, window: u64) -> (Report, Vec<Value>) {
 /// `<system-reminder>` beside the prompt) whose last block is not the
 /// prompt.
 #[test]
-#[ignore = "bug: emergency shortens a Messages last user message's blocks but its last"]
 fn a_messages_last_user_message_of_several_blocks_stays_whole_under_emergency() {
     let task = json!({"role": "user", "content": [
         {"type": "text", "text": format!("Fix the failing build: the parser rejects every header since the last change to src/header.rs. Run the tests, find why, fix it. {}",
@@ -1413,7 +1378,6 @@ fn a_messages_last_user_message_of_several_blocks_stays_whole_under_emergency() 
 /// the text beside it goes with the pruned span. The agent carries on
 /// without what the user last said.
 #[test]
-#[ignore = "bug: prune drops a Messages last user message's text and keeps its image"]
 fn a_messages_last_user_text_beside_an_image_survives_prune() {
     let plain = |shape| Call {
         shape,
@@ -1465,13 +1429,12 @@ fn a_messages_last_user_text_beside_an_image_survives_prune() {
         ],
         max_tokens: Some(1024),
     };
-    let checked = check_with(
+    let checked = check(
         &c,
         Fmt::Messages,
         12_149,
         CountRule::Chars(3.0),
         OverflowStyle::OpenAi,
-        false,
     );
     assert_eq!(checked, Ok(()));
 }

@@ -73,6 +73,11 @@ pub struct Analysis {
     pub head: usize,
     /// The last user message.
     pub last_user: Option<usize>,
+    /// Where the client's last words start: the last user message and the
+    /// user messages right before it (the text and image blocks of a
+    /// Messages user turn, each a view message of its own; an environment
+    /// block before a prompt). All of them are protected.
+    pub last_words_from: Option<usize>,
     /// For a tool result, the assistant message that made its call; for an
     /// observation, the assistant message before it.
     pub owner: Vec<Option<usize>>,
@@ -185,12 +190,24 @@ impl Analysis {
                 marker[i] = own_marker[next];
             }
         }
+        let last_words_from = last_user.map(|u| {
+            let mut from = u;
+            while !observation[u]
+                && from > base
+                && roles[from - 1] == Role::User
+                && !observation[from - 1]
+            {
+                from -= 1;
+            }
+            from
+        });
         Analysis {
             roles,
             base,
             pinned,
             head,
             last_user,
+            last_words_from,
             owner,
             units,
             assistants,
@@ -206,12 +223,18 @@ impl Analysis {
         self.roles[i] == Role::Tool || self.observation[i]
     }
 
+    /// Whether message `i` is part of the client's last words (see
+    /// [`Analysis::last_words_from`]).
+    pub fn last_words(&self, i: usize) -> bool {
+        matches!((self.last_words_from, self.last_user), (Some(from), Some(to)) if (from..=to).contains(&i))
+    }
+
     /// Whether message `i` must come out byte-identical: system/developer
-    /// messages, the last user message, and unconsumed tool results (and
+    /// messages, the client's last words, and unconsumed tool results (and
     /// observations).
     pub fn protected(&self, i: usize) -> bool {
         matches!(self.roles[i], Role::System | Role::Developer)
-            || self.last_user == Some(i)
+            || self.last_words(i)
             || (self.output(i) && !self.consumed[i])
     }
 }

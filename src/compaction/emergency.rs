@@ -73,7 +73,7 @@ fn shorten(
         .filter(|&i| {
             !w.dropped[i]
                 && !matches!(a.roles[i], Role::System | Role::Developer)
-                && a.last_user != Some(i)
+                && !a.last_words(i)
         })
         .collect();
     let mut touched = 0;

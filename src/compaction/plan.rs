@@ -308,7 +308,7 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
                             break;
                         }
                         for i in span_end..cut {
-                            if a.last_user != Some(i) {
+                            if !a.last_words(i) {
                                 dropped[i] = true;
                                 dropped_cost += c.masked[i];
                                 dropped_count += 1;
@@ -475,7 +475,7 @@ fn protect_start(a: &Analysis, sums: &Sums, c: &Costs, e: usize) -> usize {
 fn drop_order(a: &Analysis, frontier: usize, dropped: &[bool]) -> Vec<usize> {
     let eligible = |u: &Vec<usize>| {
         u.iter().all(|&i| {
-            i >= a.base && i < frontier && !a.pinned[i] && a.last_user != Some(i) && !dropped[i]
+            i >= a.base && i < frontier && !a.pinned[i] && !a.last_words(i) && !dropped[i]
         })
     };
     let mut order: Vec<usize> = (0..a.units.len())
