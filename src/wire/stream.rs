@@ -237,7 +237,7 @@ impl Filter {
     /// to its usage.
     pub fn next_round(&mut self, extra: Sum) {
         self.extra = extra;
-        self.offset += self.shown;
+        self.offset = self.offset.saturating_add(self.shown);
         self.shown = 0;
         self.round += 1;
         self.dropped.clear();
@@ -262,11 +262,11 @@ impl Filter {
 
     /// The index `i` as the client sees it: moved up past the calls taken
     /// out before it, after the indices of the rounds before; counted as
-    /// shown.
+    /// shown. An upstream's index can be any u64: the sums saturate.
     pub(super) fn shifted(&mut self, i: u64) -> u64 {
         let s = i - self.dropped.iter().filter(|&&d| d < i).count() as u64;
-        self.shown = self.shown.max(s + 1);
-        s + self.offset
+        self.shown = self.shown.max(s.saturating_add(1));
+        s.saturating_add(self.offset)
     }
 
     /// An event of the block or item at `index` (under `key`): gone with a
@@ -428,6 +428,37 @@ mod tests {
         let mut odd = json!({"choices": [{"index": 0, "delta": {"tool_calls": [7]}}]});
         f.event(&mut odd);
         assert_eq!(odd["choices"][0]["delta"]["tool_calls"], json!([7]));
+    }
+
+    #[test]
+    fn indices_and_sequence_numbers_at_the_top_of_u64_do_not_overflow() {
+        // An upstream's index or sequence number can be any u64: the
+        // filter's counts saturate instead of overflowing (a panic where
+        // overflow is checked).
+        let max = u64::MAX;
+        let mut f = Filter::new(Format::Chat.api(), Sum::default());
+        let mut call = json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": max,
+            "id": "y", "function": {"name": "shell", "arguments": "{}"}}]}}]});
+        assert_eq!(f.event(&mut call), Edit::Keep);
+        assert_eq!(call["choices"][0]["delta"]["tool_calls"][0]["index"], max);
+        let mut f = Filter::new(Format::Messages.api(), Sum::default());
+        let mut block = json!({"type": "content_block_start", "index": max,
+            "content_block": {"type": "text", "text": ""}});
+        assert_eq!(f.event(&mut block), Edit::Keep);
+        let mut f = Filter::new(Format::Responses.api(), Sum::default());
+        let mut item = json!({"type": "response.output_item.added", "output_index": max,
+            "sequence_number": max, "item": {"type": "message"}});
+        assert_eq!(f.event(&mut item), Edit::Keep);
+        // Two ends of a held round, the first numbered 0, the second not
+        // numbered: the next number does not go below 0.
+        let mut f = Filter::new(Format::Responses.api(), Sum::default());
+        f.continuable = true;
+        let mut end = json!({"type": "response.completed", "sequence_number": 0,
+            "response": {"id": "r", "output": []}});
+        assert_eq!(f.event(&mut end), Edit::Hold);
+        let mut again =
+            json!({"type": "response.completed", "response": {"id": "r", "output": []}});
+        assert_eq!(f.event(&mut again), Edit::Hold);
     }
 
     #[test]
