@@ -431,6 +431,86 @@ mod tests {
     }
 
     #[test]
+    fn every_indexed_write_meets_only_the_shapes_it_indexes() {
+        // Each place the gatherers and filters write with `value[..] =`
+        // (serde_json's IndexMut panics on a non-object, or an index past
+        // an array's end) is fed upstream events of every other shape
+        // where it indexes: nothing panics, and the filters pass the odd
+        // pieces on as they came.
+        let odd = [
+            json!(7),
+            json!("x"),
+            json!([1]),
+            json!(null),
+            json!(true),
+            json!({}),
+        ];
+        for format in Format::ALL {
+            for o in &odd {
+                let events = [
+                    o.clone(),
+                    // A call shown in the first round: a later round's
+                    // indices are moved past it.
+                    json!({"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "y",
+                        "function": {"name": "shell", "arguments": "{}"}}]}}]}),
+                    json!({"type": "message_start", "message": o}),
+                    json!({"type": "content_block_start", "index": 0, "content_block": o}),
+                    json!({"type": "content_block_start", "index": 1,
+                        "content_block": {"type": "tool_use", "name": "shell", "input": o}}),
+                    json!({"type": "content_block_delta", "index": 0, "delta": o}),
+                    json!({"type": "content_block_delta", "index": 0,
+                        "delta": {"type": "text_delta", "text": o}}),
+                    json!({"type": "content_block_stop", "index": 1}),
+                    json!({"type": "message_delta", "delta": {"content": o, "usage": o}, "usage": o}),
+                    json!({"type": "message_delta", "delta": o, "usage": {"output_tokens": 1}}),
+                    json!({"type": "message_delta", "delta": {"stop_reason": o}}),
+                    json!({"choices": o, "usage": o}),
+                    json!({"choices": [o]}),
+                    json!({"choices": [{"delta": o, "finish_reason": o}]}),
+                    json!({"choices": [{"delta": {"content": o, "reasoning_content": o,
+                        "tool_calls": [o, {"index": o, "id": o, "function": o}]}}]}),
+                    json!({"choices": [{"delta": {"tool_calls": [{"index": 3,
+                        "function": {"name": "shell", "arguments": o}}]}, "finish_reason": "stop"}]}),
+                    json!({"type": "response.output_item.added", "output_index": 0, "item": o,
+                        "sequence_number": o}),
+                    json!({"type": "response.completed", "response": o}),
+                    json!({"type": "response.completed", "response": {"output": [o], "usage": o}}),
+                ];
+                let mut g = Gather::new(format.api());
+                for e in &events {
+                    g.event(e);
+                }
+                if let Some(a) = g.answer() {
+                    let _ = a.ours();
+                }
+                for continuable in [false, true] {
+                    let mut f = Filter::new(format.api(), Sum::default());
+                    f.continuable = continuable;
+                    for (n, e) in events.iter().enumerate() {
+                        if n == events.len() / 2 {
+                            f.next_round(Sum::default());
+                        }
+                        let mut e = e.clone();
+                        f.event(&mut e);
+                    }
+                }
+            }
+        }
+        // A later round's chat chunk whose first choice is not an object:
+        // passed on as it came.
+        let mut f = Filter::new(Format::Chat.api(), Sum::default());
+        f.next_round(Sum::default());
+        let mut chunk = json!({"id": "c", "choices": ["stop"]});
+        assert_eq!(f.event(&mut chunk), Edit::Keep);
+        assert_eq!(chunk, json!({"id": "c", "choices": ["stop"]}));
+        // A Messages end whose delta is not an object keeps it.
+        let mut f = Filter::new(Format::Messages.api(), Sum::default());
+        let mut end = json!({"type": "message_delta", "delta": 5, "usage": {"output_tokens": 1}});
+        assert_eq!(f.event(&mut end), Edit::Keep);
+        assert_eq!(end["delta"], 5);
+    }
+
+    #[test]
     fn indices_and_sequence_numbers_at_the_top_of_u64_do_not_overflow() {
         // An upstream's index or sequence number can be any u64: the
         // filter's counts saturate instead of overflowing (a panic where
