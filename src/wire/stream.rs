@@ -237,7 +237,7 @@ impl Filter {
     /// to its usage.
     pub fn next_round(&mut self, extra: Sum) {
         self.extra = extra;
-        self.offset += self.shown;
+        self.offset = self.offset.saturating_add(self.shown);
         self.shown = 0;
         self.round += 1;
         self.dropped.clear();
@@ -262,11 +262,11 @@ impl Filter {
 
     /// The index `i` as the client sees it: moved up past the calls taken
     /// out before it, after the indices of the rounds before; counted as
-    /// shown.
+    /// shown. An upstream's index can be any u64: the sums saturate.
     pub(super) fn shifted(&mut self, i: u64) -> u64 {
         let s = i - self.dropped.iter().filter(|&&d| d < i).count() as u64;
-        self.shown = self.shown.max(s + 1);
-        s + self.offset
+        self.shown = self.shown.max(s.saturating_add(1));
+        s.saturating_add(self.offset)
     }
 
     /// An event of the block or item at `index` (under `key`): gone with a
@@ -428,6 +428,117 @@ mod tests {
         let mut odd = json!({"choices": [{"index": 0, "delta": {"tool_calls": [7]}}]});
         f.event(&mut odd);
         assert_eq!(odd["choices"][0]["delta"]["tool_calls"], json!([7]));
+    }
+
+    #[test]
+    fn every_indexed_write_meets_only_the_shapes_it_indexes() {
+        // Each place the gatherers and filters write with `value[..] =`
+        // (serde_json's IndexMut panics on a non-object, or an index past
+        // an array's end) is fed upstream events of every other shape
+        // where it indexes: nothing panics, and the filters pass the odd
+        // pieces on as they came.
+        let odd = [
+            json!(7),
+            json!("x"),
+            json!([1]),
+            json!(null),
+            json!(true),
+            json!({}),
+        ];
+        for format in Format::ALL {
+            for o in &odd {
+                let events = [
+                    o.clone(),
+                    // A call shown in the first round: a later round's
+                    // indices are moved past it.
+                    json!({"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "y",
+                        "function": {"name": "shell", "arguments": "{}"}}]}}]}),
+                    json!({"type": "message_start", "message": o}),
+                    json!({"type": "content_block_start", "index": 0, "content_block": o}),
+                    json!({"type": "content_block_start", "index": 1,
+                        "content_block": {"type": "tool_use", "name": "shell", "input": o}}),
+                    json!({"type": "content_block_delta", "index": 0, "delta": o}),
+                    json!({"type": "content_block_delta", "index": 0,
+                        "delta": {"type": "text_delta", "text": o}}),
+                    json!({"type": "content_block_stop", "index": 1}),
+                    json!({"type": "message_delta", "delta": {"content": o, "usage": o}, "usage": o}),
+                    json!({"type": "message_delta", "delta": o, "usage": {"output_tokens": 1}}),
+                    json!({"type": "message_delta", "delta": {"stop_reason": o}}),
+                    json!({"choices": o, "usage": o}),
+                    json!({"choices": [o]}),
+                    json!({"choices": [{"delta": o, "finish_reason": o}]}),
+                    json!({"choices": [{"delta": {"content": o, "reasoning_content": o,
+                        "tool_calls": [o, {"index": o, "id": o, "function": o}]}}]}),
+                    json!({"choices": [{"delta": {"tool_calls": [{"index": 3,
+                        "function": {"name": "shell", "arguments": o}}]}, "finish_reason": "stop"}]}),
+                    json!({"type": "response.output_item.added", "output_index": 0, "item": o,
+                        "sequence_number": o}),
+                    json!({"type": "response.completed", "response": o}),
+                    json!({"type": "response.completed", "response": {"output": [o], "usage": o}}),
+                ];
+                let mut g = Gather::new(format.api());
+                for e in &events {
+                    g.event(e);
+                }
+                if let Some(a) = g.answer() {
+                    let _ = a.ours();
+                }
+                for continuable in [false, true] {
+                    let mut f = Filter::new(format.api(), Sum::default());
+                    f.continuable = continuable;
+                    for (n, e) in events.iter().enumerate() {
+                        if n == events.len() / 2 {
+                            f.next_round(Sum::default());
+                        }
+                        let mut e = e.clone();
+                        f.event(&mut e);
+                    }
+                }
+            }
+        }
+        // A later round's chat chunk whose first choice is not an object:
+        // passed on as it came.
+        let mut f = Filter::new(Format::Chat.api(), Sum::default());
+        f.next_round(Sum::default());
+        let mut chunk = json!({"id": "c", "choices": ["stop"]});
+        assert_eq!(f.event(&mut chunk), Edit::Keep);
+        assert_eq!(chunk, json!({"id": "c", "choices": ["stop"]}));
+        // A Messages end whose delta is not an object keeps it.
+        let mut f = Filter::new(Format::Messages.api(), Sum::default());
+        let mut end = json!({"type": "message_delta", "delta": 5, "usage": {"output_tokens": 1}});
+        assert_eq!(f.event(&mut end), Edit::Keep);
+        assert_eq!(end["delta"], 5);
+    }
+
+    #[test]
+    fn indices_and_sequence_numbers_at_the_top_of_u64_do_not_overflow() {
+        // An upstream's index or sequence number can be any u64: the
+        // filter's counts saturate instead of overflowing (a panic where
+        // overflow is checked).
+        let max = u64::MAX;
+        let mut f = Filter::new(Format::Chat.api(), Sum::default());
+        let mut call = json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": max,
+            "id": "y", "function": {"name": "shell", "arguments": "{}"}}]}}]});
+        assert_eq!(f.event(&mut call), Edit::Keep);
+        assert_eq!(call["choices"][0]["delta"]["tool_calls"][0]["index"], max);
+        let mut f = Filter::new(Format::Messages.api(), Sum::default());
+        let mut block = json!({"type": "content_block_start", "index": max,
+            "content_block": {"type": "text", "text": ""}});
+        assert_eq!(f.event(&mut block), Edit::Keep);
+        let mut f = Filter::new(Format::Responses.api(), Sum::default());
+        let mut item = json!({"type": "response.output_item.added", "output_index": max,
+            "sequence_number": max, "item": {"type": "message"}});
+        assert_eq!(f.event(&mut item), Edit::Keep);
+        // Two ends of a held round, the first numbered 0, the second not
+        // numbered: the next number does not go below 0.
+        let mut f = Filter::new(Format::Responses.api(), Sum::default());
+        f.continuable = true;
+        let mut end = json!({"type": "response.completed", "sequence_number": 0,
+            "response": {"id": "r", "output": []}});
+        assert_eq!(f.event(&mut end), Edit::Hold);
+        let mut again =
+            json!({"type": "response.completed", "response": {"id": "r", "output": []}});
+        assert_eq!(f.event(&mut again), Edit::Hold);
     }
 
     #[test]

@@ -661,6 +661,20 @@ mod tests {
         let delta = br#"{"type":"response.output_text.delta","delta":"response.created"}"#;
         assert!(with_report(delta, &report).is_none());
         assert!(with_report(br#"{"type":"response.created","response":{}}"#, &[]).is_none());
+        // A response or a metadata that is not an object: the event goes
+        // as it came, or gets a metadata object in place of the odd one.
+        assert!(with_report(br#"{"type":"response.created","response":7}"#, &report).is_none());
+        assert!(with_report(br#"{"type":"response.created","response":[1]}"#, &report).is_none());
+        let odd = with_report(
+            br#"{"type":"response.completed","response":{"id":"r","metadata":[1]}}"#,
+            &report,
+        )
+        .unwrap();
+        let odd: Value = serde_json::from_slice(&odd).unwrap();
+        assert_eq!(
+            odd["response"]["metadata"],
+            json!({"condense_actions": "mask"})
+        );
         let [created, done] = warmup_events("resp_w", Some("m"), 1);
         assert_eq!(created["response"]["status"], "in_progress");
         assert_eq!(done["response"]["output"], json!([]));

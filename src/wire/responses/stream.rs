@@ -145,7 +145,7 @@ pub(super) fn filter(f: &mut Filter, data: &mut Value) -> Edit {
             data["sequence_number"] = json!(next);
             changed = true;
         }
-        f.next_seq = Some(next + 1);
+        f.next_seq = Some(next.saturating_add(1));
     }
     if kind == "response.completed" {
         // Held: another round may go on from here.
@@ -155,7 +155,7 @@ pub(super) fn filter(f: &mut Filter, data: &mut Value) -> Edit {
             }
             // Its number is the next round's, should it be dropped.
             if let Some(next) = f.next_seq.as_mut() {
-                *next -= 1;
+                *next = next.saturating_sub(1);
             }
         }
         return f.end(changed);
