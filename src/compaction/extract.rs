@@ -236,6 +236,10 @@ fn score(line: &str) -> (u32, Option<&str>) {
 
 /// The code of a line reporting a command's exit status.
 fn exit_code(lower: &str) -> Option<&str> {
+    // Nearly every line has none: one search rules it out.
+    if lower.len() >= 120 || !lower.contains("exit") {
+        return None;
+    }
     let rest = ["exit code", "exit_code", "exit status", "exited with code"]
         .iter()
         .find_map(|k| {
@@ -247,7 +251,7 @@ fn exit_code(lower: &str) -> Option<&str> {
     let end = rest
         .find(|c: char| !(c.is_ascii_digit() || c == '-'))
         .unwrap_or(rest.len());
-    (end > 0 && lower.len() < 120).then(|| &rest[..end])
+    (end > 0).then(|| &rest[..end])
 }
 
 /// A frame of pytest's short traceback: `pkg/render.py:142: in render`.
@@ -285,16 +289,10 @@ fn path_in(l: &str) -> Option<&str> {
 /// a list of the ones seen.
 pub fn key_lines(text: &str, budget: usize) -> String {
     let mut seen_paths: HashSet<&str> = HashSet::new();
-    let mut seen_lines: HashSet<&str> = HashSet::new();
     // (score, line index, line, where a path new to the placeholder ends)
     let mut scored: Vec<(u32, usize, &str, Option<usize>)> = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let (mut s, path) = score(line);
-        // A line said again (a warning per epoch, the same error per
-        // file) is kept once.
-        if s > 0 && !seen_lines.insert(line.trim()) {
-            continue;
-        }
         let mut path_end = None;
         if let Some(p) = path {
             if !seen_paths.insert(p) {
@@ -311,11 +309,18 @@ pub fn key_lines(text: &str, budget: usize) -> String {
     // test summary) first.
     scored.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
     let mut chosen: Vec<(usize, String)> = Vec::new();
+    // A line said again (a warning per epoch, the same error per file) is
+    // kept once. Looked up only for lines that would go in, which are few
+    // (every line of a 16 MB result in a set cost a third more time).
+    let mut kept: HashSet<&str> = HashSet::new();
     let mut used = 0;
     for (s, i, line, path_end) in scored {
         // Nothing more can go in: the rest need not be looked at.
         if used + 2 > budget {
             break;
+        }
+        if kept.contains(line.trim()) {
+            continue;
         }
         let mut max_line = if s >= 7 { 240 } else { (budget / 2).max(60) };
         let chars = line.chars().count();
@@ -330,6 +335,7 @@ pub fn key_lines(text: &str, budget: usize) -> String {
         if used + cost > budget {
             continue;
         }
+        kept.insert(line.trim());
         let line = if chars > max_line {
             let cut: String = line.chars().take(max_line).collect();
             format!("{cut}…")
