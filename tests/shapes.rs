@@ -817,6 +817,25 @@ fn responses_reasoning(sent: &Value, client: &Value) -> Result<(), String> {
     Ok(())
 }
 
+/// Every item of `theirs` that answers one of `unconsumed` (by `key`) is
+/// in `ours` as the client sent it.
+fn kept_unconsumed(
+    ours: &[Value],
+    theirs: &[Value],
+    key: &str,
+    unconsumed: &[String],
+) -> Result<(), String> {
+    for m in theirs
+        .iter()
+        .filter(|m| unconsumed.iter().any(|id| m[key] == json!(id)))
+    {
+        if !ours.contains(m) {
+            return Err(format!("unconsumed result {} changed", m[key]));
+        }
+    }
+    Ok(())
+}
+
 /// The system prompt and the last user message, as the client sent them;
 /// unless `emergency` ran, the unconsumed results too.
 fn protected(
@@ -847,14 +866,7 @@ fn protected(
                 return Err("the last user message changed".into());
             }
             if results {
-                for m in theirs
-                    .iter()
-                    .filter(|m| unconsumed.iter().any(|id| m["tool_call_id"] == json!(id)))
-                {
-                    if !ms.contains(m) {
-                        return Err(format!("unconsumed result {} changed", m["tool_call_id"]));
-                    }
-                }
+                kept_unconsumed(ms, theirs, "tool_call_id", &unconsumed)?;
             }
         }
         Fmt::Messages => {
@@ -887,14 +899,7 @@ fn protected(
                 }
             }
             if results {
-                for b in theirs
-                    .iter()
-                    .filter(|b| unconsumed.iter().any(|id| b["tool_use_id"] == json!(id)))
-                {
-                    if !ours.contains(b) {
-                        return Err(format!("unconsumed result {} changed", b["tool_use_id"]));
-                    }
-                }
+                kept_unconsumed(&ours, &theirs, "tool_use_id", &unconsumed)?;
             }
         }
         Fmt::Responses => {

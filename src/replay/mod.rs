@@ -114,7 +114,7 @@ pub async fn replay_with(
     provider: &Provider,
     summarizer: Option<&str>,
 ) -> Result<Report, ReplayError> {
-    let (report, _) = run(config, body, options, probes, provider, summarizer).await?;
+    let (report, _) = replay_all(config, body, options, probes, provider, summarizer).await?;
     Ok(report)
 }
 
