@@ -14,7 +14,7 @@ use bytes::Bytes;
 use serde_json::Value;
 
 use super::conversation::{Analysis, Role, action_start};
-use super::extract::{key_lines, placeholder};
+use super::extract::{key_lines, placeholder, placeholder_size};
 use super::plan::Plan;
 use super::text::{
     MARK, ceil_boundary, content_text, floor_boundary, head_tail, with_raw_field, with_string_field,
@@ -31,31 +31,6 @@ const ARG_VALUE_KEEP_CHARS: usize = 200;
 /// What an action longer than [`ARGS_MAX_CHARS`] in an assistant message's
 /// text is cut to.
 const ACTION_KEEP_CHARS: usize = 400;
-
-/// About what a masked result of `tokens` costs with placeholders of
-/// `base` characters (its label, the lines, and the message's own frame),
-/// for planning before the placeholder exists.
-pub fn placeholder_tokens(base: usize, tokens: u64) -> u64 {
-    // About 4 characters a token in what tools return.
-    let len = usize::try_from(tokens.saturating_mul(4)).unwrap_or(usize::MAX);
-    (placeholder_size(base, len) / 3 + 40) as u64
-}
-
-/// The characters of key lines a placeholder keeps for a text of `len`
-/// bytes: `base` for a 3 KB output, more for a larger one (up to 3 times
-/// `base`, from 27 KB), as the square root of its size, and down to 0.6
-/// of it for a smaller one. A whole file or a long log holds more that a
-/// later step needs than one short answer does; at a flat 300 characters a
-/// 25 KB source file kept 18 of its 60 definitions. On all the shared
-/// traces (natives included, chars:3.6 and 3.0) this took mean retention
-/// from 0.902 to 0.912 at 32k and 0.787 to 0.795 at 16k, stability flat.
-/// A larger scale (2 KB, up to 4 times) gained 0.004 more on the mean but
-/// cost one Claude Code session 0.05 at 32k: larger placeholders brought
-/// its first drop seven turns sooner.
-pub fn placeholder_size(base: usize, len: usize) -> usize {
-    let scale = (len as f64 / 3000.0).sqrt().clamp(0.6, 3.0);
-    (base as f64 * scale) as usize
-}
 
 /// The masked form of message `i`, if masking would change it.
 pub fn masked(
@@ -334,7 +309,9 @@ mod tests {
         // A flat 300 characters kept 18 of them.
         assert!(kept >= 40, "{kept}: {}", String::from_utf8_lossy(&out));
         assert!(out.len() < 2000, "{}", out.len());
-        assert!(placeholder_size(300, 500) < 300 && placeholder_size(300, 1 << 20) == 900);
+        assert!(
+            super::placeholder_size(300, 500) < 300 && super::placeholder_size(300, 1 << 20) == 900
+        );
     }
 
     #[test]

@@ -57,6 +57,7 @@
 //! it only to be masked on the next turn).
 
 use super::conversation::{Analysis, Role};
+use super::extract::placeholder_tokens;
 
 /// What the plan costs a digest message in place of dropped units (an upper
 /// bound; the plan must not depend on the digest's exact text).
@@ -122,7 +123,7 @@ pub struct Costs<'a> {
     /// The most tokens `fit` leaves an answered result.
     pub fit_limit: f64,
     /// The characters of key lines a placeholder keeps for a 3 KB output
-    /// (see [`super::mask::placeholder_size`]).
+    /// (see [`super::extract::placeholder_size`]).
     pub placeholder_chars: usize,
     /// Each message masked (equal to `full` when masking does not apply).
     pub masked: &'a [u64],
@@ -392,7 +393,7 @@ fn mask_answered(
 /// budget alone, so every later turn replays the same figure.
 fn answered_cost(c: &Costs, i: usize, scale: f64) -> u64 {
     let fitted = c.sent[i].min((c.fit_limit * scale) as u64);
-    let placeholder = super::mask::placeholder_tokens(c.placeholder_chars, fitted);
+    let placeholder = placeholder_tokens(c.placeholder_chars, fitted);
     if (fitted.saturating_sub(placeholder)) as f64 >= c.ahead_saving * scale {
         placeholder
     } else {
