@@ -471,8 +471,8 @@ fn protect_start(a: &Analysis, sums: &Sums, c: &Costs, e: usize) -> usize {
 
 /// Units that may be dropped below `frontier`, in the order to drop them:
 /// the oldest first, those with epistemic markers after the others, what
-/// the user wrote after all of them. Never the task, the last user
-/// message, or anything of the recent window.
+/// the user wrote after all of them. Never the task, the client's last
+/// words (see [`Analysis::last_words`]), or anything of the recent window.
 fn drop_order(a: &Analysis, frontier: usize, dropped: &[bool]) -> Vec<usize> {
     let eligible = |u: &Vec<usize>| {
         u.iter().all(|&i| {

@@ -4,9 +4,8 @@
 //!
 //! Which units go is decided by the replayed plan (`plan.rs`): the oldest
 //! first, those with epistemic markers later, what the user wrote last of
-//! all, never the task, the last user
-//! message or the recent window, and a call always together with its
-//! results (so no orphan remains). The digest lists the key lines and paths
+//! all; never the task, the client's last words or the recent window, and
+//! a call always together with its results (so no orphan remains). The digest lists the key lines and paths
 //! the dropped messages held; a drop breaks the cached prefix anyway, so the
 //! digest costs nothing extra in cache terms.
 
