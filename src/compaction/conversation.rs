@@ -73,12 +73,10 @@ pub struct Analysis {
     pub head: usize,
     /// The last user message.
     pub last_user: Option<usize>,
-    /// Where the client's last words start: the last user message, and
-    /// when it continues the one before (`"continues": true`, which the
-    /// Messages view writes on the second and later text or image blocks
-    /// of one user turn, each a view message of its own) those it
-    /// continues. All of them are protected, as a chat client's last
-    /// message is whole.
+    /// Where the client's last words start: the last user message and the
+    /// user messages right before it (the text and image blocks of a
+    /// Messages user turn, each a view message of its own; an environment
+    /// block before a prompt). All of them are protected.
     pub last_words_from: Option<usize>,
     /// For a tool result, the assistant message that made its call; for an
     /// observation, the assistant message before it.
@@ -194,7 +192,11 @@ impl Analysis {
         }
         let last_words_from = last_user.map(|u| {
             let mut from = u;
-            while from > base && roles[from - 1] == Role::User && continues(&messages[from]) {
+            while !observation[u]
+                && from > base
+                && roles[from - 1] == Role::User
+                && !observation[from - 1]
+            {
                 from -= 1;
             }
             from
@@ -235,14 +237,6 @@ impl Analysis {
             || self.last_words(i)
             || (self.output(i) && !self.consumed[i])
     }
-}
-
-/// Whether a view message continues the user message before it (see
-/// [`Analysis::last_words_from`]).
-fn continues(m: &Message) -> bool {
-    let mut found = false;
-    crate::chat::object::members(m.raw(), |k, v| found |= k == "continues" && v == b"true");
-    found
 }
 
 /// Where the action an assistant message's text ends with starts, if it
@@ -366,31 +360,6 @@ fn is_word(hay: &str, start: usize, end: usize) -> bool {
 mod tests {
     use super::*;
     use bytes::Bytes;
-
-    #[test]
-    fn the_last_words_are_the_last_user_message_and_what_it_continues() {
-        let m = |s: &str| Message::from_bytes(Bytes::copy_from_slice(s.as_bytes()));
-        // Chat: an environment block and a task, two messages; only the
-        // task is the last words (the environment is head, which the last
-        // resort may shorten).
-        let chat = [
-            m(r#"{"role":"system","content":"s"}"#),
-            m(r#"{"role":"user","content":"<environment>...</environment>"}"#),
-            m(r#"{"role":"user","content":"Fix the build."}"#),
-        ];
-        let a = Analysis::of(&chat);
-        assert!(!a.last_words(1) && a.last_words(2) && a.protected(2) && !a.protected(1));
-        // The Messages view of one user turn [text, image]: one message.
-        let view = [
-            m(r#"{"role":"system","content":"s"}"#),
-            m(r#"{"role":"user","content":"Fix the build."}"#),
-            m(
-                r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":""}}],"continues":true}"#,
-            ),
-        ];
-        let a = Analysis::of(&view);
-        assert!(a.last_words(1) && a.last_words(2) && a.protected(1));
-    }
 
     proptest::proptest! {
         #[test]

@@ -295,10 +295,6 @@ impl MessagesRequest {
                 // One view message per block, in order: a tool result, or
                 // what the client wrote (a text as chat's user message).
                 (Side::User, Content::Blocks(blocks)) => {
-                    // Whether a block of what the client wrote came before
-                    // (the next one continues the same message: see
-                    // `Analysis::last_words_from`).
-                    let mut said = false;
                     for (b, block) in blocks.iter().enumerate() {
                         if block.kind() == "tool_result" {
                             let id = block.str("tool_use_id").unwrap_or_default();
@@ -309,12 +305,7 @@ impl MessagesRequest {
                                 Origin::ToolResult(t, b),
                             );
                         } else {
-                            let mut v = user_view(block);
-                            if said {
-                                v["continues"] = json!(true);
-                            }
-                            said = true;
-                            push(bytes(v), Origin::UserBlock(t, b));
+                            push(bytes(user_view(block)), Origin::UserBlock(t, b));
                         }
                     }
                 }
