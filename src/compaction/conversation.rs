@@ -75,8 +75,10 @@ pub struct Analysis {
     pub last_user: Option<usize>,
     /// Where the client's last words start: the last user message and the
     /// user messages right before it (the text and image blocks of a
-    /// Messages user turn, each a view message of its own; an environment
-    /// block before a prompt). All of them are protected.
+    /// Messages user turn, each a view message of its own; instructions or
+    /// an environment block sent as messages before a prompt, which a
+    /// Messages client must send as one turn). All of them are protected,
+    /// in every format alike.
     pub last_words_from: Option<usize>,
     /// For a tool result, the assistant message that made its call; for an
     /// observation, the assistant message before it.
@@ -360,6 +362,30 @@ fn is_word(hay: &str, start: usize, end: usize) -> bool {
 mod tests {
     use super::*;
     use bytes::Bytes;
+
+    #[test]
+    fn the_last_words_are_the_user_messages_in_a_row_ending_the_last_one() {
+        let m = |s: &str| Message::from_bytes(Bytes::copy_from_slice(s.as_bytes()));
+        // Chat: instructions and a task in a row, which the Messages form of
+        // the same conversation holds as one user turn: both are the last
+        // words, in every format alike.
+        let chat = [
+            m(r#"{"role":"system","content":"s"}"#),
+            m(r#"{"role":"user","content":"<instructions>never push</instructions>"}"#),
+            m(r#"{"role":"user","content":"Fix the build."}"#),
+        ];
+        let a = Analysis::of(&chat);
+        assert!(a.last_words(1) && a.last_words(2) && a.protected(1));
+        // A user message an answer came between is not.
+        let later = [
+            m(r#"{"role":"system","content":"s"}"#),
+            m(r#"{"role":"user","content":"Fix the build."}"#),
+            m(r#"{"role":"assistant","content":"Done."}"#),
+            m(r#"{"role":"user","content":"Now the docs."}"#),
+        ];
+        let a = Analysis::of(&later);
+        assert!(!a.last_words(1) && a.last_words(3));
+    }
 
     proptest::proptest! {
         #[test]
