@@ -5,12 +5,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{MockUpstream, chat_body};
+use common::{MockUpstream, Running, chat_body, spawn_logged};
 
 fn condense() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_condense"));
@@ -131,7 +130,7 @@ async fn stray_condense_variables_are_named_in_a_warning_and_never_stop_condense
         // A script's and a test's variables, not condense's.
         .env("CONDENSE_BIN", "/opt/never-log-this/condense")
         .env("CONDENSE_E2E_API_KEY", "sk-never-log-this");
-    let (child, addr, log, reader) = spawn_logged(&mut cmd);
+    let (child, addr, log, reader) = spawn_logged(&mut cmd, Duration::from_secs(20));
     let resp = reqwest::get(format!("http://{addr}/healthz"))
         .await
         .unwrap();
@@ -181,7 +180,7 @@ async fn serves_in_front_of_the_upstream_never_logs_keys_and_stops_on_sigterm() 
         .env("CONDENSE_SUMMARY__TRIGGER__VALUE", "6")
         .env("CONDENSE_DEFAULT_CONTEXT_WINDOW", "2048")
         .env("RUST_LOG", "trace");
-    let (child, addr, log, reader) = spawn_logged(&mut cmd);
+    let (child, addr, log, reader) = spawn_logged(&mut cmd, Duration::from_secs(20));
 
     let client = reqwest::Client::new();
     for stream in [false, true] {
@@ -271,7 +270,7 @@ async fn every_access_line_reaches_the_log_whole_and_in_order_by_exit() {
         .env("CONDENSE_UPSTREAM__BASE_URL", mock.base_url())
         .env("CONDENSE_UPSTREAM__LEARN_WINDOWS", "false")
         .env("CONDENSE_LOG__FORMAT", "json");
-    let (child, addr, log, reader) = spawn_logged(&mut cmd);
+    let (child, addr, log, reader) = spawn_logged(&mut cmd, Duration::from_secs(20));
     let client = reqwest::Client::new();
     let send = |id: String, sleep_ms: u32| {
         let req = client
@@ -666,7 +665,7 @@ fn serve(env: &[(&str, String)]) -> (Running, String) {
     }
     cmd.env("CONDENSE_SERVER__LISTEN", "127.0.0.1:0")
         .env("CONDENSE_UPSTREAM__LEARN_WINDOWS", "false");
-    let (child, addr, _, _) = spawn_logged(&mut cmd);
+    let (child, addr, _, _) = spawn_logged(&mut cmd, Duration::from_secs(20));
     (child, addr)
 }
 
@@ -693,57 +692,6 @@ async fn exit_log(
     assert!(exit.success(), "condense exited with {exit}");
     reader.join().unwrap();
     log.lock().unwrap().clone()
-}
-
-/// A condense process, killed when dropped: a failing test does not leave
-/// it serving.
-struct Running(std::process::Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `cmd` (condense serving), collecting its log; returns it with
-/// the address it listens on, the log so far and the thread reading it
-/// (which ends with the process).
-fn spawn_logged(
-    cmd: &mut Command,
-) -> (
-    Running,
-    String,
-    Arc<Mutex<String>>,
-    std::thread::JoinHandle<()>,
-) {
-    let mut child = cmd
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let log = Arc::new(Mutex::new(String::new()));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let collected = log.clone();
-    let reader = std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            // The text log says `listen=<address>`, the JSON one
-            // `"listen":"<address>"`.
-            if let Some(rest) = line.split("listen=").nth(1) {
-                let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
-            } else if let Some(rest) = line.split("\"listen\":\"").nth(1) {
-                let _ = tx.send(rest.split('"').next().unwrap_or("").to_string());
-            }
-            let mut log = collected.lock().unwrap();
-            log.push_str(&line);
-            log.push('\n');
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(20))
-        .expect("condense never said where it listens");
-    (Running(child), addr, log, reader)
 }
 
 #[tokio::test]
@@ -844,7 +792,7 @@ async fn h2c_streams_cannot_exhaust_file_descriptors_and_liveness_still_answers(
         .env("CONDENSE_UPSTREAM__LEARN_WINDOWS", "false")
         .env("CONDENSE_UPSTREAM__BASE_URL", &base)
         .env("CONDENSE_UPSTREAM__FIRST_BYTE_TIMEOUT_SECONDS", "60");
-    let (child, addr, log, _) = spawn_logged(&mut cmd);
+    let (child, addr, log, _) = spawn_logged(&mut cmd, Duration::from_secs(20));
     let pid = child.0.id();
     let url = format!("http://{addr}/v1/chat/completions");
     let body = serde_json::to_vec(&chat_body(false)).unwrap();

@@ -24,7 +24,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -35,7 +34,7 @@ use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::response::Response;
-use common::{Redis, json_response, metric_at};
+use common::{Redis, Running, json_response, metric_at, spawn_logged};
 use condense::simulate::{CountRule, OverflowStyle, Simulator};
 use serde_json::{Value, json};
 
@@ -542,20 +541,10 @@ impl Drop for Scratch {
     }
 }
 
-/// A child process, killed when dropped.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// One condense process.
 struct Replica {
     addr: SocketAddr,
-    _process: Killed,
+    _process: Running,
 }
 
 fn binary() -> PathBuf {
@@ -581,36 +570,8 @@ fn replica(dir: &Path, name: &str, upstream: SocketAddr, redis: Option<&str>) ->
             cmd.env_remove(k);
         }
     }
-    let mut child = cmd
-        .arg("--config")
-        .arg(&path)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let log = Arc::new(Mutex::new(String::new()));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let collected = log.clone();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if let Some(rest) = line.split("listen=").nth(1) {
-                let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
-            }
-            let mut log = collected.lock().unwrap();
-            log.push_str(&line);
-            log.push('\n');
-        }
-    });
-    let process = Killed(child);
-    let addr = rx
-        .recv_timeout(Duration::from_secs(30))
-        .unwrap_or_else(|_| {
-            panic!(
-                "{name} never said where it listens: {}",
-                log.lock().unwrap()
-            )
-        });
+    cmd.arg("--config").arg(&path);
+    let (process, addr, _, _) = spawn_logged(&mut cmd, Duration::from_secs(30));
     Replica {
         addr: addr.parse().unwrap(),
         _process: process,

@@ -831,3 +831,62 @@ pub async fn response(ws: &mut Ws, create: Value) -> Vec<Value> {
 pub fn user(text: &str) -> Value {
     json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
 }
+
+/// A condense process, killed when dropped: a failing test does not leave
+/// it serving.
+pub struct Running(pub std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `cmd` (condense serving), collecting its log; returns it with
+/// the address it listens on (said within `deadline`), the log so far and
+/// the thread reading it (which ends with the process).
+pub fn spawn_logged(
+    cmd: &mut std::process::Command,
+    deadline: Duration,
+) -> (
+    Running,
+    String,
+    Arc<Mutex<String>>,
+    std::thread::JoinHandle<()>,
+) {
+    let mut child = cmd
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let log = Arc::new(Mutex::new(String::new()));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let collected = log.clone();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            // The text log says `listen=<address>`, the JSON one
+            // `"listen":"<address>"`.
+            if let Some(rest) = line.split("listen=").nth(1) {
+                let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
+            } else if let Some(rest) = line.split("\"listen\":\"").nth(1) {
+                let _ = tx.send(rest.split('"').next().unwrap_or("").to_string());
+            }
+            let mut log = collected.lock().unwrap();
+            log.push_str(&line);
+            log.push('\n');
+        }
+    });
+    let addr = rx.recv_timeout(deadline).unwrap_or_else(|_| {
+        panic!(
+            "condense never said where it listens: {}",
+            log.lock().unwrap()
+        )
+    });
+    (Running(child), addr, log, reader)
+}
