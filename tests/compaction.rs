@@ -886,6 +886,28 @@ fn prune_drops_whole_units_and_leaves_a_digest() {
 }
 
 #[test]
+fn a_digest_of_many_dropped_turns_keeps_more_of_their_key_lines() {
+    let svc = service();
+    let count = |m: &[Message], budget: f64| {
+        let out = run(&svc, m, budget);
+        assert!(out.actions().contains("prune"), "{}", out.actions());
+        assert!(out.tokens_after as f64 <= budget);
+        let result = out.messages.unwrap();
+        let digest = content(&result[2]);
+        assert!(digest.contains("earlier messages were removed"), "{digest}");
+        (digest.matches("ValueError: bad header").count(), digest.len())
+    };
+    let few = agent_turns(30, 1500);
+    let (few_errors, few_len) = count(&few, tokens(&svc, &few) as f64 / 6.0);
+    let many = agent_turns(120, 1500);
+    let (many_errors, many_len) = count(&many, tokens(&svc, &many) as f64 / 6.0);
+    // 3 times the least at most, plus the frame.
+    assert!(many_len < 3 * 1200 + 200, "{many_len}");
+    assert!(10 * many_len > 18 * few_len, "{many_len} vs {few_len}");
+    assert!(many_errors > 3 * few_errors, "{many_errors} vs {few_errors}");
+}
+
+#[test]
 fn what_the_user_wrote_after_the_first_answer_is_dropped_last() {
     // A greeting first, then the real task after the model's hello (as
     // Claude Code sessions begin), and a correction halfway.

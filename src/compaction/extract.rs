@@ -157,6 +157,33 @@ pub fn placeholder_size(base: usize, len: usize) -> usize {
     (base as f64 * scale) as usize
 }
 
+/// Characters of key lines a digest keeps for the least it replaces.
+pub const DIGEST_CHARS: usize = 1200;
+
+/// The characters of key lines a digest of dropped messages keeps, for
+/// `dropped` raw tokens of them (at their masked size) and `room` raw
+/// tokens left for the conversation (the budget less the fixed tokens and
+/// the pinned head): [`DIGEST_CHARS`] up to 1,000 dropped tokens, then as
+/// the square root of them up to 3 times that (from 9,000), but at most a
+/// fifth of the room (and never under [`DIGEST_CHARS`]). 160 dropped
+/// messages of a Codex session hold far more errors and paths worth a line
+/// than 1,200 characters take; at a flat size one such session kept 0.61
+/// of its probes at 32k, 0.82 with this. Both inputs stay put while the
+/// dropped set does (the room moves only with the plan ratio), so the
+/// digest stays byte-identical from turn to turn.
+pub fn digest_size(dropped: u64, room: f64) -> usize {
+    let scale = (dropped as f64 / 1000.0).sqrt().clamp(1.0, 3.0);
+    let most = (room * 0.2 * 3.0).max(DIGEST_CHARS as f64);
+    (DIGEST_CHARS as f64 * scale).min(most) as usize
+}
+
+/// What the plan counts for a digest of [`digest_size`] (an upper bound:
+/// key lines have about 3 characters a token or more, the frame is within
+/// the rounding).
+pub fn digest_tokens(dropped: u64, room: f64) -> u64 {
+    (digest_size(dropped, room) / 3) as u64
+}
+
 /// Whether a tool result reports a failure: a line such as "ValueError: ...",
 /// "ERROR: File already exists" or "FAILED tests/...". The agent may retry
 /// the call, so its arguments are worth keeping until it has.
@@ -468,6 +495,24 @@ fn collect_identifiers(v: &Value, out: &mut Vec<String>, depth: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_digest_grows_with_what_it_replaces_within_a_fifth_of_the_room() {
+        let room = 100_000.0;
+        assert_eq!(digest_size(0, room), DIGEST_CHARS);
+        assert_eq!(digest_size(1000, room), DIGEST_CHARS);
+        assert_eq!(digest_size(4000, room), 2 * DIGEST_CHARS);
+        assert_eq!(digest_size(9000, room), 3 * DIGEST_CHARS);
+        assert_eq!(digest_size(1_000_000, room), 3 * DIGEST_CHARS);
+        let sizes: Vec<usize> = (0..100).map(|k| digest_size(k * 200, room)).collect();
+        assert!(sizes.windows(2).all(|w| w[0] <= w[1]), "{sizes:?}");
+        // A fifth of 4,000 tokens of room, at 3 characters a token ...
+        assert_eq!(digest_size(1_000_000, 4000.0), 2400);
+        // ... and never under the least, however little room there is.
+        assert_eq!(digest_size(1_000_000, 500.0), DIGEST_CHARS);
+        assert_eq!(digest_size(1_000_000, -500.0), DIGEST_CHARS);
+        assert_eq!(digest_tokens(9000, room), (DIGEST_CHARS as u64 * 3) / 3);
+    }
 
     #[test]
     fn keeps_paths_errors_and_definitions() {

@@ -462,28 +462,27 @@ pub fn compact_until(
                 content_text(messages[i].content()).is_some_and(|t| extract::reports_error(&t));
         }
     }
-    let mut plan = plan::plan(
-        &a,
-        &plan::Costs {
-            full: &w.cost,
-            sent: &full,
-            fit_limit: fit::limit(limits.budget, s.fit_share),
-            placeholder_chars: s.placeholder_chars,
-            masked: &plan_masked,
-            fixed: limits.fixed,
-            budget: limits.budget,
-            window: limits.window,
-            trigger: s.trigger,
-            target: s.target,
-            recent_turns: s.recent_turns,
-            recent_share: s.recent_share,
-            recent_max_share: s.recent_max_share,
-            failed: &failed,
-            ahead_saving,
-            drops: drop_policy(replacement, limits),
-            budgets: &earlier.budgets,
-        },
-    );
+    let costs = plan::Costs {
+        full: &w.cost,
+        sent: &full,
+        fit_limit: fit::limit(limits.budget, s.fit_share),
+        placeholder_chars: s.placeholder_chars,
+        head: full[..a.head].iter().sum(),
+        masked: &plan_masked,
+        fixed: limits.fixed,
+        budget: limits.budget,
+        window: limits.window,
+        trigger: s.trigger,
+        target: s.target,
+        recent_turns: s.recent_turns,
+        recent_share: s.recent_share,
+        recent_max_share: s.recent_max_share,
+        failed: &failed,
+        ahead_saving,
+        drops: drop_policy(replacement, limits),
+        budgets: &earlier.budgets,
+    };
+    let mut plan = plan::plan(&a, &costs);
     // The point the model asked for, up to the turn in progress.
     if let Some(due) = due {
         let last_assistant = (0..n).rev().find(|&i| a.roles[i] == Role::Assistant);
@@ -495,7 +494,12 @@ pub fn compact_until(
     let dropped_count = w.dropped.iter().filter(|d| **d).count();
     if dropped_count > 0 {
         let (d, stage) = match replacement {
-            Replacement::Digest => (prune::digest(messages, &w.dropped), "prune"),
+            Replacement::Digest => {
+                // Sized as the plan counted it.
+                let dropped_tokens = (0..n).filter(|&i| w.dropped[i]).map(|i| plan_masked[i]);
+                let d = prune::digest(messages, &w.dropped, dropped_tokens.sum(), costs.room_at(n));
+                (d, "prune")
+            }
             Replacement::Checkpoint {
                 message: Some(m), ..
             } => (m.clone(), "summarize"),
@@ -584,7 +588,7 @@ fn drop_policy(replacement: &Replacement, limits: &Limits) -> plan::DropPolicy {
                 kind: plan::Drops::Span,
                 over_tokens,
                 over_messages,
-                replacement_tokens: max_tokens + CHECKPOINT_FRAME_TOKENS,
+                replacement_tokens: Some(max_tokens + CHECKPOINT_FRAME_TOKENS),
             }
         }
     }

@@ -57,11 +57,7 @@
 //! it only to be masked on the next turn).
 
 use super::conversation::{Analysis, Role};
-use super::extract::placeholder_tokens;
-
-/// What the plan costs a digest message in place of dropped units (an upper
-/// bound; the plan must not depend on the digest's exact text).
-pub const DIGEST_ESTIMATE: u64 = 400;
+use super::extract::{digest_tokens, placeholder_tokens};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
@@ -96,8 +92,11 @@ pub struct DropPolicy {
     pub over_tokens: f64,
     /// ... or more messages than this.
     pub over_messages: Option<usize>,
-    /// What the plan counts for the message that replaces dropped ones.
-    pub replacement_tokens: u64,
+    /// What the plan counts for the message that replaces dropped ones: a
+    /// checkpoint's most tokens, or (None) a digest's, which grows with
+    /// what it replaces (see [`super::extract::digest_size`]); an upper
+    /// bound either way, as the plan must not depend on its exact text.
+    pub replacement_tokens: Option<u64>,
 }
 
 impl DropPolicy {
@@ -107,7 +106,7 @@ impl DropPolicy {
             kind: Drops::Units,
             over_tokens: budget,
             over_messages: None,
-            replacement_tokens: DIGEST_ESTIMATE,
+            replacement_tokens: None,
         }
     }
 }
@@ -125,6 +124,8 @@ pub struct Costs<'a> {
     /// The characters of key lines a placeholder keeps for a 3 KB output
     /// (see [`super::extract::placeholder_size`]).
     pub placeholder_chars: usize,
+    /// The pinned head: the messages before [`Analysis::head`].
+    pub head: u64,
     /// Each message masked (equal to `full` when masking does not apply).
     pub masked: &'a [u64],
     /// Assistant messages a result of whose calls reports a failure.
@@ -164,6 +165,12 @@ impl Costs<'_> {
             .map_or(self.budget, |&(_, b)| b)
     }
 
+    /// What the prefix ending at `e` has for the conversation: its budget
+    /// less the fixed tokens and the pinned head.
+    pub fn room_at(&self, e: usize) -> f64 {
+        self.budget_at(e) - (self.fixed + self.head) as f64
+    }
+
     /// [`Costs::budget_at`] as a share of `budget`, for the thresholds drawn
     /// from it.
     fn scale(&self, e: usize) -> f64 {
@@ -198,10 +205,10 @@ struct Sums {
 /// The planned request's cost for the prefix ending at `e` with the
 /// frontier at `f`, `dropped_cost` of it dropped.
 fn cost(sums: &Sums, c: &Costs, e: usize, f: usize, dropped_cost: u64) -> f64 {
-    let replacement = if dropped_cost > 0 {
-        c.drops.replacement_tokens
-    } else {
-        0
+    let replacement = match c.drops.replacement_tokens {
+        _ if dropped_cost == 0 => 0,
+        Some(tokens) => tokens,
+        None => digest_tokens(dropped_cost, c.room_at(e)),
     };
     (c.fixed + sums.masked[f] + (sums.full[e] - sums.full[f]) + sums.unfit[e] + replacement)
         .saturating_sub(dropped_cost) as f64

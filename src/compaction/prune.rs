@@ -12,15 +12,13 @@
 use bytes::Bytes;
 use serde_json::json;
 
-use super::extract::{key_lines, readable};
+use super::extract::{digest_size, key_lines, readable};
 use super::text::{MARK, content_text};
 use crate::chat::Message;
 
-/// Characters of key lines a digest keeps.
-const DIGEST_CHARS: usize = 1200;
-
-/// The digest message for the dropped messages.
-pub fn digest(messages: &[Message], dropped: &[bool]) -> Bytes {
+/// The digest message for the dropped messages: `dropped_tokens` and `room`
+/// size it (see [`digest_size`]).
+pub fn digest(messages: &[Message], dropped: &[bool], dropped_tokens: u64, room: f64) -> Bytes {
     let mut text = String::new();
     let mut count = 0;
     for (m, _) in messages.iter().zip(dropped).filter(|(_, d)| **d) {
@@ -38,7 +36,7 @@ pub fn digest(messages: &[Message], dropped: &[bool]) -> Bytes {
             }
         }
     }
-    let kept = key_lines(&text, DIGEST_CHARS);
+    let kept = key_lines(&text, digest_size(dropped_tokens, room));
     if kept.is_empty() {
         return notice(count);
     }
