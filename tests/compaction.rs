@@ -895,7 +895,10 @@ fn a_digest_of_many_dropped_turns_keeps_more_of_their_key_lines() {
         let result = out.messages.unwrap();
         let digest = content(&result[2]);
         assert!(digest.contains("earlier messages were removed"), "{digest}");
-        (digest.matches("ValueError: bad header").count(), digest.len())
+        (
+            digest.matches("ValueError: bad header").count(),
+            digest.len(),
+        )
     };
     let few = agent_turns(30, 1500);
     let (few_errors, few_len) = count(&few, tokens(&svc, &few) as f64 / 6.0);
@@ -904,7 +907,10 @@ fn a_digest_of_many_dropped_turns_keeps_more_of_their_key_lines() {
     // 3 times the least at most, plus the frame.
     assert!(many_len < 3 * 1200 + 200, "{many_len}");
     assert!(10 * many_len > 18 * few_len, "{many_len} vs {few_len}");
-    assert!(many_errors > 3 * few_errors, "{many_errors} vs {few_errors}");
+    assert!(
+        many_errors > 3 * few_errors,
+        "{many_errors} vs {few_errors}"
+    );
 }
 
 #[test]

@@ -374,7 +374,17 @@ pub fn key_lines(text: &str, budget: usize) -> String {
         if kept.contains(line.trim()) {
             continue;
         }
-        let mut max_line = if s >= 7 { 240 } else { (budget / 2).max(60) };
+        // An error line keeps up to 240 characters, any other line up to
+        // 120 (or half the budget, when less): a long line's head says what
+        // it is, and four of them can say more than one whole. On all the
+        // shared traces this took mean retention of facts the agent used
+        // again from 0.786 to 0.805 at 16k (chars:3.0) and from 0.935 to
+        // 0.940 at 32k (chars:3.6), stability flat; 80 kept less at 32k.
+        let mut max_line = if s >= 7 {
+            240
+        } else {
+            (budget / 2).clamp(60, 120)
+        };
         let chars = line.chars().count();
         // A line too long for what is left still goes in, cut, when the
         // path it names fits (a traceback's middle frames).
@@ -495,6 +505,22 @@ fn collect_identifiers(v: &Value, out: &mut Vec<String>, depth: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_line_keeps_its_head_and_an_error_line_more_of_it() {
+        let long_path = format!("src/app/module.py: {}", "x".repeat(300));
+        let long_error = format!("ValueError: {}", "y".repeat(300));
+        let text = format!("{long_path}\n{long_error}\n");
+        let kept = key_lines(&text, 2000);
+        let lines: Vec<&str> = kept.lines().collect();
+        assert_eq!(lines.len(), 2, "{kept}");
+        assert_eq!(lines[0].chars().count(), 121, "{kept}");
+        assert!(lines[0].starts_with("src/app/module.py: xxx") && lines[0].ends_with('…'));
+        assert_eq!(lines[1].chars().count(), 241, "{kept}");
+        // A small budget keeps half of it a line, as before.
+        let small = key_lines(&long_path, 150);
+        assert_eq!(small.chars().count(), 76, "{small}");
+    }
 
     #[test]
     fn a_digest_grows_with_what_it_replaces_within_a_fifth_of_the_room() {
