@@ -141,7 +141,9 @@ pub struct CompactionConfig {
     /// ... but the recent turns kept that way take at most this share of the
     /// budget (the last turn always stays).
     pub recent_max_share: f64,
-    /// Characters of key lines a masked tool result keeps.
+    /// Characters of key lines a masked 3 KB tool result keeps, for a
+    /// window of 16k tokens or less (see
+    /// [`crate::compaction::extract::placeholder_base`]).
     pub placeholder_chars: usize,
     /// Per-result allowance of `fade`, as a share of the budget.
     pub fade_share: f64,

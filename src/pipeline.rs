@@ -203,6 +203,10 @@ pub fn process(
     let plan = assessment.plan_ratio.max(f64::MIN_POSITIVE);
     let ratio = assessment.calibration_ratio;
     let mut settings = compaction_config.for_model(info.trigger, info.target);
+    settings.placeholder_chars = crate::compaction::extract::placeholder_base(
+        settings.placeholder_chars,
+        assessment.budget.window,
+    );
     // A recall key is of use only to a model that can call the tool.
     let offered = crate::wire::tools::offered(&req);
     settings.recall &= offered;

@@ -157,6 +157,16 @@ pub fn placeholder_size(base: usize, len: usize) -> usize {
     (base as f64 * scale) as usize
 }
 
+/// The placeholder size for a model whose window is `window` tokens:
+/// `chars` (`compaction.placeholder_chars`) up to a 16k window, then as the
+/// square root of the window, up to twice that (from 64k). A larger window
+/// has room for more of each result, and it depends on the model alone, so
+/// a masked result keeps its bytes from turn to turn.
+pub fn placeholder_base(chars: usize, window: u64) -> usize {
+    let scale = (window as f64 / 16384.0).sqrt().clamp(1.0, 2.0);
+    (chars as f64 * scale) as usize
+}
+
 /// Characters of key lines a digest keeps for the least it replaces.
 pub const DIGEST_CHARS: usize = 1200;
 
@@ -520,6 +530,16 @@ mod tests {
         // A small budget keeps half of it a line, as before.
         let small = key_lines(&long_path, 150);
         assert_eq!(small.chars().count(), 76, "{small}");
+    }
+
+    #[test]
+    fn a_larger_window_affords_larger_placeholders_up_to_twice() {
+        assert_eq!(placeholder_base(300, 8000), 300);
+        assert_eq!(placeholder_base(300, 16384), 300);
+        assert_eq!(placeholder_base(300, 4 * 16384), 600);
+        assert_eq!(placeholder_base(300, 200_000), 600);
+        let mid = placeholder_base(300, 32768);
+        assert!((420..=425).contains(&mid), "{mid}");
     }
 
     #[test]
