@@ -21,7 +21,7 @@
 //! Placeholders depend on the text alone, never on the budget or the turn,
 //! so a masked message is byte-identical on every later turn.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use serde_json::Value;
 
@@ -192,6 +192,64 @@ pub fn digest_size(dropped: u64, room: f64) -> usize {
 /// the rounding).
 pub fn digest_tokens(dropped: u64, room: f64) -> u64 {
     (digest_size(dropped, room) / 3) as u64
+}
+
+/// The paths (and URLs) `text` names that `kept` does not hold, the most
+/// named first (then the one named last first), comma-separated within
+/// `budget` characters. Where a digest's key lines are mostly errors, this
+/// says which files the dropped turns read, wrote and listed: most of what
+/// an agent looks up again is a path.
+pub fn named_paths(text: &str, kept: &str, budget: usize) -> String {
+    // Per path: how often it is named, and the last line naming it (a line
+    // gives one path, so that order has no ties).
+    let mut named: HashMap<&str, (usize, usize)> = HashMap::new();
+    for (i, line) in text.lines().enumerate() {
+        let Some(p) = path_in(line) else {
+            continue;
+        };
+        let p = with_scheme(line, p).trim_end_matches(['.', ';']);
+        if (4..=160).contains(&p.len()) {
+            let e = named.entry(p).or_insert((0, 0));
+            e.0 += 1;
+            e.1 = i;
+        }
+    }
+    let mut order: Vec<(&str, (usize, usize))> = named.into_iter().collect();
+    order.sort_unstable_by(|a, b| b.1.0.cmp(&a.1.0).then(b.1.1.cmp(&a.1.1)));
+    let mut out = String::new();
+    for (p, _) in order {
+        // The size first: only a path that fits is looked for in `kept`.
+        if out.len() + p.len() + 2 > budget || kept.contains(p) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(", ");
+        }
+        out.push_str(p);
+    }
+    out
+}
+
+/// `path` (a slice of `line`) with the URL scheme before it, if any:
+/// [`path_in`] stops at a colon, so of `https://host/x` it gives `//host/x`.
+fn with_scheme<'a>(line: &'a str, path: &'a str) -> &'a str {
+    let at = (path.as_ptr() as usize).wrapping_sub(line.as_ptr() as usize);
+    if !path.starts_with("//") || at > line.len() {
+        return path;
+    }
+    let Some(before) = line[..at].strip_suffix(':') else {
+        return path;
+    };
+    let scheme = before.len()
+        - before
+            .bytes()
+            .rev()
+            .take_while(|b| b.is_ascii_alphanumeric() || *b == b'+')
+            .count();
+    match scheme < before.len() {
+        true => &line[scheme..at + path.len()],
+        false => path,
+    }
 }
 
 /// Whether a tool result reports a failure: a line such as "ValueError: ...",
@@ -530,6 +588,29 @@ mod tests {
         // A small budget keeps half of it a line, as before.
         let small = key_lines(&long_path, 150);
         assert_eq!(small.chars().count(), 76, "{small}");
+    }
+
+    #[test]
+    fn named_paths_come_most_named_first_then_latest_within_the_budget() {
+        let text = "cat src/a.rs\n\
+            src/b.rs:3: warning\n\
+            open(\"src/c.rs\")\n\
+            see src/a.rs.\n\
+            src/d.rs\n\
+            src/c.rs\n\
+            https://example.com/docs/page\n\
+            lib/kept.py\n";
+        let all = named_paths(text, "  File lib/kept.py, line 3", 1000);
+        assert_eq!(
+            all,
+            "src/c.rs, src/a.rs, https://example.com/docs/page, src/d.rs, src/b.rs"
+        );
+        // Within the budget, and a path too long for what is left does not
+        // stop a shorter one after it.
+        let few = named_paths(text, "", 30);
+        assert!(few.len() <= 30, "{few}");
+        assert_eq!(few, "src/c.rs, src/a.rs, src/d.rs");
+        assert_eq!(named_paths("no paths here\n", "", 100), "");
     }
 
     #[test]

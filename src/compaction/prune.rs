@@ -5,14 +5,16 @@
 //! Which units go is decided by the replayed plan (`plan.rs`): the oldest
 //! first, those with epistemic markers later, what the user wrote last of
 //! all; never the task, the client's last words or the recent window, and
-//! a call always together with its results (so no orphan remains). The digest lists the key lines and paths
-//! the dropped messages held; a drop breaks the cached prefix anyway, so the
-//! digest costs nothing extra in cache terms.
+//! a call always together with its results (so no orphan remains). The
+//! digest lists the key lines the dropped messages held (more of them the
+//! more it replaces) and the paths they named, the most named first; a drop
+//! breaks the cached prefix anyway, so the digest costs nothing extra in
+//! cache terms.
 
 use bytes::Bytes;
 use serde_json::json;
 
-use super::extract::{digest_size, key_lines, readable};
+use super::extract::{digest_size, key_lines, named_paths, readable};
 use super::text::{MARK, content_text};
 use crate::chat::Message;
 
@@ -36,7 +38,23 @@ pub fn digest(messages: &[Message], dropped: &[bool], dropped_tokens: u64, room:
             }
         }
     }
-    let kept = key_lines(&text, digest_size(dropped_tokens, room));
+    // A quarter of it lists the paths the key lines do not name. On all
+    // the shared traces this took mean retention of the facts the agent
+    // used again from 0.844 to 0.885 at 16k (chars:3.6) and 0.948 to 0.962
+    // at 32k; the key lines it displaced cost one Claude Code session
+    // 0.05 of them (function definitions and an error line). Four tenths
+    // for paths gained no more.
+    let size = digest_size(dropped_tokens, room);
+    let for_paths = size / 4;
+    let mut kept = key_lines(&text, size - for_paths);
+    let paths = named_paths(&text, &kept, for_paths);
+    if !paths.is_empty() {
+        if !kept.is_empty() {
+            kept.push('\n');
+        }
+        kept.push_str("paths: ");
+        kept.push_str(&paths);
+    }
     if kept.is_empty() {
         return notice(count);
     }
