@@ -497,39 +497,48 @@ async fn the_shared_traces_as_messages_replay_like_chat_and_stay_valid() {
 /// through condense configured with a 200k window, to the mock's Messages
 /// API enforcing a smaller `window` with Anthropic's wordings (it counts a
 /// token per 4 bytes). Old turns are dropped mechanically, as `condense
-/// replay` drops them. Returns (requests the upstream rejected, responses
-/// that were not 200 for the client, turns).
-async fn messages_against_a_small_window(body: &Value, window: u64) -> (usize, usize, usize) {
+/// replay` drops them. Returns (the size of each request the upstream
+/// rejected, prompt plus `max_tokens` as the mock counts them; responses
+/// that were not 200 for the client; turns).
+async fn messages_against_a_small_window(body: &Value, window: u64) -> (Vec<u64>, usize, usize) {
     let h = Harness::with(|c| {
         c.models = vec![profile("*", 200_000)];
         c.summary.enabled = false;
     })
     .await;
     let messages = body["messages"].as_array().unwrap();
-    let (mut errors, mut turns) = (0, 0);
+    let (mut errors, mut turns, mut rejected) = (0, 0, Vec::new());
     for end in
         (1..=messages.len()).filter(|&e| e == messages.len() || messages[e]["role"] == "assistant")
     {
         let mut turn = body.clone();
         turn["messages"] = json!(messages[..end]);
         turn["stream"] = json!(true);
+        let before = h.mock.requests().len();
         let resp = post(&h, &turn, &[("x-mock-window", &window.to_string())]).await;
         turns += 1;
         if resp.status() != 200 {
             errors += 1;
         }
         let _ = resp.bytes().await;
+        // A rejected request is followed by condense's retry (summaries
+        // are off, so nothing else goes upstream).
+        let sent = h.mock.requests();
+        for r in &sent[before..sent.len().saturating_sub(1)] {
+            rejected.push(r.body.len() as u64 / 4 + r.json()["max_tokens"].as_u64().unwrap_or(0));
+        }
         let sent = h.mock.last().json();
         assert_eq!(
             sent["max_tokens"], body["max_tokens"],
             "max_tokens untouched"
         );
     }
-    let rejected = h
+    let overflows = h
         .mock
         .state
         .overflows
         .load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(overflows, rejected.len(), "every rejection is an overflow");
     (rejected, errors, turns)
 }
 
@@ -547,12 +556,24 @@ async fn the_shared_traces_as_messages_against_a_smaller_real_window_fail_no_tur
     );
     for p in paths {
         let body: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
-        let (rejected, errors, turns) = messages_against_a_small_window(&body, 16_000).await;
+        let window = 16_000;
+        let (rejected, errors, turns) = messages_against_a_small_window(&body, window).await;
         eprintln!(
-            "{}: {turns} turns, {rejected} rejected upstream, {errors} client errors",
+            "{}: {turns} turns, rejected upstream at {rejected:?} tokens, {errors} client errors",
             p.display()
         );
         assert_eq!(errors, 0, "{}", p.display());
-        assert!(rejected <= 1, "{}: {rejected}", p.display());
+        // The first rejection teaches condense the window. After it, a
+        // request goes over only by the calibration's drift, which the plan
+        // ratio lets reach PLAN_MARGIN before following it (see
+        // `tokens::calibration`); over by more, condense planned against a
+        // wrong window.
+        let drift = (window as f64 * (1.0 + condense::tokens::calibration::PLAN_MARGIN)) as u64;
+        assert!(
+            rejected.iter().skip(1).all(|&size| size <= drift),
+            "{}: {rejected:?}",
+            p.display()
+        );
+        assert!(rejected.len() <= 2, "{}: {rejected:?}", p.display());
     }
 }
