@@ -654,6 +654,59 @@ fn large_answered_results_are_masked_ahead_of_the_recent_window() {
     assert!(content(&kept[big]) != masked, "masked in the recent window");
 }
 
+#[test]
+fn masking_ahead_stops_under_the_midpoint_of_target_and_trigger() {
+    // Each result here is large enough to be masked ahead. Masked all on
+    // the turn the conversation first crossed the trigger, they left it at
+    // a fraction of its budget, with results it had room for masked (a
+    // browsing agent's pages). Masking ahead stops once the request is
+    // under the target on a turn that moves the frontier, and under the
+    // midpoint of the target and the trigger on the turns between; the
+    // results it passes by stay whole on later turns.
+    let svc = service();
+    let s = settings();
+    let m = agent_turns(8, 5000);
+    let budget = tokens(&svc, &m) as f64 / 1.1;
+    let result = run(&svc, &m, budget).messages.expect("compacted");
+    let whole = |r: &[Message]| {
+        (0..r.len() - 1)
+            .filter(|&i| json_of(&r[i])["role"] == "tool" && r[i].raw() == m[i].raw())
+            .count()
+    };
+    let after = tokens(&svc, &result) as f64;
+    assert!(after <= s.target * budget * 1.05, "{after} of {budget}");
+    assert!(after >= (s.target - 0.1) * budget, "{after} of {budget}");
+    assert!(whole(&result) >= 2, "answered results kept whole");
+
+    // Turns that stay under the midpoint keep their results whole, and
+    // what was whole or masked stays byte-identical.
+    let mut next = m.clone();
+    let more = agent_turns(9, 5000);
+    next.extend_from_slice(&more[m.len()..]);
+    let again = run(&svc, &next, budget).messages.expect("compacted");
+
+    for i in 0..result.len() - 1 {
+        assert!(again[i].raw() == result[i].raw(), "message {i} changed");
+    }
+    assert!(
+        again[m.len() - 1].raw() == m[m.len() - 1].raw(),
+        "a result passed by was masked"
+    );
+
+    // Over the midpoint (and under the trigger), the newest answered large
+    // result is masked ahead; the one passed by stays whole.
+    let far = agent_turns(11, 5000);
+    let third = run(&svc, &far, budget).messages.expect("compacted");
+    let cost = tokens(&svc, &third) as f64;
+    assert!(
+        cost <= (s.target + s.trigger) / 2.0 * budget,
+        "{cost} of {budget}"
+    );
+    assert!(third[m.len() - 1].raw() == m[m.len() - 1].raw());
+    let newest_answered = far.len() - 3;
+    assert!(content(&third[newest_answered]).starts_with("[condense:"));
+}
+
 /// Turn `t` of [`agent_turns`] rewritten as a call that writes a large file,
 /// with `result` as its tool result.
 fn write_turn(m: &mut [Message], t: usize, result: &str) {
@@ -858,8 +911,14 @@ fn a_huge_unanswered_result_does_not_take_the_history_with_it() {
             .all(|(x, y)| x.raw() == y.raw()),
         "the drops moved between turns"
     );
-    // ... and the result, now answered, is a placeholder.
-    assert!(content(&again[stable]).starts_with("[condense:"));
+    // ... and the result, now answered, is what `fit` leaves an answered
+    // result: with the request under the midpoint of the target and the
+    // trigger, it is not masked ahead.
+    let s = settings();
+    let after = tokens(&svc, &again) as f64;
+    assert!(after < (s.target + s.trigger) / 2.0 * budget, "{after}");
+    assert!(again[stable].raw() != m[last].raw(), "fit cut it");
+    assert!(content(&again[stable]).starts_with("    0  row = fetch(0)"));
 }
 
 #[test]
