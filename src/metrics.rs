@@ -501,7 +501,7 @@ impl Metrics {
     }
 
     /// The label value to use for a client-supplied model name: the name
-    /// itself, or `other` once [`MAX_MODEL_LABELS`] names are in use.
+    /// itself, or `other` once `MAX_MODEL_LABELS` names are in use.
     pub fn model_label<'a>(&self, model: &'a str) -> &'a str {
         let Ok(mut seen) = self.models_seen.lock() else {
             return "other";

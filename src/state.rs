@@ -12,7 +12,7 @@
 //! A Redis that is gone answers at once (connection refused); one that
 //! hangs would cost every request `state.redis_timeout_seconds` on each
 //! operation, so after [`TIMEOUTS_TO_PAUSE`] operations in a row time out,
-//! the store is not asked for a pause ([`Pause`]: 1 s, doubling while it
+//! the store is not asked for a pause (`Pause`: 1 s, doubling while it
 //! still times out, at most [`MAX_PAUSE`]) and answers as a miss at once;
 //! the first operation after the pause tries again.
 

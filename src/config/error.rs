@@ -17,7 +17,7 @@ use super::env;
 pub enum ConfigError {
     #[error("configuration file {0} does not exist")]
     MissingFile(PathBuf),
-    /// figment's errors, already worded (see [`describe`]).
+    /// figment's errors, already worded (see `describe`).
     #[error("invalid configuration: {0}")]
     Figment(String),
     #[error("invalid configuration: {key}: {reason}")]

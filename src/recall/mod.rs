@@ -6,7 +6,7 @@
 //!   starts with (`[condense: recall key: K; ...]`), so it is part of the
 //!   pure transform: the same original gives the same bytes on every turn,
 //!   and the provider's prompt cache stays warm.
-//! - *Originals* ([`originals`]): what a key stands for, taken from the
+//! - *Originals* ([`store::Originals`]): what a key stands for, taken from the
 //!   request condense compacted (the client always sends it whole), and
 //!   kept in the state store (`store.rs`) so any replica can answer a key.
 //! - *Tools* (`wire/tools.rs`, each API's shape in its folder):

@@ -23,7 +23,7 @@
 //!   with a 503, anything else with a `503` in its API's error shape
 //!   (`Retry-After: 1`).
 //! - At most `max_inflight` requests are in flight over all connections
-//!   together (an HTTP/2 connection carries up to [`H2_STREAMS`] at once,
+//!   together (an HTTP/2 connection carries up to `H2_STREAMS` at once,
 //!   each holding an upstream socket): past it, the front answers a
 //!   request with its API's overload error, and `/readyz` with a 503.
 //! - On shutdown, idle connections close at once and busy ones after their
@@ -100,8 +100,8 @@ impl Limits {
     /// could not hold them. Each client connection takes a descriptor, and
     /// each request in flight one more to the upstream, whichever
     /// connection it came on; the connections being refused take theirs
-    /// too. So the limit, less [`RESERVED_FDS`] and the refusals' share (a
-    /// sixteenth, at most [`MAX_REFUSING`]), is split between connections
+    /// too. So the limit, less `RESERVED_FDS` and the refusals' share (a
+    /// sixteenth, at most `MAX_REFUSING`), is split between connections
     /// and requests in flight, half each.
     pub fn new(configured: usize, inflight: usize, idle: Duration) -> Limits {
         let files = open_file_limit();

@@ -106,7 +106,7 @@ const MAX_MATCHED_NAME: usize = 256;
 
 /// Where in `profiles` the profile for a model name is, if any matches: the
 /// most specific pattern, the later of equally specific ones. A name (or
-/// part after the last `/`) longer than [`MAX_MATCHED_NAME`] matches none.
+/// part after the last `/`) longer than `MAX_MATCHED_NAME` matches none.
 pub fn best_profile_index(profiles: &[ModelProfile], model: &str) -> Option<usize> {
     let short = model.rsplit('/').next().unwrap_or(model);
     let pick = |name: &str| {

@@ -157,7 +157,11 @@ fn masked_outputs_keep_pairing_and_reasoning() {
         .unwrap()
         .iter()
         .filter(|i| i["type"] == "function_call_output")
-        .filter(|i| i["output"].as_str().is_some_and(|o| o.starts_with("[condense:")))
+        .filter(|i| {
+            i["output"]
+                .as_str()
+                .is_some_and(|o| o.starts_with("[condense:"))
+        })
         .count();
     assert!(masked >= 4, "{masked} outputs masked");
     // The newest output is the client's.
