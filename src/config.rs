@@ -152,9 +152,9 @@ pub struct CompactionConfig {
     pub fit_share: f64,
     /// Once compaction has begun, an answered tool result whose masked
     /// form saves at least this share of the budget is masked even inside
-    /// the recent window while the request is over the midpoint of
-    /// `target` and `trigger`; so are the arguments of a call that large
-    /// whose results are in and report no error, always.
+    /// the recent window while the request is over `target`; so are the
+    /// arguments of a call that large whose results are in and report no
+    /// error, always.
     pub ahead_share: f64,
     /// Masked results, shortened arguments and replaced turns carry a
     /// recall key, and a request with `tools` that holds one is offered the

@@ -45,19 +45,19 @@
 //!   and 85k to 76k (requests); mean stability from 0.845 to 0.863, mean
 //!   probe retention from 0.950 to 0.945.
 //!
-//!   But a result only while the request is over the midpoint of the
-//!   target and the trigger (over the target on a turn that moves the
-//!   frontier, which rewrites what follows it anyway), oldest first: a
-//!   result it passes by stays whole until the frontier comes. Masking
-//!   every large result took a browsing session, whose pages are 3k tokens
-//!   each, to a quarter of its budget on the turn it first crossed the
-//!   trigger and kept it under half to the end, with facts masked that it
-//!   had room for. Over all the shared traces (natives included) this took
-//!   mean probe retention at 32k from 0.938 to 0.947 (chars:3.6) and 0.927
-//!   to 0.934 (chars:3.0), stability up 0.003; at 16k +0.005 and -0.001,
-//!   at 64k -0.004 and -0.001 (one Codex session dropped turns sooner).
-//!   Keeping the request under the target instead gained less at 32k and
-//!   nothing at 16k; under 0.9 of the budget cost 16k stability 0.008.
+//!   But a result only while the request is over the target, oldest
+//!   first (on a turn that moves the frontier, which rewrites what follows
+//!   it anyway, from the frontier): a result it passes by stays whole until
+//!   the frontier comes. Masking every large result took a browsing
+//!   session, whose pages are 3k tokens each, to a quarter of its budget on
+//!   the turn it first crossed the trigger and kept it under half to the
+//!   end, with facts masked that it had room for. Over all the shared
+//!   traces (natives included) this took mean probe retention at 32k from
+//!   0.938 to 0.945 (chars:3.6) and 0.927 to 0.933 (chars:3.0), stability
+//!   up 0.001-0.002, 16k and 64k even. Stopping at the midpoint of target
+//!   and trigger kept 0.002 more at 32k but lost 0.004 at 64k, and left a
+//!   recall too little room: the request sat nearer the trigger, and a
+//!   recalled 2.5 KB output came back cut to fit.
 //! - When the recent turns alone still hold the request at the trigger after
 //!   drops, the frontier moves into them, turn by turn, newest last. An
 //!   extractive placeholder that stays put keeps more and breaks the cache
@@ -245,9 +245,6 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
     let mut ahead = vec![false; n];
     let mut engaged = false;
     let mut ahead_from = a.base;
-    // Masking ahead keeps the request under the midpoint of the target and
-    // the trigger, no lower (see the module notes).
-    let ahead_above = (c.target + c.trigger) / 2.0;
     let mut dropped_cost = 0u64;
     let mut dropped_count = 0usize;
     // A replaced span starts after the pinned head: the client's
@@ -268,10 +265,11 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // This turn's budget: an earlier turn is replayed against the one
         // it was planned against.
         let budget = c.budget_at(e);
-        // Once compaction has begun, every large result the agent has
-        // answered is masked ahead of the frontier (see the module notes).
+        // Once compaction has begun, large results the agent has answered
+        // are masked ahead of the frontier while the request is over the
+        // target (see the module notes).
         if engaged {
-            let over = cost(&sums, c, e, frontier, dropped_cost) - ahead_above * budget;
+            let over = cost(&sums, c, e, frontier, dropped_cost) - c.target * budget;
             if mask_answered(a, c, e, over, &mut ahead_from, &mut full, &mut ahead) {
                 sums.full = prefix_sums(&full);
             }
@@ -295,9 +293,9 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
             frontier = candidates.get(first_ok).copied().unwrap_or(limit);
         }
         // A turn that moves the frontier rewrites everything after it, so
-        // masking ahead there costs the cache nothing more: every large
-        // answered result past the frontier is masked while the request is
-        // over the target, those passed by before included.
+        // masking ahead there costs the cache nothing more: large answered
+        // results past the frontier are masked while the request is over
+        // the target, those passed by before included.
         if hot {
             engaged = true;
             let over = cost(&sums, c, e, frontier, dropped_cost) - c.target * budget;
@@ -387,8 +385,7 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
 /// assistant message before `e` answers and every assistant message whose
 /// calls have done their work (see below), if its masked form saves at
 /// least `c.ahead_saving`: the calls always, the results oldest first
-/// while the request is `over` the level masking ahead keeps it under by
-/// more than what is masked. Moves `*from` to the last assistant message
+/// while the request is `over` its target by more than what is masked. Moves `*from` to the last assistant message
 /// before `e` (a result it passes stays whole until the frontier comes).
 /// Returns whether any was masked.
 fn mask_answered(

@@ -151,19 +151,7 @@ fn masked_outputs_keep_pairing_and_reasoning() {
     let out = compacted(&body, 16_000);
     assert_valid(&out, &body);
     let size = |v: &Value| v["input"].to_string().len();
-    assert!(size(&out) < size(&body) * 2 / 3);
-    let masked = out["input"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|i| i["type"] == "function_call_output")
-        .filter(|i| {
-            i["output"]
-                .as_str()
-                .is_some_and(|o| o.starts_with("[condense:"))
-        })
-        .count();
-    assert!(masked >= 4, "{masked} outputs masked");
+    assert!(size(&out) < size(&body) / 2);
     // The newest output is the client's.
     assert_eq!(
         out["input"].as_array().unwrap().last(),
