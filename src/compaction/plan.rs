@@ -385,9 +385,10 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
 /// assistant message before `e` answers and every assistant message whose
 /// calls have done their work (see below), if its masked form saves at
 /// least `c.ahead_saving`: the calls always, the results oldest first
-/// while the request is `over` its target by more than what is masked. Moves `*from` to the last assistant message
-/// before `e` (a result it passes stays whole until the frontier comes).
-/// Returns whether any was masked.
+/// while the request is `over` its target by more than what is masked.
+/// Moves `*from` to the last assistant message before `e` (a result it
+/// passes stays whole until the frontier comes). Returns whether any was
+/// masked.
 fn mask_answered(
     a: &Analysis,
     c: &Costs,
