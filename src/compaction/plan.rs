@@ -431,8 +431,11 @@ fn mask_answered(
 /// What a result that came in at `c.sent[i]` is expected to cost once it is
 /// answered, in a turn whose budget is `scale` times this one's: a
 /// placeholder if it is large enough to be masked ahead of the frontier,
-/// else what `fit` leaves of it. It depends on the sent size and that
-/// budget alone, so every later turn replays the same figure.
+/// else what `fit` leaves of it. Masked ahead only while the request is
+/// over its target, it may stay whole, but then the request is under the
+/// target anyway, which is all the drops that count on this figure ask.
+/// It depends on the sent size and that budget alone, so every later turn
+/// replays the same figure.
 fn answered_cost(c: &Costs, i: usize, scale: f64) -> u64 {
     let fitted = c.sent[i].min((c.fit_limit * scale) as u64);
     let placeholder = placeholder_tokens(c.placeholder_chars, fitted);
