@@ -148,7 +148,7 @@ pub struct CompactionConfig {
     /// Per-result allowance of `fade`, as a share of the budget.
     pub fade_share: f64,
     /// Largest share of the budget a single result or argument string may
-    /// take (`fit`).
+    /// take, and the user messages of the pinned head together (`fit`).
     pub fit_share: f64,
     /// Once compaction has begun, an answered tool result whose masked
     /// form saves at least this share of the budget is masked even inside

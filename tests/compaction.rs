@@ -153,10 +153,31 @@ fn render_output(o: &Output, seed: usize) -> Value {
 }
 
 fn build(turns: &[TurnSpec], end_with_user: bool) -> Vec<Message> {
-    let mut out = vec![
-        msg(json!({"role": "system", "content": "You are an agent."})),
-        msg(json!({"role": "user", "content": "Fix the bug in the parser."})),
-    ];
+    build_with(turns, end_with_user, 0)
+}
+
+/// [`build`], the task preceded by `instructions` lines of an agent's
+/// instructions file (as Codex sends AGENTS.md) and an environment block.
+fn build_with(turns: &[TurnSpec], end_with_user: bool, instructions: usize) -> Vec<Message> {
+    let mut out = vec![msg(
+        json!({"role": "system", "content": "You are an agent."}),
+    )];
+    if instructions > 0 {
+        let lines: String = (0..instructions)
+            .map(|l| {
+                format!("- Rule {l}: run `make check-{l}` before committing to src/rule_{l}.rs\n")
+            })
+            .collect();
+        out.push(msg(
+            json!({"role": "user", "content": format!("# AGENTS.md\n\n{lines}")}),
+        ));
+        out.push(msg(
+            json!({"role": "user", "content": "<environment_context><cwd>/repo</cwd></environment_context>"}),
+        ));
+    }
+    out.push(msg(
+        json!({"role": "user", "content": "Fix the bug in the parser."}),
+    ));
     for (t, turn) in turns.iter().enumerate() {
         let calls: Vec<Value> = turn
             .calls
@@ -235,9 +256,9 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
 
     #[test]
-    fn invariants_hold(turns in prop::collection::vec(turn_strategy(), 1..14), end_with_user: bool, text_mode: bool, budget in 300.0f64..12000.0) {
+    fn invariants_hold(turns in prop::collection::vec(turn_strategy(), 1..14), end_with_user: bool, text_mode: bool, instructions in prop_oneof![Just(0usize), 10usize..400], budget in 300.0f64..12000.0) {
         let svc = service();
-        let input = build(&turns, end_with_user);
+        let input = build_with(&turns, end_with_user, instructions);
         let input = if text_mode { textual(&input) } else { input };
         let before = tokens(&svc, &input);
         let out = run(&svc, &input, budget);
@@ -284,9 +305,9 @@ proptest! {
     /// place, every protected message and every pairing, and is never
     /// larger.
     #[test]
-    fn checkpoint_spans_keep_the_invariants(turns in prop::collection::vec(turn_strategy(), 1..14), end_with_user: bool, budget in 300.0f64..12000.0) {
+    fn checkpoint_spans_keep_the_invariants(turns in prop::collection::vec(turn_strategy(), 1..14), end_with_user: bool, instructions in prop_oneof![Just(0usize), 10usize..400], budget in 300.0f64..12000.0) {
         let svc = service();
-        let input = build(&turns, end_with_user);
+        let input = build_with(&turns, end_with_user, instructions);
         let counter = CachedCounter::new(&svc, Encoding::O200k);
         let limits = Limits { budget, window: budget * 1.3, fixed: 3 };
         let trigger = condense::config::SummaryConfig::default().trigger;
@@ -330,8 +351,17 @@ proptest! {
         prop_assert!(done.tokens_after <= done.tokens_before);
         prop_assert!(well_paired(&result));
         if !emergency {
-            let raws = |ms: &[Message]| ms.iter().map(|m| m.raw().to_vec()).collect::<Vec<_>>();
-            prop_assert_eq!(raws(&result[..a.head]), raws(&input[..a.head]), "the head moved or changed");
+            // The head in place: each message whole, or (when together
+            // they are over the fit share of the budget) cut with the key
+            // that recalls it.
+            let head_tokens: u64 = input[a.base..a.head].iter().map(|m| svc.message_tokens(m.raw(), Encoding::O200k)).sum();
+            for i in 0..a.head {
+                let kept = result[i].raw() == input[i].raw();
+                let key = format!("recall key: {}", compaction::keys::key(input[i].raw()));
+                let cut = head_tokens as f64 > settings().fit_share * budget
+                    && std::str::from_utf8(result[i].raw()).is_ok_and(|r| r.contains(&key));
+                prop_assert!(kept || cut, "head message {} changed", i);
+            }
             prop_assert!(is_checkpoint(&result[a.head]), "the checkpoint is not right after the head");
         }
         for i in 0..input.len() {
@@ -1334,4 +1364,145 @@ fn the_last_resort_keeps_the_environment_and_the_task() {
         messages.last().map(|m| m.raw().to_vec())
     );
     assert!(well_paired(&result));
+}
+
+/// A Codex-like head: instructions (an AGENTS.md), an environment block
+/// and a long task, then `n` turns of `result_chars` results and a later
+/// user message (so the head is no longer the client's last words).
+fn heavy_head(n: usize, result_chars: usize) -> Vec<Message> {
+    let rules: String = (0..300)
+        .map(|l| format!("- Rule {l}: run `make check-{l}` before touching src/rule_{l}.rs\n"))
+        .collect();
+    let task: String = (0..600)
+        .map(|l| format!("Requirement FR-{l:03}: the tauri app shows panel {l} at startup.\n"))
+        .collect();
+    let mut m = vec![
+        msg(json!({"role": "system", "content": "You are a coding agent."})),
+        msg(json!({"role": "user", "content": format!("# AGENTS.md\n{rules}")})),
+        msg(
+            json!({"role": "user", "content": "<environment_context><cwd>/repo</cwd></environment_context>"}),
+        ),
+        msg(json!({"role": "user", "content": task})),
+    ];
+    m.extend(agent_turns(n, result_chars).into_iter().skip(2));
+    m.push(msg(
+        json!({"role": "user", "content": "Now also check the docs."}),
+    ));
+    m
+}
+
+/// A head that fills most of the budget is cut to the fit share, the
+/// larger messages first, against the budget of the conversation's first
+/// compacted turn: a moved budget leaves it the same bytes.
+#[test]
+fn a_head_over_the_fit_share_is_cut_to_it_and_stays_cut_alike() {
+    let svc = service();
+    let m = heavy_head(20, 1500);
+    let head: u64 = m[1..4]
+        .iter()
+        .map(|x| svc.message_tokens(x.raw(), Encoding::O200k))
+        .sum();
+    let budget = head as f64 / 0.7;
+    let out = run(&svc, &m, budget);
+    assert!(out.actions().contains("fit"), "{}", out.actions());
+    let result = out.messages.expect("compacted");
+    // The system prompt, the environment and the last user message whole.
+    for i in [0, 2, m.len() - 1] {
+        assert!(result.iter().any(|x| x.raw() == m[i].raw()), "{i} changed");
+    }
+    // The instructions and the task cut to one level, each with its
+    // recall key, to the fit share together.
+    for i in [1, 3] {
+        let text = content(&result[i]);
+        let key = compaction::keys::key(m[i].raw());
+        assert!(text.contains(&format!("recall key: {key}")), "{text}");
+        assert!(text.len() < content(&m[i]).len(), "{i} kept whole");
+    }
+    let size = |x: &Message| svc.message_tokens(x.raw(), Encoding::O200k) as f64;
+    let (a, b) = (size(&result[1]), size(&result[3]));
+    assert!((a - b).abs() < 0.1 * a.max(b), "{a} and {b}");
+    assert!(content(&result[1]).starts_with("# AGENTS.md"));
+    let kept: u64 = result[1..4]
+        .iter()
+        .map(|x| svc.message_tokens(x.raw(), Encoding::O200k))
+        .sum();
+    let limit = settings().fit_share * budget;
+    assert!(
+        kept as f64 <= limit * 1.05 && kept as f64 >= limit * 0.8,
+        "{kept} of {limit}"
+    );
+    // The next request, its budget moved by a new calibration ratio: the
+    // head is cut against the first compacted turn's budget, the same.
+    let counter = CachedCounter::new(&svc, Encoding::O200k);
+    let mut next = m.clone();
+    next.push(msg(
+        json!({"role": "assistant", "content": "Docs checked."}),
+    ));
+    next.push(msg(json!({"role": "user", "content": "Thanks."})));
+    let moved = budget * 0.9;
+    let earlier = compaction::Earlier {
+        due: Some(out.frontier),
+        budgets: vec![(m.len(), budget)],
+    };
+    let again = compaction::compact_until(
+        &next,
+        &Limits {
+            budget: moved,
+            window: moved * 1.3,
+            fixed: 3,
+        },
+        &settings(),
+        &counter,
+        &Replacement::Digest,
+        &earlier,
+    );
+    let again = again.messages.expect("compacted");
+    assert_eq!(
+        again[..4].iter().map(|x| x.raw()).collect::<Vec<_>>(),
+        result[..4].iter().map(|x| x.raw()).collect::<Vec<_>>()
+    );
+}
+
+/// A head the client just sent (its last words) is not cut, however large.
+#[test]
+fn a_head_that_is_the_clients_last_words_stays_whole() {
+    let svc = service();
+    let mut m = heavy_head(0, 0);
+    m.pop();
+    let before = tokens(&svc, &m);
+    let out = run(&svc, &m, before as f64 / 1.01);
+    let result = out.messages.unwrap_or_else(|| m.clone());
+    for (i, x) in m.iter().enumerate() {
+        assert!(result.iter().any(|r| r.raw() == x.raw()), "{i} changed");
+    }
+}
+
+/// When the client's last message alone takes most of the budget, a head
+/// `fit` cut is cut further by `emergency`: the request fits.
+#[test]
+fn emergency_cuts_a_fitted_head_further() {
+    let svc = service();
+    let mut m = heavy_head(4, 800);
+    let head: u64 = m[1..4]
+        .iter()
+        .map(|x| svc.message_tokens(x.raw(), Encoding::O200k))
+        .sum();
+    let budget = head as f64 / 0.8;
+    let spec: String = (0..1000)
+        .map(|l| format!("Spec line {l}: the panel renders in under {l} ms.\n"))
+        .collect();
+    let last = m.len() - 1;
+    m[last] = msg(json!({"role": "user", "content": spec}));
+    let spec_tokens = svc.message_tokens(m[last].raw(), Encoding::O200k) as f64;
+    assert!(
+        spec_tokens > 0.6 * budget && spec_tokens < 0.8 * budget,
+        "{spec_tokens} of {budget}"
+    );
+    let out = run(&svc, &m, budget);
+    assert!(out.actions().contains("emergency"), "{}", out.actions());
+    assert!(out.fits, "{} of {budget}", out.tokens_after);
+    let result = out.messages.expect("compacted");
+    assert_eq!(result.last().map(|x| x.raw()), m.last().map(|x| x.raw()));
+    let key = compaction::keys::key(m[3].raw());
+    assert!(content(&result[3]).contains(&format!("recall key: {key}")));
 }

@@ -3,7 +3,10 @@
 //! its text (head and tail), in steps, until the request fits. This is the
 //! one stage allowed to shorten unconsumed tool results: a real trace has a
 //! system prompt, a task and one fresh 8k-token result that together exceed
-//! a 16k window. Reported as its own action.
+//! a 16k window. Reported as its own action. A text `fit` or `fade` cut
+//! before is cut again from its original (a cut text holds condense's
+//! marker, which `head_tail` leaves alone): a head `fit` cut to 30% of the
+//! budget next to a last user message of 70% would otherwise not fit.
 //!
 //! When even the smallest share leaves the request over its budget (a long
 //! conversation on a small window: every kept message still costs its
@@ -30,7 +33,7 @@
 use bytes::Bytes;
 
 use super::conversation::{Analysis, Role};
-use super::text::{content_text, head_tail, with_string_field};
+use super::text::{content_text, cut_middle, head_tail, with_string_field};
 use super::{Counter, Work, keys, mask, prune};
 
 /// The shares of each text tried, largest first.
@@ -88,9 +91,16 @@ fn shorten(
             let mut changed = false;
             if let Some(text) = content_text(m.content()) {
                 let keep = ((text.len() as f64 * share) as usize).max(MIN_CHARS);
+                // A text `fit` or `fade` cut holds its marker, which
+                // `head_tail` leaves alone: it is cut again from the
+                // original.
+                let original = w.cut[i].then(|| content_text(w.src[i].content())).flatten();
+                let (raw, cut) = match original {
+                    Some(o) => (w.src[i].raw(), cut_middle(&o, keep)),
+                    None => (m.raw(), head_tail(&text, keep)),
+                };
                 if keep < text.len()
-                    && let Some(bytes) =
-                        with_string_field(m.raw(), "content", &head_tail(&text, keep))
+                    && let Some(bytes) = with_string_field(raw, "content", &cut)
                     && w.replace(i, bytes, counter) > 0
                 {
                     changed = true;

@@ -7,7 +7,7 @@
 //!
 //! | stage       | file           | what                                                 |
 //! |-------------|----------------|------------------------------------------------------|
-//! | `fit`       | `fit.rs`       | no single result or argument string over 30% of the budget |
+//! | `fit`       | `fit.rs`       | no single result or argument string over 30% of the budget, nor the pinned head's user messages together |
 //! | `prune`     | `prune.rs`     | old units dropped, a digest in their place (replayed, only when masking cannot get under the budget) |
 //! | `mask`      | `mask.rs`      | old tool output → extractive placeholder, old long arguments shortened (replayed frontier); large answered results masked ahead of it |
 //! | `fade`      | `fade.rs`      | recent large results shrunk by pressure band and age |
@@ -233,6 +233,9 @@ struct Work<'a> {
     stages: Vec<StageReport>,
     /// Whether rewrites carry their recall key (`compaction.recall`).
     recall: bool,
+    /// Messages whose text `fit` or `fade` cut: `emergency` cuts them
+    /// further from their original text.
+    cut: Vec<bool>,
 }
 
 impl Work<'_> {
@@ -399,11 +402,15 @@ pub fn compact_until(
         fixed: limits.fixed,
         stages: Vec::new(),
         recall: s.recall,
+        cut: vec![false; n],
     };
 
     // fit first: it depends on the message and the budget alone, so the
     // plan below can count on it and it stays the same turn after turn.
-    fit::run(&mut w, &a, limits, s, counter);
+    // The head against the budget of the first compacted turn (see
+    // `fit.rs`).
+    let head_budget = earlier.budgets.first().map_or(limits.budget, |b| b.1);
+    fit::run(&mut w, &a, limits, s, counter, head_budget);
 
     // The masked form of every message that has one.
     let masked_bytes: Vec<Option<Bytes>> = (0..n)
@@ -467,7 +474,7 @@ pub fn compact_until(
         sent: &full,
         fit_limit: fit::limit(limits.budget, s.fit_share),
         placeholder_chars: s.placeholder_chars,
-        head: full[..a.head].iter().sum(),
+        head: w.cost[..a.head].iter().sum(),
         masked: &plan_masked,
         fixed: limits.fixed,
         budget: limits.budget,
@@ -619,5 +626,7 @@ fn cut_content(w: &mut Work, i: usize, text: &str, limit: f64, counter: &dyn Cou
     ) else {
         return 0;
     };
-    w.replace(i, b, counter)
+    let saved = w.replace(i, b, counter);
+    w.cut[i] |= saved > 0;
+    saved
 }
