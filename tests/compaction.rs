@@ -1506,3 +1506,32 @@ fn emergency_cuts_a_fitted_head_further() {
     let key = compaction::keys::key(m[3].raw());
     assert!(content(&result[3]).contains(&format!("recall key: {key}")));
 }
+
+/// The first turn whose request, as the client sent it, is at the trigger
+/// moves the frontier, even when `fit` alone would bring it back under:
+/// otherwise it goes out with one old result cut (the cached prefix broken
+/// there) and no boundary move, and the next turn breaks it again.
+#[test]
+fn the_first_turn_at_the_trigger_moves_the_frontier_though_fit_alone_would_do() {
+    let svc = service();
+    let mut m = agent_turns(14, 1200);
+    let listing = "src/pkg/module_x.py  src/pkg/module_y.py  docs/index.rst\n".repeat(500);
+    m[3] = msg(json!({"role": "tool", "tool_call_id": "call_0", "content": listing}));
+    let total = tokens(&svc, &m) as f64;
+    let listing_tokens = svc.message_tokens(m[3].raw(), Encoding::O200k) as f64;
+    let budget = total / 0.99;
+    let s = settings();
+    assert!(
+        listing_tokens > s.fit_share * budget
+            && total - (listing_tokens - s.fit_share * budget) < s.trigger * budget,
+        "fit alone would not bring it under: {listing_tokens} of {total}"
+    );
+    let out = run(&svc, &m, budget);
+    assert!(out.actions().contains("mask"), "{}", out.actions());
+    assert!(out.frontier > 3, "{}", out.frontier);
+    assert!(
+        (out.tokens_after as f64) < 0.75 * budget,
+        "{} of {budget}",
+        out.tokens_after
+    );
+}

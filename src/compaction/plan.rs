@@ -63,6 +63,20 @@
 //!   extractive placeholder that stays put keeps more and breaks the cache
 //!   less than `fade` cutting the same results differently on every turn.
 //!
+//! Until a conversation has first been compacted, a turn is at the trigger
+//! by its size as the client sent it, not as `fit` leaves it: the pipeline
+//! compacts a request that size puts at the trigger, and `fit` cuts only in
+//! one it compacts. When `fit` alone brought the request back under the
+//! trigger, the turn went out with one old result cut, which broke the
+//! cached prefix there, and no boundary move: the next turn moved it and
+//! broke the prefix again. Against a provider that counts a Messages body
+//! 5% larger than the same conversation as chat, the Messages form of an
+//! OpenHands session fell into that on its first compacted turn and kept
+//! 0.867 of its prefix at 32k (chars:3.6) where the chat form kept 0.897;
+//! counted as sent, 0.901 and 0.897, and mean stability over all the shared
+//! traces at 32k went from 0.910 to 0.912 (chars:3.6) and 0.897 to 0.899
+//! (chars:3.0), 16k and 64k even.
+//!
 //! Results answered by no assistant message yet are never reached, and
 //! `fit` leaves them whole; so an earlier turn is replayed with the results
 //! that ended it at their full size (as that turn's request had them), and
@@ -240,6 +254,7 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
             c.sent[i].saturating_sub(answered_cost(c, i, c.scale(e)))
         }),
     };
+    let sent = prefix_sums(c.sent);
     let mut frontier = a.base;
     let mut dropped = vec![false; n];
     let mut ahead = vec![false; n];
@@ -274,7 +289,13 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
                 sums.full = prefix_sums(&full);
             }
         }
-        let hot = cost(&sums, c, e, frontier, dropped_cost) >= c.trigger * budget;
+        // Until compaction has begun, a turn is at the trigger as the
+        // client sent it, as the pipeline measured it: `fit` cuts only in a
+        // request compacted anyway, and one it alone brought under the
+        // trigger broke the cached prefix at the result it cut, for a turn
+        // with no boundary move (see the module notes).
+        let hot = cost(&sums, c, e, frontier, dropped_cost) >= c.trigger * budget
+            || (!engaged && (c.fixed + sent[e]) as f64 >= c.trigger * budget);
         if !hot && !over_messages(e, dropped_count, p.over_messages) {
             continue;
         }
