@@ -222,6 +222,9 @@ struct Sums {
     masked: Vec<u64>,
     /// Of the messages as they are (for the recent window's size).
     raw: Vec<u64>,
+    /// Of the messages as the client sent them (for the trigger before
+    /// compaction has begun).
+    sent: Vec<u64>,
     /// For the prefix ending at `e`: what its trailing unanswered results
     /// have beyond their fitted size.
     unfit: Vec<u64>,
@@ -249,12 +252,12 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         full: prefix_sums(&full),
         masked: prefix_sums(c.masked),
         raw: prefix_sums(c.full),
+        sent: prefix_sums(c.sent),
         unfit: tail_sums(a, c, |i, _| c.sent[i].saturating_sub(c.full[i])),
         relief: tail_sums(a, c, |i, e| {
             c.sent[i].saturating_sub(answered_cost(c, i, c.scale(e)))
         }),
     };
-    let sent = prefix_sums(c.sent);
     let mut frontier = a.base;
     let mut dropped = vec![false; n];
     let mut ahead = vec![false; n];
@@ -295,7 +298,7 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // trigger broke the cached prefix at the result it cut, for a turn
         // with no boundary move (see the module notes).
         let hot = cost(&sums, c, e, frontier, dropped_cost) >= c.trigger * budget
-            || (!engaged && (c.fixed + sent[e]) as f64 >= c.trigger * budget);
+            || (!engaged && (c.fixed + sums.sent[e]) as f64 >= c.trigger * budget);
         if !hot && !over_messages(e, dropped_count, p.over_messages) {
             continue;
         }
