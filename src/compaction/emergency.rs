@@ -79,6 +79,16 @@ fn shorten(
                 && !a.last_words(i)
         })
         .collect();
+    // A text `fit` or `fade` cut holds its marker, which `head_tail` leaves
+    // alone: it is cut again from the original, read once for all shares.
+    let src = w.src;
+    let originals: Vec<Option<String>> = eligible
+        .iter()
+        .map(|&i| match w.cut[i] {
+            true => content_text(src[i].content()).map(|t| t.into_owned()),
+            false => None,
+        })
+        .collect();
     let mut touched = 0;
     for &share in STEPS {
         for &i in &eligible {
@@ -86,24 +96,21 @@ fn shorten(
             w.cost[i] = snapshot[i].1;
         }
         touched = 0;
-        for &i in &eligible {
+        for (&i, original) in eligible.iter().zip(&originals) {
             let m = w.current(i);
             let mut changed = false;
             if let Some(text) = content_text(m.content()) {
                 let keep = ((text.len() as f64 * share) as usize).max(MIN_CHARS);
-                // A text `fit` or `fade` cut holds its marker, which
-                // `head_tail` leaves alone: it is cut again from the
-                // original.
-                let original = w.cut[i].then(|| content_text(w.src[i].content())).flatten();
-                let (raw, cut) = match original {
-                    Some(o) => (w.src[i].raw(), cut_middle(&o, keep)),
-                    None => (m.raw(), head_tail(&text, keep)),
-                };
-                if keep < text.len()
-                    && let Some(bytes) = with_string_field(raw, "content", &cut)
-                    && w.replace(i, bytes, counter) > 0
-                {
-                    changed = true;
+                if keep < text.len() {
+                    let (raw, cut) = match original {
+                        Some(o) => (src[i].raw(), cut_middle(o, keep)),
+                        None => (m.raw(), head_tail(&text, keep)),
+                    };
+                    if let Some(bytes) = with_string_field(raw, "content", &cut)
+                        && w.replace(i, bytes, counter) > 0
+                    {
+                        changed = true;
+                    }
                 }
             }
             let m = w.current(i);

@@ -18,8 +18,9 @@
 //! turn, which a moving calibration ratio does not change: against today's
 //! budget, the head took new bytes at every move of it. (That budget is the
 //! oldest the conversation's record keeps, `proxy/reached.rs`: after eight
-//! moves of the ratio it goes, and the head is cut once more.) Cut against 40% of
-//! the budget instead of 30%, the 16k gains were smaller and 32k lost 0.02.
+//! moves of the ratio it goes, and the head is cut once more.) Cut against
+//! 40% of the budget instead of 30%, the 16k gains were smaller and 32k
+//! lost 0.02.
 
 use super::conversation::{Analysis, Role};
 use super::text::content_text;
