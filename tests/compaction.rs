@@ -41,11 +41,17 @@ fn run_with(svc: &TokenService, messages: &[Message], budget: f64, s: &Settings)
     compaction::compact(messages, &limits, s, &counter)
 }
 
+/// The request's tokens: its messages and the 3 of its frame.
 fn tokens(svc: &TokenService, messages: &[Message]) -> u64 {
-    3 + messages
+    3 + messages_tokens(svc, messages)
+}
+
+/// The tokens of `messages` alone.
+fn messages_tokens(svc: &TokenService, messages: &[Message]) -> u64 {
+    messages
         .iter()
         .map(|m| svc.message_tokens(m.raw(), Encoding::O200k))
-        .sum::<u64>()
+        .sum()
 }
 
 fn json_of(m: &Message) -> Value {
@@ -354,7 +360,7 @@ proptest! {
             // The head in place: each message whole, or (when together
             // they are over the fit share of the budget) cut with the key
             // that recalls it.
-            let head_tokens: u64 = input[a.base..a.head].iter().map(|m| svc.message_tokens(m.raw(), Encoding::O200k)).sum();
+            let head_tokens = messages_tokens(&svc, &input[a.base..a.head]);
             for i in 0..a.head {
                 let kept = result[i].raw() == input[i].raw();
                 let key = format!("recall key: {}", compaction::keys::key(input[i].raw()));
@@ -1398,10 +1404,7 @@ fn heavy_head(n: usize, result_chars: usize) -> Vec<Message> {
 fn a_head_over_the_fit_share_is_cut_to_it_and_stays_cut_alike() {
     let svc = service();
     let m = heavy_head(20, 1500);
-    let head: u64 = m[1..4]
-        .iter()
-        .map(|x| svc.message_tokens(x.raw(), Encoding::O200k))
-        .sum();
+    let head = messages_tokens(&svc, &m[1..4]);
     let budget = head as f64 / 0.7;
     let out = run(&svc, &m, budget);
     assert!(out.actions().contains("fit"), "{}", out.actions());
@@ -1422,10 +1425,7 @@ fn a_head_over_the_fit_share_is_cut_to_it_and_stays_cut_alike() {
     let (a, b) = (size(&result[1]), size(&result[3]));
     assert!((a - b).abs() < 0.1 * a.max(b), "{a} and {b}");
     assert!(content(&result[1]).starts_with("# AGENTS.md"));
-    let kept: u64 = result[1..4]
-        .iter()
-        .map(|x| svc.message_tokens(x.raw(), Encoding::O200k))
-        .sum();
+    let kept = messages_tokens(&svc, &result[1..4]);
     let limit = settings().fit_share * budget;
     assert!(
         kept as f64 <= limit * 1.05 && kept as f64 >= limit * 0.8,
@@ -1483,10 +1483,7 @@ fn a_head_that_is_the_clients_last_words_stays_whole() {
 fn emergency_cuts_a_fitted_head_further() {
     let svc = service();
     let mut m = heavy_head(4, 800);
-    let head: u64 = m[1..4]
-        .iter()
-        .map(|x| svc.message_tokens(x.raw(), Encoding::O200k))
-        .sum();
+    let head = messages_tokens(&svc, &m[1..4]);
     let budget = head as f64 / 0.8;
     let spec: String = (0..1000)
         .map(|l| format!("Spec line {l}: the panel renders in under {l} ms.\n"))
