@@ -641,7 +641,7 @@ fn large_answered_results_are_masked_ahead_of_the_recent_window() {
     // Turn 10 writes a large file: its arguments count the same way.
     let result_10 = content(&m[big + 2]);
     write_turn(&mut m, 10, &result_10);
-    let budget = tokens(&svc, &m) as f64 / 1.15;
+    let budget = tokens(&svc, &m) as f64 / 15.0;
     let out = run(&svc, &m, budget);
     let result = out.messages.expect("compacted");
     assert_eq!(result.len(), m.len(), "nothing was dropped");
@@ -702,7 +702,7 @@ fn masking_ahead_stops_once_the_request_is_under_its_target() {
     let svc = service();
     let s = settings();
     let m = agent_turns(8, 5000);
-    let budget = tokens(&svc, &m) as f64 / 1.1;
+    let budget = tokens(&svc, &m) as f64 / 15.0;
     let result = run(&svc, &m, budget).messages.expect("compacted");
     let whole = |r: &[Message]| {
         (0..r.len() - 1)
@@ -758,7 +758,7 @@ fn a_large_write_is_shortened_as_soon_as_its_result_is_in() {
         11,
         "File created successfully at: /repo/src/handler.py",
     );
-    let budget = tokens(&svc, &m) as f64 / 1.15;
+    let budget = tokens(&svc, &m) as f64 / 15.0;
     let result = run(&svc, &m, budget).messages.expect("compacted");
     let call = &json_of(&result[last - 1])["tool_calls"][0]["function"]["arguments"];
     let shortened: Value = serde_json::from_str(call.as_str().unwrap()).unwrap();
@@ -1024,6 +1024,63 @@ fn what_the_user_wrote_after_the_first_answer_is_dropped_last() {
             out.stages
         );
     }
+}
+
+#[test]
+fn a_digest_gives_what_the_user_wrote_in_the_turns_it_replaces() {
+    // A greeting first, then the task after the model's hello, with the
+    // IDE's note before it (Claude Code sends them as blocks of one turn)
+    // and a pasted document after it; a correction later. On a budget too
+    // small for the task, the digest gives it as the user wrote it, and
+    // neither the IDE's note nor the document's head.
+    let svc = service();
+    let task = "阅读代码仓库，优化登陆/注册界面，参考内容为template/login和template/signup";
+    let pasted = format!(
+        "Here is the spec:\n{}",
+        "The service shall start.\n".repeat(60)
+    );
+    let mut m = vec![
+        msg(json!({"role": "system", "content": "You are an agent."})),
+        msg(json!({"role": "user", "content": "hi"})),
+        msg(json!({"role": "assistant", "content": "Hello! What can I do for you?"})),
+        msg(
+            json!({"role": "user", "content": "<ide_opened_file>The user opened settings.json.</ide_opened_file>"}),
+        ),
+        msg(json!({"role": "user", "content": task})),
+        msg(json!({"role": "user", "content": pasted})),
+    ];
+    let turns = agent_turns(40, 1500);
+    let (first, second) = turns[2..].split_at(20);
+    m.extend_from_slice(first);
+    m.push(msg(
+        json!({"role": "user", "content": "Keep the   light theme,\nnot the dark one."}),
+    ));
+    m.extend_from_slice(second);
+    let budget = tokens(&svc, &m) as f64 / 15.0;
+    let out = run(&svc, &m, budget);
+    assert!(out.actions().contains("prune"), "{}", out.actions());
+    assert!(out.tokens_after as f64 <= budget);
+    let result = out.messages.unwrap();
+    assert!(well_paired(&result));
+    let text: Vec<String> = result.iter().map(content).collect();
+    for gone in [task, pasted.as_str()] {
+        assert!(
+            !text.iter().any(|t| t == gone),
+            "{gone} was not dropped: {:?}",
+            out.stages
+        );
+    }
+    let digest = text
+        .iter()
+        .find(|t| t.contains("earlier messages were removed"))
+        .expect("a digest");
+    assert!(digest.contains("what the user wrote in them"), "{digest}");
+    let said: Vec<&str> = digest.lines().filter(|l| l.starts_with("user: ")).collect();
+    assert_eq!(said, [format!("user: {task}").as_str()], "{digest}");
+    // The correction, dropped last, is still there on its own.
+    assert!(text.iter().any(|t| t.starts_with("Keep the   light theme")));
+    // The rest of the digest is key lines, as before.
+    assert!(digest.contains("ValueError: bad header"), "{digest}");
 }
 
 #[test]

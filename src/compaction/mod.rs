@@ -504,7 +504,16 @@ pub fn compact_until(
             Replacement::Digest => {
                 // Sized as the plan counted it.
                 let dropped_tokens = (0..n).filter(|&i| w.dropped[i]).map(|i| plan_masked[i]);
-                let d = prune::digest(messages, &w.dropped, dropped_tokens.sum(), costs.room_at(n));
+                let said: Vec<bool> = (0..n)
+                    .map(|i| a.roles[i] == Role::User && !a.output(i))
+                    .collect();
+                let d = prune::digest(
+                    messages,
+                    &w.dropped,
+                    &said,
+                    dropped_tokens.sum(),
+                    costs.room_at(n),
+                );
                 (d, "prune")
             }
             Replacement::Checkpoint {
