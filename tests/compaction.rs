@@ -641,7 +641,7 @@ fn large_answered_results_are_masked_ahead_of_the_recent_window() {
     // Turn 10 writes a large file: its arguments count the same way.
     let result_10 = content(&m[big + 2]);
     write_turn(&mut m, 10, &result_10);
-    let budget = tokens(&svc, &m) as f64 / 15.0;
+    let budget = tokens(&svc, &m) as f64 / 1.15;
     let out = run(&svc, &m, budget);
     let result = out.messages.expect("compacted");
     assert_eq!(result.len(), m.len(), "nothing was dropped");
@@ -702,7 +702,7 @@ fn masking_ahead_stops_once_the_request_is_under_its_target() {
     let svc = service();
     let s = settings();
     let m = agent_turns(8, 5000);
-    let budget = tokens(&svc, &m) as f64 / 15.0;
+    let budget = tokens(&svc, &m) as f64 / 1.1;
     let result = run(&svc, &m, budget).messages.expect("compacted");
     let whole = |r: &[Message]| {
         (0..r.len() - 1)
@@ -758,7 +758,7 @@ fn a_large_write_is_shortened_as_soon_as_its_result_is_in() {
         11,
         "File created successfully at: /repo/src/handler.py",
     );
-    let budget = tokens(&svc, &m) as f64 / 15.0;
+    let budget = tokens(&svc, &m) as f64 / 1.15;
     let result = run(&svc, &m, budget).messages.expect("compacted");
     let call = &json_of(&result[last - 1])["tool_calls"][0]["function"]["arguments"];
     let shortened: Value = serde_json::from_str(call.as_str().unwrap()).unwrap();
