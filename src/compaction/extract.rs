@@ -466,12 +466,14 @@ pub fn key_lines(text: &str, budget: usize) -> String {
     scored.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
     let mut chosen: Vec<(usize, String)> = Vec::new();
     // A line said again (a warning per epoch, the same error per file, a
-    // line of code in a diff's `+`, `-` and context lines) is kept once: a
+    // line of code as a diff removes, adds and shows it) is kept once. A
     // Codex session's digest held `self.log(f"[WS] Init failed: {e}")` as
-    // added and as context, where its retention at 16k went from 0.758 to
-    // 0.765 and 0.727 to 0.735 (chars:3.6, 3.0) and at 32k chars:3.0 from
-    // 0.807 to 0.820, stability even; no other trace moved. Looked up only for lines that would go in, which are few
-    // (every line of a 16 MB result in a set cost a third more time).
+    // added and as context; told apart by their markers no more, its
+    // retention at 16k went from 0.758 to 0.765 and 0.727 to 0.735
+    // (chars:3.6, 3.0), at 32k chars:3.0 from 0.807 to 0.820, stability
+    // even; no other trace moved. Looked up only for lines that would go
+    // in, which are few (every line of a 16 MB result in a set cost a
+    // third more time).
     let mut kept: HashSet<&str> = HashSet::new();
     let mut used = 0;
     for (s, i, line, path_end) in scored {
@@ -479,9 +481,8 @@ pub fn key_lines(text: &str, budget: usize) -> String {
         if used + 2 > budget {
             break;
         }
-        // The same line as a diff adds, removes or shows it around a
-        // change is one line too.
-        // (markers and bullets alike: `+- item` is `- item` added).
+        // Without a diff's markers (and a bullet under one: `+- item` is
+        // `- item` added).
         let same = line.trim().trim_start_matches(['+', '-']).trim_start();
         if kept.contains(same) {
             continue;
