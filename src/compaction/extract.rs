@@ -310,8 +310,10 @@ fn score(line: &str) -> (u32, Option<&str>) {
     {
         s += 4;
     }
+    // A definition, after a line number as `cat -n`, `nl` and grep give it
+    // and as Claude Code's Read does (`    41→def load(`).
     let t = lower.trim_start_matches(|c: char| {
-        c.is_ascii_digit() || c == ' ' || c == '\t' || c == '|' || c == ':'
+        c.is_ascii_digit() || c == ' ' || c == '\t' || c == '|' || c == ':' || c == '→'
     });
     if [
         "def ",
@@ -915,6 +917,23 @@ FAILED tests/test_render.py::test_heading - TypeError\n",
         assert_eq!(kept.matches("opk rules").count(), 1, "{kept}");
         assert!(kept.contains("QMessageBox.critical"), "{kept}");
         assert!(kept.contains("ValueError: bad printer profile"), "{kept}");
+    }
+
+    #[test]
+    fn claude_code_s_numbered_lines_keep_their_definitions() {
+        // Claude Code's Read numbers lines as `    41→`.
+        let mut text = String::new();
+        for n in 1..=120 {
+            let line = match n {
+                41 => "def load_config(path):".to_string(),
+                90 => "class Trainer:".to_string(),
+                _ => format!("    value_{n} = compute({n})"),
+            };
+            text.push_str(&format!("{n:>6}→{line}\n"));
+        }
+        let p = placeholder(&text, 120);
+        assert!(p.contains("41→def load_config(path):"), "{p}");
+        assert!(p.contains("90→class Trainer:"), "{p}");
     }
 
     #[test]
