@@ -326,6 +326,7 @@ fn score(line: &str) -> (u32, Option<&str>) {
         "struct ",
         "impl ",
         "interface ",
+        "export ",
         "type ",
     ]
     .iter()
@@ -934,6 +935,25 @@ FAILED tests/test_render.py::test_heading - TypeError\n",
         let p = placeholder(&text, 120);
         assert!(p.contains("41→def load_config(path):"), "{p}");
         assert!(p.contains("90→class Trainer:"), "{p}");
+    }
+
+    #[test]
+    fn what_a_typescript_module_exports_is_kept() {
+        let mut text = String::new();
+        for n in 1..=120 {
+            let line = match n {
+                12 => "export default function ForgotPasswordDialog({ open }: Props) {",
+                60 => "export const theme = createTheme({",
+                _ => "    <Box sx={{ display: 'flex', gap: 2 }} />",
+            };
+            text.push_str(&format!("{n:>6}→{line}\n"));
+        }
+        let p = placeholder(&text, 160);
+        assert!(
+            p.contains("export default function ForgotPasswordDialog"),
+            "{p}"
+        );
+        assert!(p.contains("export const theme"), "{p}");
     }
 
     #[test]
