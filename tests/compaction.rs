@@ -991,26 +991,37 @@ fn a_digest_of_many_dropped_turns_keeps_more_of_their_key_lines() {
     );
 }
 
+/// A session that opens with a greeting, then the user's `said` messages
+/// after the model's hello, then `turns.0` agent turns with `correction`
+/// after the first `turns.1` messages of them.
+fn greeted(said: &[&str], turns: (usize, usize), correction: &str) -> Vec<Message> {
+    let mut m = vec![
+        msg(json!({"role": "system", "content": "You are an agent."})),
+        msg(json!({"role": "user", "content": "hi"})),
+        msg(json!({"role": "assistant", "content": "Hello! What can I do for you?"})),
+    ];
+    m.extend(
+        said.iter()
+            .map(|s| msg(json!({"role": "user", "content": s}))),
+    );
+    let agent = agent_turns(turns.0, 1500);
+    let (first, second) = agent[2..].split_at(turns.1);
+    m.extend_from_slice(first);
+    m.push(msg(json!({"role": "user", "content": correction})));
+    m.extend_from_slice(second);
+    m
+}
+
 #[test]
 fn what_the_user_wrote_after_the_first_answer_is_dropped_last() {
     // A greeting first, then the real task after the model's hello (as
     // Claude Code sessions begin), and a correction halfway.
     let svc = service();
-    let mut m = vec![
-        msg(json!({"role": "system", "content": "You are an agent."})),
-        msg(json!({"role": "user", "content": "hi"})),
-        msg(json!({"role": "assistant", "content": "Hello! What can I do for you?"})),
-        msg(
-            json!({"role": "user", "content": "Port the login page from template/login to src/pages."}),
-        ),
-    ];
-    let turns = agent_turns(30, 1500);
-    let (first, second) = turns[2..].split_at(30);
-    m.extend_from_slice(first);
-    m.push(msg(
-        json!({"role": "user", "content": "Keep the light theme, not the dark one."}),
-    ));
-    m.extend_from_slice(second);
+    let m = greeted(
+        &["Port the login page from template/login to src/pages."],
+        (30, 30),
+        "Keep the light theme, not the dark one.",
+    );
     let before = tokens(&svc, &m);
     let out = run(&svc, &m, before as f64 / 6.0);
     assert!(out.actions().contains("prune"), "{}", out.actions());
@@ -1039,23 +1050,15 @@ fn a_digest_gives_what_the_user_wrote_in_the_turns_it_replaces() {
         "Here is the spec:\n{}",
         "The service shall start.\n".repeat(60)
     );
-    let mut m = vec![
-        msg(json!({"role": "system", "content": "You are an agent."})),
-        msg(json!({"role": "user", "content": "hi"})),
-        msg(json!({"role": "assistant", "content": "Hello! What can I do for you?"})),
-        msg(
-            json!({"role": "user", "content": "<ide_opened_file>The user opened settings.json.</ide_opened_file>"}),
-        ),
-        msg(json!({"role": "user", "content": task})),
-        msg(json!({"role": "user", "content": pasted})),
-    ];
-    let turns = agent_turns(40, 1500);
-    let (first, second) = turns[2..].split_at(20);
-    m.extend_from_slice(first);
-    m.push(msg(
-        json!({"role": "user", "content": "Keep the   light theme,\nnot the dark one."}),
-    ));
-    m.extend_from_slice(second);
+    let m = greeted(
+        &[
+            "<ide_opened_file>The user opened settings.json.</ide_opened_file>",
+            task,
+            &pasted,
+        ],
+        (40, 20),
+        "Keep the   light theme,\nnot the dark one.",
+    );
     let budget = tokens(&svc, &m) as f64 / 15.0;
     let out = run(&svc, &m, budget);
     assert!(out.actions().contains("prune"), "{}", out.actions());

@@ -920,35 +920,35 @@ FAILED tests/test_render.py::test_heading - TypeError\n",
         assert!(kept.contains("ValueError: bad printer profile"), "{kept}");
     }
 
-    #[test]
-    fn claude_code_s_numbered_lines_keep_their_definitions() {
-        // Claude Code's Read numbers lines as `    41→`.
+    /// A file as Claude Code's Read gives it (lines numbered `    41→`)
+    /// with `definitions` at the given lines and filler elsewhere.
+    fn read_output(definitions: &[(usize, &str)]) -> String {
         let mut text = String::new();
         for n in 1..=120 {
-            let line = match n {
-                41 => "def load_config(path):".to_string(),
-                90 => "class Trainer:".to_string(),
-                _ => format!("    value_{n} = compute({n})"),
-            };
+            let line = definitions
+                .iter()
+                .find(|(at, _)| *at == n)
+                .map_or("    <Box sx={{ gap: 2 }} /> value = compute(n)", |d| d.1);
             text.push_str(&format!("{n:>6}→{line}\n"));
         }
-        let p = placeholder(&text, 120);
-        assert!(p.contains("41→def load_config(path):"), "{p}");
-        assert!(p.contains("90→class Trainer:"), "{p}");
+        text
     }
 
     #[test]
-    fn what_a_typescript_module_exports_is_kept() {
-        let mut text = String::new();
-        for n in 1..=120 {
-            let line = match n {
-                12 => "export default function ForgotPasswordDialog({ open }: Props) {",
-                60 => "export const theme = createTheme({",
-                _ => "    <Box sx={{ display: 'flex', gap: 2 }} />",
-            };
-            text.push_str(&format!("{n:>6}→{line}\n"));
-        }
-        let p = placeholder(&text, 160);
+    fn claude_code_s_numbered_lines_keep_their_definitions() {
+        let python = read_output(&[(41, "def load_config(path):"), (90, "class Trainer:")]);
+        let p = placeholder(&python, 120);
+        assert!(p.contains("41→def load_config(path):"), "{p}");
+        assert!(p.contains("90→class Trainer:"), "{p}");
+        // What a JavaScript or TypeScript module exports.
+        let typescript = read_output(&[
+            (
+                12,
+                "export default function ForgotPasswordDialog({ open }: Props) {",
+            ),
+            (60, "export const theme = createTheme({"),
+        ]);
+        let p = placeholder(&typescript, 160);
         assert!(
             p.contains("export default function ForgotPasswordDialog"),
             "{p}"
