@@ -89,16 +89,24 @@ pub fn placeholder(text: &str, budget: usize) -> String {
 /// the names a placeholder has room for (a quarter or more), a third or
 /// two fifths measured the same within 0.002.
 fn key_lines_and_names(text: &str, budget: usize) -> String {
-    let names = code_names(text);
+    let for_names = budget / 4;
+    // Twice as many as the list could hold (a name and its comma take
+    // five characters or more), so that memory stays within the budget
+    // whatever the file holds.
+    let names = code_names(text, (for_names / 5 * 2).max(3));
     if names.len() < 3 {
         return key_lines(text, budget);
     }
-    let for_names = budget / 4;
     let mut kept = key_lines(text, budget - for_names);
+    // The words of the key lines, looked up once each: a name found in
+    // them by a substring search cost a pass over the key lines for each of
+    // a crafted file's million names.
+    let said: HashSet<&str> = kept
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '$'))
+        .collect();
     let mut list = String::new();
     for name in names {
-        // The size first: only a name that fits is looked for in `kept`.
-        if list.len() + name.len() + 2 > for_names.saturating_sub(8) || kept.contains(name) {
+        if list.len() + name.len() + 2 > for_names.saturating_sub(8) || said.contains(name) {
             continue;
         }
         if !list.is_empty() {
@@ -149,8 +157,8 @@ const MODIFIERS: &[&str] = &[
 /// The names `text` defines, imports and raises as source code does, each
 /// once, in their order: the name after a defining word (and its
 /// modifiers), and the names a Python or JavaScript import brings in.
-/// Names of fewer than three characters are left out.
-fn code_names(text: &str) -> Vec<&str> {
+/// Names of fewer than three characters are left out; at most `most`.
+fn code_names(text: &str, most: usize) -> Vec<&str> {
     fn name(w: &str) -> Option<&str> {
         let end = w
             .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '$'))
@@ -163,9 +171,7 @@ fn code_names(text: &str) -> Vec<&str> {
         if line.len() > 600 {
             continue;
         }
-        let code = line.trim_start_matches(|c: char| {
-            c.is_ascii_digit() || c == ' ' || c == '\t' || c == '|' || c == ':' || c == '→'
-        });
+        let code = after_line_number(line);
         let imported = code
             .strip_prefix("from ")
             .and_then(|r| r.split_once(" import "))
@@ -194,6 +200,9 @@ fn code_names(text: &str) -> Vec<&str> {
         for n in found {
             if seen.insert(n) {
                 out.push(n);
+                if out.len() == most {
+                    return out;
+                }
             }
         }
     }
@@ -441,11 +450,7 @@ fn score(line: &str) -> (u32, Option<&str>) {
     {
         s += 4;
     }
-    // A definition, after a line number as `cat -n`, `nl` and grep give it
-    // and as Claude Code's Read does (`    41→def load(`).
-    let t = lower.trim_start_matches(|c: char| {
-        c.is_ascii_digit() || c == ' ' || c == '\t' || c == '|' || c == ':' || c == '→'
-    });
+    let t = after_line_number(&lower);
     if [
         "def ",
         "class ",
@@ -481,6 +486,14 @@ fn score(line: &str) -> (u32, Option<&str>) {
         s += 1;
     }
     (s, path)
+}
+
+/// `line` after the line number `cat -n`, `nl` and grep put before it,
+/// and Claude Code's Read (`    41→def load(`).
+fn after_line_number(line: &str) -> &str {
+    line.trim_start_matches(|c: char| {
+        c.is_ascii_digit() || c == ' ' || c == '\t' || c == '|' || c == ':' || c == '→'
+    })
 }
 
 /// The code of a line reporting a command's exit status.
@@ -1105,7 +1118,7 @@ FAILED tests/test_render.py::test_heading - TypeError\n",
             the class of 2024 said def is fine\n\
             class Query:\n";
         assert_eq!(
-            code_names(text),
+            code_names(text, 100),
             [
                 "MultiColSource",
                 "DEFAULT_DB_ALIAS",
@@ -1122,7 +1135,8 @@ FAILED tests/test_render.py::test_heading - TypeError\n",
                 "Display",
             ]
         );
-        assert!(code_names("error: x\nexit code 1\nsee docs/x.md\n").is_empty());
+        assert!(code_names("error: x\nexit code 1\nsee docs/x.md\n", 100).is_empty());
+        assert_eq!(code_names(text, 2), ["MultiColSource", "DEFAULT_DB_ALIAS"]);
     }
 
     #[test]
