@@ -11,7 +11,7 @@
 //! …, "metadata": {"exit_code": …}}`, a tool returning a file in a field)
 //! is read for that text's key lines instead. Source code also gets the
 //! names it defines and imports that its key lines left out
-//! ([`key_lines_and_names`]). A line said again is kept once, and how
+//! (`key_lines_and_names`). A line said again is kept once, and how
 //! much a placeholder keeps grows with what it replaces
 //! ([`placeholder_size`]) and with the model's window
 //! ([`placeholder_base`]). A digest of dropped turns is sized here too
