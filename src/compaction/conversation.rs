@@ -225,6 +225,12 @@ impl Analysis {
         self.roles[i] == Role::Tool || self.observation[i]
     }
 
+    /// Whether message `i` is one the user wrote: a user message that is
+    /// not a tool's output (an observation).
+    pub fn said(&self, i: usize) -> bool {
+        self.roles[i] == Role::User && !self.output(i)
+    }
+
     /// Whether message `i` is part of the client's last words (see
     /// [`Analysis::last_words_from`]).
     pub fn last_words(&self, i: usize) -> bool {

@@ -101,27 +101,50 @@ fn key_lines_and_names(text: &str, budget: usize) -> String {
     // The words of the key lines, looked up once each: a name found in
     // them by a substring search cost a pass over the key lines for each of
     // a crafted file's million names.
-    let said: HashSet<&str> = kept
-        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '$'))
-        .collect();
-    let mut list = String::new();
-    for name in names {
-        if list.len() + name.len() + 2 > for_names.saturating_sub(8) || said.contains(name) {
+    let said: HashSet<&str> = kept.split(|c: char| !identifier_char(c)).collect();
+    let list = comma_list(names, for_names.saturating_sub(8), |n| said.contains(n));
+    push_labelled(&mut kept, "names", &list);
+    kept
+}
+
+/// Whether `c` can be part of an identifier in source code.
+fn identifier_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_' || c == '$'
+}
+
+/// `items` in their order, comma-separated within `budget` characters,
+/// less those `held` says are held already; an item too long for what is
+/// left does not stop a shorter one after it. The size is checked first:
+/// only an item that fits is looked up.
+fn comma_list<'a>(
+    items: impl IntoIterator<Item = &'a str>,
+    budget: usize,
+    held: impl Fn(&str) -> bool,
+) -> String {
+    let mut out = String::new();
+    for item in items {
+        if out.len() + item.len() + 2 > budget || held(item) {
             continue;
         }
-        if !list.is_empty() {
-            list.push_str(", ");
+        if !out.is_empty() {
+            out.push_str(", ");
         }
-        list.push_str(name);
+        out.push_str(item);
     }
-    if !list.is_empty() {
-        if !kept.is_empty() {
-            kept.push('\n');
-        }
-        kept.push_str("names: ");
-        kept.push_str(&list);
+    out
+}
+
+/// `kept` with a `label: list` line after it, when `list` holds anything.
+pub fn push_labelled(kept: &mut String, label: &str, list: &str) {
+    if list.is_empty() {
+        return;
     }
-    kept
+    if !kept.is_empty() {
+        kept.push('\n');
+    }
+    kept.push_str(label);
+    kept.push_str(": ");
+    kept.push_str(list);
 }
 
 /// Words that introduce a name in source code (`def load(`, `class
@@ -160,9 +183,7 @@ const MODIFIERS: &[&str] = &[
 /// Names of fewer than three characters are left out; at most `most`.
 fn code_names(text: &str, most: usize) -> Vec<&str> {
     fn name(w: &str) -> Option<&str> {
-        let end = w
-            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '$'))
-            .unwrap_or(w.len());
+        let end = w.find(|c: char| !identifier_char(c)).unwrap_or(w.len());
         (end >= 3 && !w.as_bytes()[0].is_ascii_digit()).then(|| &w[..end])
     }
     let mut seen: HashSet<&str> = HashSet::new();
@@ -367,18 +388,9 @@ pub fn named_paths(text: &str, kept: &str, budget: usize) -> String {
     }
     let mut order: Vec<(&str, (usize, usize))> = named.into_iter().collect();
     order.sort_unstable_by(|a, b| b.1.0.cmp(&a.1.0).then(b.1.1.cmp(&a.1.1)));
-    let mut out = String::new();
-    for (p, _) in order {
-        // The size first: only a path that fits is looked for in `kept`.
-        if out.len() + p.len() + 2 > budget || kept.contains(p) {
-            continue;
-        }
-        if !out.is_empty() {
-            out.push_str(", ");
-        }
-        out.push_str(p);
-    }
-    out
+    comma_list(order.into_iter().map(|(p, _)| p), budget, |p| {
+        kept.contains(p)
+    })
 }
 
 /// Whether a tool result reports a failure: a line such as "ValueError: ...",

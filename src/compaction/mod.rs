@@ -504,13 +504,10 @@ pub fn compact_until(
             Replacement::Digest => {
                 // Sized as the plan counted it.
                 let dropped_tokens = (0..n).filter(|&i| w.dropped[i]).map(|i| plan_masked[i]);
-                let said: Vec<bool> = (0..n)
-                    .map(|i| a.roles[i] == Role::User && !a.output(i))
-                    .collect();
                 let d = prune::digest(
                     messages,
                     &w.dropped,
-                    &said,
+                    |i| a.said(i),
                     dropped_tokens.sum(),
                     costs.room_at(n),
                 );

@@ -554,11 +554,7 @@ fn drop_order(a: &Analysis, frontier: usize, dropped: &[bool]) -> Vec<usize> {
     // What the user wrote goes last of all: an agent's later instructions
     // (the real task after a greeting, a correction) are few and short,
     // and nothing else stands for them.
-    let said = |u: usize| {
-        a.units[u]
-            .iter()
-            .any(|&i| a.roles[i] == Role::User && !a.output(i))
-    };
+    let said = |u: usize| a.units[u].iter().any(|&i| a.said(i));
     order.sort_by_key(|&u| {
         (
             said(u),

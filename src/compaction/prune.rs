@@ -18,13 +18,14 @@
 //! every later turn, and key lines, which score paths and errors, never
 //! kept it. Each message is one line of at most [`USER_LINE`] characters,
 //! the newest first within a third of the digest (what is left goes to
-//! key lines); text the client's harness wraps in one tag (`<system-reminder>…</system-reminder>`, an
-//! opened file, a background task's notification) is not the user's.
+//! key lines); text the client's harness wraps in one tag
+//! (`<system-reminder>…</system-reminder>`, an opened file, a background
+//! task's notification) is not the user's.
 
 use bytes::Bytes;
 use serde_json::json;
 
-use super::extract::{digest_size, key_lines, named_paths, readable};
+use super::extract::{digest_size, key_lines, named_paths, push_labelled, readable};
 use super::text::{MARK, content_text};
 use crate::chat::Message;
 
@@ -39,12 +40,12 @@ pub const USER_LINE: usize = 300;
 pub const SAID_MAX: usize = 1000;
 
 /// The digest message for the dropped messages: `dropped_tokens` and `room`
-/// size it (see [`digest_size`]); `said[i]` is whether message `i` is one
+/// size it (see [`digest_size`]); `said(i)` is whether message `i` is one
 /// the user wrote (not a tool's output).
 pub fn digest(
     messages: &[Message],
     dropped: &[bool],
-    said: &[bool],
+    said: impl Fn(usize) -> bool,
     dropped_tokens: u64,
     room: f64,
 ) -> Bytes {
@@ -77,25 +78,23 @@ pub fn digest(
     let for_lines = size.saturating_sub(words.len() + for_paths);
     let mut kept = key_lines(&text, for_lines);
     let paths = named_paths(&text, &kept, for_paths);
-    if !paths.is_empty() {
-        if !kept.is_empty() {
-            kept.push('\n');
-        }
-        kept.push_str("paths: ");
-        kept.push_str(&paths);
-    }
-    let body = match (words.is_empty(), kept.is_empty()) {
+    push_labelled(&mut kept, "paths", &paths);
+    let held = match (words.is_empty(), kept.is_empty()) {
         (true, true) => return notice(count),
-        (true, false) => format!(
-            "{MARK} {count} earlier messages were removed to fit the context window; key lines they held:]\n{kept}"
-        ),
-        (false, true) => format!(
-            "{MARK} {count} earlier messages were removed to fit the context window; what the user wrote in them:]\n{words}"
-        ),
-        (false, false) => format!(
-            "{MARK} {count} earlier messages were removed to fit the context window; what the user wrote in them, then key lines they held:]\n{words}\n{kept}"
-        ),
+        (true, false) => "key lines they held",
+        (false, true) => "what the user wrote in them",
+        (false, false) => "what the user wrote in them, then key lines they held",
     };
+    let lines = [words, kept];
+    let lines: Vec<&str> = lines
+        .iter()
+        .map(String::as_str)
+        .filter(|l| !l.is_empty())
+        .collect();
+    let body = format!(
+        "{MARK} {count} earlier messages were removed to fit the context window; {held}:]\n{}",
+        lines.join("\n")
+    );
     Bytes::from(json!({"role": "user", "content": body}).to_string())
 }
 
@@ -103,11 +102,16 @@ pub fn digest(
 /// whitespace collapsed, at most [`USER_LINE`] characters), the newest
 /// first within `budget` characters, in their original order. A message
 /// over [`SAID_MAX`] characters is left to the key lines.
-fn user_words(messages: &[Message], dropped: &[bool], said: &[bool], budget: usize) -> String {
+fn user_words(
+    messages: &[Message],
+    dropped: &[bool],
+    said: impl Fn(usize) -> bool,
+    budget: usize,
+) -> String {
     let mut lines: Vec<String> = Vec::new();
     let mut used = 0;
     for i in (0..messages.len()).rev() {
-        if !(dropped.get(i).copied().unwrap_or(false) && said.get(i).copied().unwrap_or(false)) {
+        if !(dropped.get(i).copied().unwrap_or(false) && said(i)) {
             continue;
         }
         let Some(text) = content_text(messages[i].content()) else {
