@@ -32,6 +32,9 @@
 //! later turn.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::LazyLock;
+
+use aho_corasick::{AhoCorasick, MatchKind};
 
 use serde_json::Value;
 
@@ -177,6 +180,10 @@ const MODIFIERS: &[&str] = &[
     "static",
 ];
 
+/// The longest word a line of code that [`code_names`] reads starts with
+/// (`pub(crate)`).
+const LONGEST_FIRST: usize = 10;
+
 /// The names `text` defines, imports and raises as source code does, each
 /// once, in their order: the name after a defining word (and its
 /// modifiers), and the names a Python or JavaScript import brings in.
@@ -193,8 +200,13 @@ fn code_names(text: &str, most: usize) -> Vec<&str> {
             continue;
         }
         let code = after_line_number(line);
-        // Most lines are not code: the first word rules them out.
-        let (first, rest) = code.split_once(' ').unwrap_or((code, ""));
+        // Most lines are not code: the first word rules them out, read no
+        // further than the longest word that can start a line of code.
+        let (first, rest) = match code.bytes().take(LONGEST_FIRST + 1).position(|b| b == b' ') {
+            Some(end) => (&code[..end], &code[end + 1..]),
+            None if code.len() <= LONGEST_FIRST => (code, ""),
+            None => continue,
+        };
         let imported = match first {
             "from" => rest.split_once(" import ").map(|(_, r)| r),
             "import" => Some(rest),
@@ -400,6 +412,73 @@ pub fn reports_error(text: &str) -> bool {
     text.lines().any(|l| score(l).0 >= 7)
 }
 
+/// The words [`score`] looks for, found in one pass over a line (ASCII
+/// case ignored): a failure (the first eleven), an outcome, a test, an
+/// exit status.
+const WORDS: &[&str] = &[
+    "error",
+    "exception",
+    "traceback",
+    "failed",
+    "panic",
+    "fatal",
+    "denied",
+    "not found",
+    "no such",
+    "cannot",
+    "invalid",
+    " passed",
+    " failed",
+    "warning",
+    "test_",
+    "assert",
+    "exit",
+];
+const FAILURE_WORDS: u32 = (1 << 11) - 1;
+const OUTCOME_WORDS: u32 = 0b111 << 11;
+const TEST_WORDS: u32 = 0b11 << 14;
+const EXIT_WORD: u32 = 1 << 16;
+
+/// [`WORDS`] as one automaton, every occurrence reported. None if it
+/// cannot be built (it can; [`words_in`] then searches word by word).
+static WORD_FINDER: LazyLock<Option<AhoCorasick>> = LazyLock::new(|| {
+    AhoCorasick::builder()
+        .ascii_case_insensitive(true)
+        .match_kind(MatchKind::Standard)
+        .build(WORDS)
+        .ok()
+});
+
+/// Which of [`WORDS`] occur in `l`, as bits in their order.
+///
+/// One pass: a search per word, on a lowercased copy of each line, was a
+/// third of what masking a 128k-token conversation cost.
+fn words_in(l: &str) -> u32 {
+    if let Some(finder) = &*WORD_FINDER
+        && let Ok(hits) = finder.try_find_overlapping_iter(l)
+    {
+        return hits.fold(0, |bits, hit| bits | 1 << hit.pattern().as_u32());
+    }
+    words_each(l)
+}
+
+/// [`words_in`] word by word.
+fn words_each(l: &str) -> u32 {
+    let lower = l.to_ascii_lowercase();
+    WORDS
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| lower.contains(*w))
+        .fold(0, |bits, (i, _)| bits | 1 << i)
+}
+
+/// Whether `s` starts with `prefix`, ASCII case ignored.
+fn starts_with_ignoring_case(s: &str, prefix: &str) -> bool {
+    s.as_bytes()
+        .get(..prefix.len())
+        .is_some_and(|head| head.eq_ignore_ascii_case(prefix.as_bytes()))
+}
+
 /// How likely a line is to matter again, and the path it names (so that a
 /// traceback's twenty frames in one file count once).
 fn score(line: &str) -> (u32, Option<&str>) {
@@ -407,11 +486,12 @@ fn score(line: &str) -> (u32, Option<&str>) {
     if l.is_empty() || l.len() > 600 {
         return (0, None);
     }
-    let lower = l.to_ascii_lowercase();
+    let words = words_in(l);
     let mut s = 0;
     // "Exit code: 2", "exit_code: 1", "Process exited with code 1": a
     // command failed (whose output says why, in lines that score more).
-    if exit_code(&lower).is_some_and(|code| code != "0") {
+    if words & EXIT_WORD != 0 && exit_code(&l.to_ascii_lowercase()).is_some_and(|code| code != "0")
+    {
         s += 4;
     }
     // "ValueError: ...", "requests.exceptions.ProxyError: ...": the line a
@@ -443,29 +523,14 @@ fn score(line: &str) -> (u32, Option<&str>) {
     } else if l.starts_with("FAILED ")
         || l.starts_with("ERROR ")
         || l.starts_with("E   ")
-        || lower.starts_with("error:")
-        || lower.starts_with("error[")
+        || starts_with_ignoring_case(l, "error:")
+        || starts_with_ignoring_case(l, "error[")
     {
         s += 7;
-    } else if [
-        "error",
-        "exception",
-        "traceback",
-        "failed",
-        "panic",
-        "fatal",
-        "denied",
-        "not found",
-        "no such",
-        "cannot",
-        "invalid",
-    ]
-    .iter()
-    .any(|k| lower.contains(k))
-    {
+    } else if words & FAILURE_WORDS != 0 {
         s += 4;
     }
-    let t = after_line_number(&lower);
+    let t = after_line_number(l);
     if [
         "def ",
         "class ",
@@ -481,7 +546,7 @@ fn score(line: &str) -> (u32, Option<&str>) {
         "type ",
     ]
     .iter()
-    .any(|k| t.starts_with(k))
+    .any(|k| starts_with_ignoring_case(t, k))
     {
         s += 4;
     }
@@ -489,15 +554,10 @@ fn score(line: &str) -> (u32, Option<&str>) {
     if path.is_some() {
         s += 3;
     }
-    if lower.starts_with("file \"")
-        || pytest_frame(l)
-        || lower.contains(" passed")
-        || lower.contains(" failed")
-        || lower.contains("warning")
-    {
+    if starts_with_ignoring_case(l, "file \"") || pytest_frame(l) || words & OUTCOME_WORDS != 0 {
         s += 2;
     }
-    if lower.contains("test_") || lower.contains("assert") {
+    if words & TEST_WORDS != 0 {
         s += 1;
     }
     (s, path)
@@ -554,6 +614,11 @@ fn pytest_frame(l: &str) -> bool {
 /// search hit's location (`docs/run.md:112: curl http://…`): keeping the
 /// location first gained half as much.
 fn path_in(l: &str) -> Option<&str> {
+    // Both need a slash, which most lines lack: one byte search rules
+    // them out.
+    if !l.contains('/') {
+        return None;
+    }
     url_in(l).or_else(|| {
         l.split(|c: char| {
             c.is_whitespace() || matches!(c, '"' | '\'' | '(' | ')' | ',' | ':' | '[' | ']' | '`')
@@ -1118,6 +1183,25 @@ FAILED tests/test_render.py::test_heading - TypeError\n",
             "{p}"
         );
         assert!(p.contains("export const theme"), "{p}");
+    }
+
+    #[test]
+    fn one_pass_finds_the_words_a_search_per_word_finds() {
+        for l in [
+            "FAILED tests/test_x.py::test_y - AssertionError",
+            "2 failed, 3 passed, 1 warning in 0.2s",
+            "Exit code: 1",
+            "Permission DENIED: cannot open /etc/x (No such file)",
+            "erreur fatale: invalide — échec",
+            "Traceback (most recent call last):",
+            "nothing to see here",
+            "",
+        ] {
+            assert_eq!(words_in(l), words_each(l), "{l}");
+        }
+        let both = words_in("2 failed");
+        assert_eq!(both & (1 << 3 | 1 << 12), 1 << 3 | 1 << 12);
+        assert_eq!(words_in("nothing to see here"), 0);
     }
 
     #[test]
