@@ -117,7 +117,7 @@ fn shorten(
             let chars = mask::args_chars(&m);
             let keep = ((chars as f64 * share) as usize).max(MIN_CHARS);
             if keep < chars
-                && let Some(bytes) = mask::shorten_args(&m, keep, keep, keep)
+                && let Some(bytes) = mask::shorten_args(&m, keep, keep, &|_| keep)
                 && w.replace(i, bytes, counter) > 0
             {
                 changed = true;

@@ -93,21 +93,42 @@ pub fn placeholder(text: &str, budget: usize) -> String {
 /// two fifths measured the same within 0.002.
 fn key_lines_and_names(text: &str, budget: usize) -> String {
     let for_names = budget / 4;
-    // Twice as many as the list could hold (a name and its comma take
-    // five characters or more), so that memory stays within the budget
-    // whatever the file holds.
-    let names = code_names(text, (for_names / 5 * 2).max(3));
+    let names = code_names(text, name_cap(for_names));
     if names.len() < 3 {
         return key_lines(text, budget);
     }
     let mut kept = key_lines(text, budget - for_names);
-    // The words of the key lines, looked up once each: a name found in
-    // them by a substring search cost a pass over the key lines for each of
-    // a crafted file's million names.
-    let said: HashSet<&str> = kept.split(|c: char| !identifier_char(c)).collect();
-    let list = comma_list(names, for_names.saturating_sub(8), |n| said.contains(n));
+    let list = left_out(names, &kept, for_names.saturating_sub(8));
     push_labelled(&mut kept, "names", &list);
     kept
+}
+
+/// The names `text` defines and imports (by [`code_names`], three or more)
+/// that `held` does not hold as words, comma-separated within `budget`
+/// characters; empty when `text` is not source code. For a file an agent
+/// wrote, cut to its head, key lines and tail (`mask::extractive_cut`).
+pub fn names_left_out(text: &str, held: &str, budget: usize) -> String {
+    let names = code_names(text, name_cap(budget));
+    if names.len() < 3 {
+        return String::new();
+    }
+    left_out(names, held, budget)
+}
+
+/// How many names to read for a list of `budget` characters: twice as
+/// many as it could hold (a name and its comma take five characters or
+/// more), so that memory stays within the budget whatever the file holds.
+fn name_cap(budget: usize) -> usize {
+    (budget / 5 * 2).max(3)
+}
+
+/// `names` less those `held` has as words, within `budget` characters.
+fn left_out(names: Vec<&str>, held: &str, budget: usize) -> String {
+    // The words of what is held, looked up once each: a name found in them
+    // by a substring search cost a pass over them for each of a crafted
+    // file's million names.
+    let said: HashSet<&str> = held.split(|c: char| !identifier_char(c)).collect();
+    comma_list(names, budget, |n| said.contains(n))
 }
 
 /// Whether `c` can be part of an identifier in source code.

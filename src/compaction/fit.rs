@@ -58,7 +58,7 @@ pub(super) fn run(
                 let chars = mask::action_chars(&m);
                 let keep = ((chars as f64) * limit / w.cost[i] as f64) as usize;
                 let keep = keep.max(emergency::MIN_CHARS);
-                match mask::shorten_args(&m, keep, keep, keep)
+                match mask::shorten_args(&m, keep, keep, &|_| keep)
                     .or_else(|| mask::shorten_action(&m, keep, keep))
                 {
                     Some(b) => w.replace(i, b, counter),
