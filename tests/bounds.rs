@@ -904,12 +904,14 @@ async fn large_jobs_cannot_delay_ordinary_requests_and_abandoned_ones_never_run(
             &format!("condense_prepare_jobs_total{{outcome=\"{outcome}\"}}"),
         )
     };
-    // Every slot of the large lane busy with a large body (8 MB each).
+    // Every slot of the large lane busy with a large body (28 MB each,
+    // under the 32 MB limit: at 8 MB, a release build prepared one in less
+    // time than the steps below take once scoring lines got cheaper).
     let large_slots = (std::thread::available_parallelism().map_or(2, |n| n.get()) / 2).max(1);
     let busy: Vec<_> = (0..large_slots)
         .map(|i| {
             let url = h.url("/v1/chat/completions");
-            let body = distinct_paths_body(200_000, &format!("busy{i}"));
+            let body = distinct_paths_body(650_000, &format!("busy{i}"));
             tokio::spawn(async move {
                 client()
                     .post(url)
