@@ -103,7 +103,7 @@ fn key_lines_and_names(text: &str, budget: usize) -> String {
     kept
 }
 
-/// The names `text` defines and imports (by [`code_names`], three or more)
+/// The names `text` defines and imports (by `code_names`, three or more)
 /// that `held` does not hold as words, comma-separated within `budget`
 /// characters; empty when `text` is not source code. For a file an agent
 /// wrote, cut to its head, key lines and tail (`mask::extractive_cut`).
