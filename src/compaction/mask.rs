@@ -33,15 +33,16 @@ const ARG_VALUE_MAX_CHARS: usize = 300;
 /// At a flat 200 characters, a 13 KB file a Claude Code session wrote
 /// kept a line of its docstring, one definition and a `print`, and the
 /// method the session called by name ninety turns on was gone from turn
-/// 14. Scaled as results are, on all the shared traces (natives included)
-/// mean retention went from 0.886 to 0.890 at 16k (chars:3.6) and 0.861
-/// to 0.866 (chars:3.0), 0.951 to 0.953 and 0.943 to 0.946 at 32k, 0.984
-/// to 0.986 and 0.979 to 0.985 at 64k; retention of what the agent used
-/// again rose most (0.966 to 0.976 at 32k chars:3.6). Mean stability moved
-/// by 0.002 at most (32k chars:3.0 down). A Claude Code session that
-/// writes its Vue components lost 0.015 retention at 32k, and a Codex
-/// session 0.028 at 32k chars:3.6; half the scale kept no more than the
-/// flat size.
+/// 14. Scaled as results are, with the names of [`extractive_cut`], on all
+/// the shared traces (natives included) mean retention went from 0.883 to
+/// 0.890 at 16k (chars:3.6) and 0.859 to 0.866 (chars:3.0), 0.949 to
+/// 0.953 and 0.942 to 0.946 at 32k, 0.986 to 0.986 and 0.979 to 0.985 at
+/// 64k; retention of what the agent used again rose most (0.965 to 0.976
+/// at 32k chars:3.6). Mean stability moved by 0.002 at most (32k chars:3.0
+/// down). A Claude Code session that writes its Vue components lost 0.015
+/// retention at 32k, and a Codex session 0.052 at 64k chars:3.6 (its
+/// stability rose 0.015: it compacted at other turns); half the scale kept
+/// no more than the flat size.
 const ARG_VALUE_KEEP_CHARS: usize = 200;
 /// What an action longer than [`ARGS_MAX_CHARS`] in an assistant message's
 /// text is cut to.
