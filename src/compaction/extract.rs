@@ -98,7 +98,7 @@ fn key_lines_and_names(text: &str, budget: usize) -> String {
         return key_lines(text, budget);
     }
     let mut kept = key_lines(text, budget - for_names);
-    let list = left_out(names, &kept, for_names.saturating_sub(8));
+    let list = left_out(names, &kept, for_names.saturating_sub(LABEL_CHARS));
     push_labelled(&mut kept, "names", &list);
     kept
 }
@@ -157,6 +157,10 @@ fn comma_list<'a>(
     }
     out
 }
+
+/// What [`push_labelled`] adds beside the list for `names` (the label,
+/// its colon and space, the newline before it).
+pub const LABEL_CHARS: usize = 8;
 
 /// `kept` with a `label: list` line after it, when `list` holds anything.
 pub fn push_labelled(kept: &mut String, label: &str, list: &str) {
@@ -511,8 +515,7 @@ fn score(line: &str) -> (u32, Option<&str>) {
     let mut s = 0;
     // "Exit code: 2", "exit_code: 1", "Process exited with code 1": a
     // command failed (whose output says why, in lines that score more).
-    if words & EXIT_WORD != 0 && exit_code(&l.to_ascii_lowercase()).is_some_and(|code| code != "0")
-    {
+    if words & EXIT_WORD != 0 && failed_exit(l) {
         s += 4;
     }
     // "ValueError: ...", "requests.exceptions.ProxyError: ...": the line a
@@ -592,10 +595,17 @@ fn after_line_number(line: &str) -> &str {
     })
 }
 
-/// The code of a line reporting a command's exit status.
+/// Whether `l` reports a command that exited with a code other than 0.
+/// Such a line is short: a longer one is not lowercased at all.
+fn failed_exit(l: &str) -> bool {
+    l.len() < 120 && exit_code(&l.to_ascii_lowercase()).is_some_and(|code| code != "0")
+}
+
+/// The code of a line reporting a command's exit status (`lower` is the
+/// line lowercased).
 fn exit_code(lower: &str) -> Option<&str> {
     // Nearly every line has none: one search rules it out.
-    if lower.len() >= 120 || !lower.contains("exit") {
+    if !lower.contains("exit") {
         return None;
     }
     let rest = ["exit code", "exit_code", "exit status", "exited with code"]

@@ -14,7 +14,9 @@ use bytes::Bytes;
 use serde_json::Value;
 
 use super::conversation::{Analysis, Role, action_start};
-use super::extract::{key_lines, names_left_out, placeholder, placeholder_size, push_labelled};
+use super::extract::{
+    LABEL_CHARS, key_lines, names_left_out, placeholder, placeholder_size, push_labelled,
+};
 use super::plan::Plan;
 use super::text::{
     MARK, ceil_boundary, content_text, floor_boundary, head_tail, with_raw_field, with_string_field,
@@ -281,13 +283,12 @@ pub fn extractive_cut(s: &str, keep: usize) -> String {
     if tail <= head {
         return head_tail(s, keep);
     }
-    let middle = &s[head..tail];
+    let (head, middle, tail) = (&s[..head], &s[head..tail], &s[tail..]);
     let mut kept = key_lines(middle, keep / 2);
-    let held = format!("{}\n{kept}\n{}", &s[..head], &s[tail..]);
-    let names = names_left_out(middle, &held, for_names.saturating_sub(8));
+    let held = format!("{head}\n{kept}\n{tail}");
+    let names = names_left_out(middle, &held, for_names.saturating_sub(LABEL_CHARS));
     push_labelled(&mut kept, "names", &names);
     let chars = middle.chars().count();
-    let (head, tail) = (&s[..head], &s[tail..]);
     if kept.is_empty() {
         format!("{head}\n{MARK} {chars} chars elided]\n{tail}")
     } else {
