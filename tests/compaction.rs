@@ -1537,6 +1537,78 @@ fn a_head_that_is_the_clients_last_words_stays_whole() {
     }
 }
 
+/// A fresh result far over the window is cut alone when that is enough:
+/// the instructions, the task and the turns before it go out byte-identical
+/// (the provider's cached prefix), where cutting every message by the same
+/// share cut the instructions too for that one turn, and rewrote the whole
+/// prompt twice. The result keeps what that cut gave it.
+#[test]
+fn emergency_cuts_the_turn_in_progress_alone_when_that_is_enough() {
+    let svc = service();
+    let rules: String = (0..30)
+        .map(|l| format!("- Rule {l}: run `make check-{l}` before touching src/rule_{l}.rs\n"))
+        .collect();
+    let mut m = vec![
+        msg(json!({"role": "system", "content": "You are a coding agent."})),
+        msg(json!({"role": "user", "content": format!("# AGENTS.md\n{rules}")})),
+    ];
+    m.extend(agent_turns(4, 600).into_iter().skip(1));
+    // The client's last words come after the instructions: they are not
+    // part of them, and `emergency` may cut the instructions.
+    m.push(msg(
+        json!({"role": "user", "content": "Now run the workers."}),
+    ));
+    m.push(msg(
+        json!({"role": "assistant", "content": "Running them.", "tool_calls": [{"id": "call_w", "type": "function", "function": {"name": "run", "arguments": "{\"cmd\": \"make workers\"}"}}]}),
+    ));
+    let rest = messages_tokens(&svc, &m) as f64;
+    let budget = rest / 0.6;
+    // A result of about four budgets: cut to a tenth, it fits beside the
+    // rest, which is six tenths of the budget.
+    let log = |n: usize| -> Message {
+        let text: String = (0..n)
+            .map(|l| format!("log line {l}: worker {l} finished\n"))
+            .collect();
+        msg(json!({"role": "tool", "tool_call_id": "call_w", "content": text}))
+    };
+    let per_line = svc.message_tokens(log(1000).raw(), Encoding::O200k) as f64 / 1000.0;
+    m.push(log((4.0 * budget / per_line) as usize));
+    let last = m.len() - 1;
+    let huge = svc.message_tokens(m[last].raw(), Encoding::O200k) as f64;
+    assert!(
+        huge > 3.5 * budget && huge < 4.5 * budget,
+        "{huge} of {budget}"
+    );
+    let out = run(&svc, &m, budget);
+    assert!(out.actions().contains("emergency"), "{}", out.actions());
+    assert!(out.fits, "{} of {budget}", out.tokens_after);
+    let out_actions = out.actions();
+    let result = out.messages.expect("compacted");
+    // The plan drops old turns (no drop makes room for a result this
+    // large); what stays of the prompt before the turn in progress is
+    // byte-identical, the instructions first.
+    assert!(
+        result[1].raw() == m[1].raw(),
+        "the instructions were cut: {} {}",
+        out_actions,
+        content(&result[1])
+    );
+    let call = result.len() - 2;
+    for (i, r) in result[..call].iter().enumerate() {
+        let same = m.iter().any(|x| x.raw() == r.raw());
+        assert!(
+            same || content(r).contains("earlier messages were removed"),
+            "message {i} changed"
+        );
+    }
+    assert!(result[call].raw() == m[last - 1].raw(), "the call changed");
+    let last = result.len() - 1;
+    let kept = content(&result[last]);
+    assert!(kept.contains("[condense:"), "{kept}");
+    assert!(kept.len() < 20_000, "{} characters kept", kept.len());
+    assert!(kept.starts_with("log line 0: worker 0 finished"), "{kept}");
+}
+
 /// When the client's last message alone takes most of the budget, a head
 /// `fit` cut is cut further by `emergency`: the request fits.
 #[test]

@@ -8,6 +8,10 @@
 //! marker, which `head_tail` leaves alone): a head `fit` cut to 30% of the
 //! budget next to a last user message of 70% would otherwise not fit.
 //!
+//! When the turn in progress cut by the share found, and nothing else,
+//! brings the request within its budget, that is what goes out: the prompt
+//! before it stays byte-identical (see `fresh_only`).
+//!
 //! When even the smallest share leaves the request over its budget (a long
 //! conversation on a small window: every kept message still costs its
 //! framing), the last resort keeps only what a request cannot do without:
@@ -42,7 +46,8 @@ pub const STEPS: &[f64] = &[0.5, 0.25, 0.1, 0.05, 0.0];
 pub const MIN_CHARS: usize = 64;
 
 /// Shortens `w` towards `target`; with the last resort, until it is within
-/// `budget`.
+/// `budget`. The rest of the prompt is left whole when the turn in progress
+/// alone, cut as deep, brings the request within `budget` (see [`fresh`]).
 pub(super) fn run(w: &mut Work, a: &Analysis, target: f64, budget: f64, counter: &dyn Counter) {
     let before = w.total();
     let snapshot: Vec<(Option<Bytes>, u64)> = w
@@ -51,34 +56,89 @@ pub(super) fn run(w: &mut Work, a: &Analysis, target: f64, budget: f64, counter:
         .cloned()
         .zip(w.cost.iter().copied())
         .collect();
-    let mut touched = shorten(w, a, &snapshot, target, counter);
+    let all = eligible(w, a, 0);
+    let (mut touched, share) = shorten(w, &all, &snapshot, STEPS, target, counter);
     if (w.total() as f64) > budget {
         let dropped = last_resort(w, a, budget, counter);
         if dropped > 0 {
-            touched = dropped + shorten(w, a, &snapshot, target, counter);
+            let left = eligible(w, a, 0);
+            touched = dropped + shorten(w, &left, &snapshot, STEPS, target, counter).0;
         }
+    } else if let Some(share) = share {
+        touched = fresh_only(w, a, &snapshot, share, budget, counter).unwrap_or(touched);
     }
     let saved = before.saturating_sub(w.total());
     w.record("emergency", touched, saved);
 }
 
-/// Tries the shares from the largest, each from `snapshot`, until the
-/// request is within `target`; returns how many messages the last share
-/// tried changed.
-fn shorten(
-    w: &mut Work,
-    a: &Analysis,
-    snapshot: &[(Option<Bytes>, u64)],
-    target: f64,
-    counter: &dyn Counter,
-) -> usize {
-    let eligible: Vec<usize> = (0..w.cost.len())
+/// The messages `emergency` may shorten, from `from` on: all but the
+/// dropped ones, the system and developer messages and the client's last
+/// words.
+fn eligible(w: &Work, a: &Analysis, from: usize) -> Vec<usize> {
+    (from..w.cost.len())
         .filter(|&i| {
             !w.dropped[i]
                 && !matches!(a.roles[i], Role::System | Role::Developer)
                 && !a.last_words(i)
         })
+        .collect()
+}
+
+/// Cuts the turn in progress alone (the last assistant message and what
+/// follows it), by the `share` every message was cut by, and leaves the
+/// rest as it was before `emergency`, if the request is then within
+/// `budget`; returns how many messages it changed, or None (leaving `w` as
+/// it found it) when the request would not fit or there is no such turn.
+///
+/// All of the turn in progress is new in this request (the one before
+/// ended before the model's answer), so cutting it costs nothing of the
+/// prefix the provider has cached, and it keeps exactly what the cut of
+/// every message gave it. Cutting the rest too rewrites the whole prompt,
+/// and again on the next turn, when it comes back whole: a Codex session at
+/// 16k (chars:3.6) read a 27k-token output, and its 9.7 KB instructions
+/// went to 713 characters for that one turn.
+fn fresh_only(
+    w: &mut Work,
+    a: &Analysis,
+    snapshot: &[(Option<Bytes>, u64)],
+    share: f64,
+    budget: f64,
+    counter: &dyn Counter,
+) -> Option<usize> {
+    let fresh = eligible(w, a, *a.assistants.last()?);
+    let cut: Vec<(Option<Bytes>, u64)> = w
+        .bytes
+        .iter()
+        .cloned()
+        .zip(w.cost.iter().copied())
         .collect();
+    for (i, (bytes, cost)) in snapshot.iter().enumerate() {
+        w.bytes[i] = bytes.clone();
+        w.cost[i] = *cost;
+    }
+    let (touched, _) = shorten(w, &fresh, snapshot, &[share], budget, counter);
+    if (w.total() as f64) <= budget {
+        return Some(touched);
+    }
+    for (i, (bytes, cost)) in cut.into_iter().enumerate() {
+        w.bytes[i] = bytes;
+        w.cost[i] = cost;
+    }
+    None
+}
+
+/// Tries `steps`' shares from the largest on the `eligible` messages, each
+/// from `snapshot`, until the request is within `target`; returns how many
+/// messages the last share tried changed, and that share if the request is
+/// within `target` with it.
+fn shorten(
+    w: &mut Work,
+    eligible: &[usize],
+    snapshot: &[(Option<Bytes>, u64)],
+    steps: &[f64],
+    target: f64,
+    counter: &dyn Counter,
+) -> (usize, Option<f64>) {
     // A text `fit` or `fade` cut holds its marker, which `head_tail` leaves
     // alone: it is cut again from the original, read once for all shares.
     let src = w.src;
@@ -90,8 +150,8 @@ fn shorten(
         })
         .collect();
     let mut touched = 0;
-    for &share in STEPS {
-        for &i in &eligible {
+    for &share in steps {
+        for &i in eligible {
             w.bytes[i] = snapshot[i].0.clone();
             w.cost[i] = snapshot[i].1;
         }
@@ -125,10 +185,10 @@ fn shorten(
             touched += usize::from(changed);
         }
         if (w.total() as f64) <= target {
-            break;
+            return (touched, Some(share));
         }
     }
-    touched
+    (touched, None)
 }
 
 /// Drops whole turns, oldest first, and then the digest, until the request
