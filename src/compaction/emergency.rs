@@ -47,7 +47,8 @@ pub const MIN_CHARS: usize = 64;
 
 /// Shortens `w` towards `target`; with the last resort, until it is within
 /// `budget`. The rest of the prompt is left whole when the turn in progress
-/// alone, cut as deep, brings the request within `budget` (see [`fresh`]).
+/// alone, cut as deep, brings the request within `budget` (see
+/// [`fresh_only`]).
 pub(super) fn run(w: &mut Work, a: &Analysis, target: f64, budget: f64, counter: &dyn Counter) {
     let before = w.total();
     let snapshot: Vec<(Option<Bytes>, u64)> = w
