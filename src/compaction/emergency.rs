@@ -51,12 +51,7 @@ pub const MIN_CHARS: usize = 64;
 /// [`fresh_only`]).
 pub(super) fn run(w: &mut Work, a: &Analysis, target: f64, budget: f64, counter: &dyn Counter) {
     let before = w.total();
-    let snapshot: Vec<(Option<Bytes>, u64)> = w
-        .bytes
-        .iter()
-        .cloned()
-        .zip(w.cost.iter().copied())
-        .collect();
+    let snapshot = save(w);
     let all = eligible(w, a, 0);
     let (mut touched, share) = shorten(w, &all, &snapshot, STEPS, target, counter);
     if (w.total() as f64) > budget {
@@ -107,25 +102,32 @@ fn fresh_only(
     counter: &dyn Counter,
 ) -> Option<usize> {
     let fresh = eligible(w, a, *a.assistants.last()?);
-    let cut: Vec<(Option<Bytes>, u64)> = w
-        .bytes
-        .iter()
-        .cloned()
-        .zip(w.cost.iter().copied())
-        .collect();
-    for (i, (bytes, cost)) in snapshot.iter().enumerate() {
-        w.bytes[i] = bytes.clone();
-        w.cost[i] = *cost;
-    }
+    let cut = save(w);
+    let all = 0..w.cost.len();
+    restore(w, snapshot, all.clone());
     let (touched, _) = shorten(w, &fresh, snapshot, &[share], budget, counter);
     if (w.total() as f64) <= budget {
         return Some(touched);
     }
-    for (i, (bytes, cost)) in cut.into_iter().enumerate() {
-        w.bytes[i] = bytes;
-        w.cost[i] = cost;
-    }
+    restore(w, &cut, all);
     None
+}
+
+/// Each message's bytes and cost as they are now.
+fn save(w: &Work) -> Vec<(Option<Bytes>, u64)> {
+    w.bytes
+        .iter()
+        .cloned()
+        .zip(w.cost.iter().copied())
+        .collect()
+}
+
+/// Puts the messages `which` back as `state` (from [`save`]) had them.
+fn restore(w: &mut Work, state: &[(Option<Bytes>, u64)], which: impl IntoIterator<Item = usize>) {
+    for i in which {
+        w.bytes[i] = state[i].0.clone();
+        w.cost[i] = state[i].1;
+    }
 }
 
 /// Tries `steps`' shares from the largest on the `eligible` messages, each
@@ -152,10 +154,7 @@ fn shorten(
         .collect();
     let mut touched = 0;
     for &share in steps {
-        for &i in eligible {
-            w.bytes[i] = snapshot[i].0.clone();
-            w.cost[i] = snapshot[i].1;
-        }
+        restore(w, snapshot, eligible.iter().copied());
         touched = 0;
         for (&i, original) in eligible.iter().zip(&originals) {
             let m = w.current(i);
