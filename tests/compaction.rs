@@ -564,6 +564,47 @@ fn a_budget_that_grows_undoes_nothing_an_earlier_turn_decided() {
 }
 
 #[test]
+fn a_budget_that_moves_leaves_the_digest_as_it_was() {
+    // A long session whose old turns were dropped against 3000 raw tokens:
+    // the digest's size is bounded by the room that budget leaves. Then the
+    // ratio fell and today's budget is 3300, with nothing new to drop.
+    // Sized by today's room, the digest kept more lines and was rewritten,
+    // and everything after it lost the provider's cached prefix.
+    let svc = service();
+    let all = agent_turns(60, 400);
+    let counter = CachedCounter::new(&svc, Encoding::O200k);
+    let limits = |budget: f64| Limits {
+        budget,
+        window: budget * 1.3,
+        fixed: 3,
+    };
+    let (end, small) = (all.len() - 2, 3000.0);
+    let before = run(&svc, &all[..end], small);
+    assert!(before.actions().contains("prune"), "{}", before.actions());
+    let sent = before.fates.expect("compacted");
+    let digest = sent.replacement.expect("a digest");
+
+    let earlier = compaction::Earlier {
+        due: Some(before.frontier),
+        budgets: vec![(end, small)],
+    };
+    let now = compaction::compact_until(
+        &all,
+        &limits(small * 1.1),
+        &settings(),
+        &counter,
+        &Replacement::Digest,
+        &earlier,
+    );
+    let fates = now.fates.expect("still compacted");
+    assert_eq!(fates.dropped[..end], sent.dropped[..]);
+    assert_eq!(
+        String::from_utf8_lossy(&fates.replacement.expect("a digest")),
+        String::from_utf8_lossy(&digest)
+    );
+}
+
+#[test]
 fn fit_cuts_a_single_huge_result() {
     let svc = service();
     let mut m = agent_turns(3, 300);

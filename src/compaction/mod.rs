@@ -509,7 +509,7 @@ pub fn compact_until(
                     &w.dropped,
                     |i| a.said(i),
                     dropped_tokens.sum(),
-                    costs.room_at(n),
+                    plan.digest_room,
                 );
                 (d, "prune")
             }

@@ -98,6 +98,9 @@ pub struct Plan {
     /// With [`Drops::Span`]: where the dropped span ended after each drop
     /// event, oldest first (the last is the current end).
     pub span_ends: Vec<usize>,
+    /// The room (see [`Costs::room_at`]) the digest of the dropped
+    /// messages is sized by: that of the turn that last dropped more.
+    pub digest_room: f64,
 }
 
 /// How old turns are dropped.
@@ -233,16 +236,27 @@ struct Sums {
     relief: Vec<u64>,
 }
 
+/// What the plan has dropped: its raw tokens (at their masked size), and
+/// the room of the turn that last dropped more, which the digest is sized
+/// by. A later turn's room moves with the plan ratio; sized by it, the
+/// digest was rewritten with the same turns dropped, and everything after
+/// it lost the provider's cached prefix.
+#[derive(Debug, Clone, Copy)]
+struct Dropped {
+    tokens: u64,
+    room: f64,
+}
+
 /// The planned request's cost for the prefix ending at `e` with the
-/// frontier at `f`, `dropped_cost` of it dropped.
-fn cost(sums: &Sums, c: &Costs, e: usize, f: usize, dropped_cost: u64) -> f64 {
+/// frontier at `f`, `gone` of it dropped.
+fn cost(sums: &Sums, c: &Costs, e: usize, f: usize, gone: Dropped) -> f64 {
     let replacement = match c.drops.replacement_tokens {
-        _ if dropped_cost == 0 => 0,
+        _ if gone.tokens == 0 => 0,
         Some(tokens) => tokens,
-        None => digest_tokens(dropped_cost, c.room_at(e)),
+        None => digest_tokens(gone.tokens, gone.room),
     };
     (c.fixed + sums.masked[f] + (sums.full[e] - sums.full[f]) + sums.unfit[e] + replacement)
-        .saturating_sub(dropped_cost) as f64
+        .saturating_sub(gone.tokens) as f64
 }
 
 pub fn plan(a: &Analysis, c: &Costs) -> Plan {
@@ -263,7 +277,10 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
     let mut ahead = vec![false; n];
     let mut engaged = false;
     let mut ahead_from = a.base;
-    let mut dropped_cost = 0u64;
+    let mut gone = Dropped {
+        tokens: 0,
+        room: c.room_at(n),
+    };
     let mut dropped_count = 0usize;
     // A replaced span starts after the pinned head: the client's
     // instructions, environment and task stay verbatim and in place.
@@ -287,7 +304,7 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // are masked ahead of the frontier while the request is over the
         // target (see the module notes).
         if engaged {
-            let over = cost(&sums, c, e, frontier, dropped_cost) - c.target * budget;
+            let over = cost(&sums, c, e, frontier, gone) - c.target * budget;
             if mask_answered(a, c, e, over, &mut ahead_from, &mut full, &mut ahead) {
                 sums.full = prefix_sums(&full);
             }
@@ -297,7 +314,7 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // request compacted anyway, and one it alone brought under the
         // trigger broke the cached prefix at the result it cut, for a turn
         // with no boundary move (see the module notes).
-        let hot = cost(&sums, c, e, frontier, dropped_cost) >= c.trigger * budget
+        let hot = cost(&sums, c, e, frontier, gone) >= c.trigger * budget
             || (!engaged && (c.fixed + sums.sent[e]) as f64 >= c.trigger * budget);
         if !hot && !over_messages(e, dropped_count, p.over_messages) {
             continue;
@@ -312,8 +329,8 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
             if candidates.last() != Some(&limit) {
                 candidates.push(limit);
             }
-            let first_ok = candidates
-                .partition_point(|&f| cost(&sums, c, e, f, dropped_cost) > c.target * budget);
+            let first_ok =
+                candidates.partition_point(|&f| cost(&sums, c, e, f, gone) > c.target * budget);
             frontier = candidates.get(first_ok).copied().unwrap_or(limit);
         }
         // A turn that moves the frontier rewrites everything after it, so
@@ -322,7 +339,7 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // the target, those passed by before included.
         if hot {
             engaged = true;
-            let over = cost(&sums, c, e, frontier, dropped_cost) - c.target * budget;
+            let over = cost(&sums, c, e, frontier, gone) - c.target * budget;
             let mut from = frontier;
             if mask_answered(a, c, e, over, &mut from, &mut full, &mut ahead) {
                 sums.full = prefix_sums(&full);
@@ -336,38 +353,39 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // gives them once it has: a result too large for the target now
         // must not take every droppable turn with it.
         let over_tokens = p.over_tokens * c.scale(e);
-        let done = |sums: &Sums, dc: u64, count: usize| {
-            let now = cost(sums, c, e, frontier, dc);
+        let done = |sums: &Sums, gone: Dropped, count: usize| {
+            let now = cost(sums, c, e, frontier, gone);
             now - sums.relief[e] as f64 <= c.target * budget
                 && now <= over_tokens.min(budget)
                 && !over_messages(e, count, half)
         };
-        if cost(&sums, c, e, frontier, dropped_cost) > over_tokens
+        if cost(&sums, c, e, frontier, gone) > over_tokens
             || over_messages(e, dropped_count, p.over_messages)
         {
             match p.kind {
                 Drops::Units => {
                     for u in drop_order(a, frontier, &dropped) {
-                        if done(&sums, dropped_cost, dropped_count) {
+                        if done(&sums, gone, dropped_count) {
                             break;
                         }
                         for &i in &a.units[u] {
                             dropped[i] = true;
-                            dropped_cost += c.masked[i];
+                            gone.tokens += c.masked[i];
                             dropped_count += 1;
                         }
+                        gone.room = c.room_at(e);
                     }
                 }
                 Drops::Span => {
                     let before = span_end;
                     for cut in span_cuts(a, span_end, frontier.max(limit)) {
-                        if done(&sums, dropped_cost, dropped_count) {
+                        if done(&sums, gone, dropped_count) {
                             break;
                         }
                         for i in span_end..cut {
                             if !a.last_words(i) {
                                 dropped[i] = true;
-                                dropped_cost += c.masked[i];
+                                gone.tokens += c.masked[i];
                                 dropped_count += 1;
                             }
                         }
@@ -383,12 +401,12 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // recent window yields to masking (turn by turn, newest last): an
         // extractive placeholder that stays put beats cutting the same
         // results differently on every turn.
-        if cost(&sums, c, e, frontier, dropped_cost) >= c.trigger * budget {
+        if cost(&sums, c, e, frontier, gone) >= c.trigger * budget {
             let last = a.assistants.partition_point(|&x| x < e);
             let lo = a.assistants.partition_point(|&x| x <= frontier);
             let candidates: Vec<usize> = a.assistants[lo..last].to_vec();
-            let first_ok = candidates
-                .partition_point(|&f| cost(&sums, c, e, f, dropped_cost) > c.target * budget);
+            let first_ok =
+                candidates.partition_point(|&f| cost(&sums, c, e, f, gone) > c.target * budget);
             if let Some(&f) = candidates.get(first_ok).or(candidates.last()) {
                 frontier = f;
             }
@@ -402,6 +420,7 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         ahead,
         dropped,
         span_ends,
+        digest_room: gone.room,
     }
 }
 
