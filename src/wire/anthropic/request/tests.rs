@@ -176,6 +176,55 @@ fn dropped_turns_leave_alternating_roles_and_a_digest() {
 }
 
 #[test]
+fn a_digest_goes_into_the_newest_user_message_when_that_is_the_first_kept() {
+    // The turns between the task and the turn in progress are dropped.
+    // Joined to the task's message, the digest changed the first message
+    // of the request, and on the next turn (the newest message no longer
+    // newest) it moved: the whole prompt was rewritten twice. In the
+    // message after the drop, behind its tool results, it stays there.
+    let body = session(3);
+    let bytes = Bytes::from(body.to_string());
+    let req = MessagesRequest::parse(&bytes).unwrap();
+    let (view, origins) = req.view();
+    let n = view.messages().len();
+    let digest = json!({"role": "user", "content": "[condense: 4 earlier messages were removed]"});
+    let turn = |o: &Origin| match *o {
+        Origin::User(t)
+        | Origin::UserBlock(t, _)
+        | Origin::ToolResult(t, _)
+        | Origin::Assistant(t)
+        | Origin::Inner(t) => t,
+        Origin::System => 0,
+    };
+    let dropped: Vec<bool> = origins
+        .0
+        .iter()
+        .map(|o| (1..5).contains(&turn(o)))
+        .collect();
+    let fates = Fates {
+        rewritten: vec![None; n],
+        replaced: dropped.clone(),
+        dropped,
+        replacement: Some(Bytes::from(digest.to_string())),
+        replacement_at: None,
+    };
+    let out: Value = serde_json::from_slice(&req.write_back(&origins, &fates).unwrap()).unwrap();
+    let messages = out["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 3);
+    assert_eq!(messages[0], body["messages"][0]);
+    assert_eq!(messages[1], body["messages"][5]);
+    let last = messages[2]["content"].as_array().unwrap();
+    assert_eq!(last[0], body["messages"][6]["content"][0]);
+    assert!(
+        last[1]["text"]
+            .as_str()
+            .unwrap()
+            .contains("earlier messages were removed")
+    );
+    assert_valid(&out);
+}
+
+#[test]
 fn a_system_message_inside_messages_stays_where_it_was() {
     // Claude Code sends its environment as a system message after the
     // task.

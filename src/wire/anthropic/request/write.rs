@@ -178,19 +178,22 @@ impl MessagesRequest {
     }
 
     /// Moves the digest (at `d`) into the first user message after the
-    /// dropped turns, behind its tool results, when that message is not the
-    /// newest: the messages before the drop, the task among them, then keep
-    /// their bytes (and the provider's cache of them) as they would in a
-    /// chat request, where the digest is a message of its own. Otherwise it
-    /// stays, and joins the user message before it; but not the one with
-    /// the client's last words when the last resort put the digest right
-    /// after them (`after_last_words`; its key changes as turns go): that
-    /// one keeps its bytes, the prefix up to it stays cached, and the
+    /// dropped turns, behind its tool results: the messages before the
+    /// drop, the task among them, then keep their bytes (and the
+    /// provider's cache of them) as they would in a chat request, where
+    /// the digest is a message of its own. The newest message too: joined
+    /// to the task's message instead, the digest changed the request's
+    /// first message, and moved on the next turn (a replayed SWE-agent
+    /// session in Messages form lost its cached prefix twice so). But not
+    /// when the last resort put the digest right after the client's last
+    /// words (`after_last_words`; its key changes as turns go): that
+    /// message keeps its bytes, the prefix up to it stays cached, and the
     /// digest goes into the assistant message after it, behind that
-    /// message's thinking (which must come first).
+    /// message's thinking (which must come first). With no user message
+    /// after it, the digest stays and joins the user message before it.
     fn place_digest(&self, out: &mut Vec<Out>, d: usize, after_last_words: bool) {
         let next_user = (d + 1..out.len()).find(|&i| out[i].side(self) == Side::User);
-        if let Some(u) = next_user.filter(|&u| u + 1 < out.len()) {
+        if let Some(u) = next_user.filter(|&u| u + 1 < out.len() || !after_last_words) {
             let digest = out.remove(d);
             // `u` moved down by one with the removal.
             out.insert(u, digest);
