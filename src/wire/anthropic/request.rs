@@ -178,6 +178,21 @@ enum Origin {
     Inner(usize),
 }
 
+impl Origin {
+    /// The index in `messages` of the message it came from; None for the
+    /// top-level system prompt.
+    fn message(self) -> Option<usize> {
+        match self {
+            Origin::System => None,
+            Origin::User(t)
+            | Origin::UserBlock(t, _)
+            | Origin::ToolResult(t, _)
+            | Origin::Assistant(t)
+            | Origin::Inner(t) => Some(t),
+        }
+    }
+}
+
 /// Where each message of the pipeline's view came from, for writing its
 /// decisions back.
 #[derive(Debug, Clone)]

@@ -188,18 +188,8 @@ fn a_digest_goes_into_the_newest_user_message_when_that_is_the_first_kept() {
     let (view, origins) = req.view();
     let n = view.messages().len();
     let digest = json!({"role": "user", "content": "[condense: 4 earlier messages were removed]"});
-    let turn = |o: &Origin| match *o {
-        Origin::User(t)
-        | Origin::UserBlock(t, _)
-        | Origin::ToolResult(t, _)
-        | Origin::Assistant(t)
-        | Origin::Inner(t) => t,
-        Origin::System => 0,
-    };
-    let dropped: Vec<bool> = origins
-        .0
-        .iter()
-        .map(|o| (1..5).contains(&turn(o)))
+    let dropped: Vec<bool> = (origins.0.iter())
+        .map(|o| o.message().is_some_and(|t| (1..5).contains(&t)))
         .collect();
     let fates = Fates {
         rewritten: vec![None; n],

@@ -15,17 +15,13 @@ impl MessagesRequest {
         // Per message: the view messages that came from it.
         let mut parts: Vec<Vec<usize>> = vec![Vec::new(); self.turns.len()];
         for (j, o) in origins.iter().enumerate() {
-            match *o {
-                Origin::System => {
+            match o.message() {
+                None => {
                     if fates.dropped[j] || fates.rewritten[j].is_some() {
                         return Err(WriteError::Invalid("the system prompt changed"));
                     }
                 }
-                Origin::User(t)
-                | Origin::UserBlock(t, _)
-                | Origin::ToolResult(t, _)
-                | Origin::Assistant(t)
-                | Origin::Inner(t) => parts[t].push(j),
+                Some(t) => parts[t].push(j),
             }
         }
         let digest_at = fates
@@ -37,14 +33,7 @@ impl MessagesRequest {
                     .filter(|&j| j < n)
                     .or_else(|| (0..n).find(|&j| fates.dropped[j]))
             })
-            .map(|j| match origins[j] {
-                Origin::User(t)
-                | Origin::UserBlock(t, _)
-                | Origin::ToolResult(t, _)
-                | Origin::Assistant(t)
-                | Origin::Inner(t) => t,
-                Origin::System => 0,
-            });
+            .map(|j| origins[j].message().unwrap_or(0));
         // The turn holding the client's last words (its last user text).
         let last_words = origins.iter().rev().find_map(|o| match *o {
             Origin::User(t) | Origin::UserBlock(t, _) => Some(t),
