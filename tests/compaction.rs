@@ -33,12 +33,36 @@ fn run(svc: &TokenService, messages: &[Message], budget: f64) -> Outcome {
 
 fn run_with(svc: &TokenService, messages: &[Message], budget: f64, s: &Settings) -> Outcome {
     let counter = CachedCounter::new(svc, Encoding::O200k);
-    let limits = Limits {
+    compaction::compact(messages, &limits(budget), s, &counter)
+}
+
+/// [`run`] for a request of a conversation whose earlier turns were
+/// compacted: what they decided is in `earlier`.
+fn run_after(
+    svc: &TokenService,
+    messages: &[Message],
+    budget: f64,
+    earlier: &compaction::Earlier,
+) -> Outcome {
+    let counter = CachedCounter::new(svc, Encoding::O200k);
+    compaction::compact_until(
+        messages,
+        &limits(budget),
+        &settings(),
+        &counter,
+        &Replacement::Digest,
+        earlier,
+    )
+}
+
+/// The limits the tests compact against: `budget`, a window 1.3 times it,
+/// and 3 tokens of frame.
+fn limits(budget: f64) -> Limits {
+    Limits {
         budget,
         window: budget * 1.3,
         fixed: 3,
-    };
-    compaction::compact(messages, &limits, s, &counter)
+    }
 }
 
 /// The request's tokens: its messages and the 3 of its frame.
@@ -315,7 +339,7 @@ proptest! {
         let svc = service();
         let input = build_with(&turns, end_with_user, instructions);
         let counter = CachedCounter::new(&svc, Encoding::O200k);
-        let limits = Limits { budget, window: budget * 1.3, fixed: 3 };
+        let limits = limits(budget);
         let trigger = condense::config::SummaryConfig::default().trigger;
         let pending = Replacement::Checkpoint { trigger, max_tokens: 60, message: None };
         let out = compaction::compact_with(&input, &limits, &settings(), &counter, &pending);
@@ -531,12 +555,6 @@ fn a_budget_that_grows_undoes_nothing_an_earlier_turn_decided() {
     // was sent, byte for byte.
     let svc = service();
     let all = agent_turns(21, 2500);
-    let counter = CachedCounter::new(&svc, Encoding::O200k);
-    let limits = |budget: f64| Limits {
-        budget,
-        window: budget * 1.3,
-        fixed: 3,
-    };
     let (end, small, large) = (all.len() - 2, 9000.0, 20_000.0);
     let before = run(&svc, &all[..end], small);
     let sent = before.fates.expect("compacted against the small budget");
@@ -549,14 +567,7 @@ fn a_budget_that_grows_undoes_nothing_an_earlier_turn_decided() {
         due: Some(before.frontier),
         budgets: vec![(end, small)],
     };
-    let now = compaction::compact_until(
-        &all,
-        &limits(large),
-        &settings(),
-        &counter,
-        &Replacement::Digest,
-        &earlier,
-    );
+    let now = run_after(&svc, &all, large, &earlier);
     let fates = now.fates.expect("still compacted");
     assert_eq!(fates.rewritten[..end], sent.rewritten[..]);
     assert_eq!(fates.dropped[..end], sent.dropped[..]);
@@ -572,12 +583,6 @@ fn a_budget_that_moves_leaves_the_digest_as_it_was() {
     // and everything after it lost the provider's cached prefix.
     let svc = service();
     let all = agent_turns(60, 400);
-    let counter = CachedCounter::new(&svc, Encoding::O200k);
-    let limits = |budget: f64| Limits {
-        budget,
-        window: budget * 1.3,
-        fixed: 3,
-    };
     let (end, small) = (all.len() - 2, 3000.0);
     let before = run(&svc, &all[..end], small);
     assert!(before.actions().contains("prune"), "{}", before.actions());
@@ -588,14 +593,7 @@ fn a_budget_that_moves_leaves_the_digest_as_it_was() {
         due: Some(before.frontier),
         budgets: vec![(end, small)],
     };
-    let now = compaction::compact_until(
-        &all,
-        &limits(small * 1.1),
-        &settings(),
-        &counter,
-        &Replacement::Digest,
-        &earlier,
-    );
+    let now = run_after(&svc, &all, small * 1.1, &earlier);
     let fates = now.fates.expect("still compacted");
     assert_eq!(fates.dropped[..end], sent.dropped[..]);
     assert_eq!(
@@ -1534,7 +1532,6 @@ fn a_head_over_the_fit_share_is_cut_to_it_and_stays_cut_alike() {
     );
     // The next request, its budget moved by a new calibration ratio: the
     // head is cut against the first compacted turn's budget, the same.
-    let counter = CachedCounter::new(&svc, Encoding::O200k);
     let mut next = m.clone();
     next.push(msg(
         json!({"role": "assistant", "content": "Docs checked."}),
@@ -1545,18 +1542,7 @@ fn a_head_over_the_fit_share_is_cut_to_it_and_stays_cut_alike() {
         due: Some(out.frontier),
         budgets: vec![(m.len(), budget)],
     };
-    let again = compaction::compact_until(
-        &next,
-        &Limits {
-            budget: moved,
-            window: moved * 1.3,
-            fixed: 3,
-        },
-        &settings(),
-        &counter,
-        &Replacement::Digest,
-        &earlier,
-    );
+    let again = run_after(&svc, &next, moved, &earlier);
     let again = again.messages.expect("compacted");
     assert_eq!(
         again[..4].iter().map(|x| x.raw()).collect::<Vec<_>>(),
