@@ -45,6 +45,9 @@ struct Mock {
     incomplete: std::sync::atomic::AtomicBool,
     /// Stream text deltas without end.
     flood: std::sync::atomic::AtomicBool,
+    /// Hold the stream open after the response's last event, as a relay
+    /// that keeps its connection may.
+    linger: std::sync::atomic::AtomicBool,
 }
 
 impl Mock {
@@ -150,12 +153,13 @@ async fn answer(State(mock): State<Arc<Mock>>, req: Request) -> Response {
             .into_response();
     }
     let stall = mock.stall.load(Ordering::SeqCst);
+    let linger = mock.linger.load(Ordering::SeqCst);
     let first: Vec<String> = sse[..2].to_vec();
     let stream = futures_util::stream::iter(if stall { first } else { sse })
         .map(Ok::<_, std::io::Error>)
         .chain(futures_util::stream::poll_fn(move |_| {
             let _ = &opened;
-            match stall {
+            match stall || linger {
                 true => std::task::Poll::Pending,
                 false => std::task::Poll::Ready(None),
             }
@@ -382,6 +386,38 @@ async fn the_conversation_on_a_socket_is_compacted_like_any_other() {
     assert!(last.contains("[condense:"), "not compacted");
     assert!(last.len() < 16 * output.len());
     assert!(last.contains("c0") && last.contains("c15"));
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_response_is_over_at_its_last_event_though_the_upstream_holds_its_stream_open() {
+    let up = upstream().await;
+    let server = condense(&up, |c| c.server.idle_timeout_seconds = 1.0).await;
+    up.mock.linger.store(true, Ordering::SeqCst);
+    let completed = "condense_websocket_responses_total{outcome=\"completed\"}";
+    let mut ws = connect(&server).await;
+    let events = response(&mut ws, create(vec![user("hi")], None)).await;
+    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    // Counted and remembered before the client saw it end.
+    assert_eq!(common::metric_at(server.local_addr(), completed).await, 1.0);
+    let id = events.last().unwrap()["response"]["id"].as_str().unwrap();
+    // The next turn is answered while the first one's stream is still open.
+    let output = json!({"type": "function_call_output", "call_id": "c1", "output": "ok"});
+    let events = response(&mut ws, create(vec![output], Some(id))).await;
+    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    assert_eq!(up.mock.seen()[1].1["input"].as_array().unwrap().len(), 3);
+    assert_eq!(common::metric_at(server.local_addr(), completed).await, 2.0);
+    // What the upstream still held open is let go within a write's stall.
+    let mut gone = false;
+    for _ in 0..100 {
+        if up.mock.open.load(Ordering::SeqCst) == 0 {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gone, "a lingering upstream stream was held");
+    ws.close(None).await.unwrap();
     server.shutdown().await.unwrap();
 }
 

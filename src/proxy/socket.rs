@@ -392,6 +392,9 @@ impl Proxy {
         }
         let mut events = sse::Reader::default();
         let mut outcome = Outcome::default();
+        // The turn's input, until its response has finished and is
+        // remembered.
+        let mut input = Some(create.input);
         loop {
             let chunk = tokio::select! {
                 chunk = body.next() => chunk,
@@ -417,29 +420,45 @@ impl Proxy {
                     continue;
                 }
                 outcome.event(&data);
+                // A finished response is remembered and counted before its
+                // last event goes out: a client (or a scrape) that has
+                // seen it complete finds it continued and counted.
+                if outcome.finished
+                    && let (Some(id), Some(input)) = (outcome.id.clone(), input.take())
+                {
+                    let label = match outcome.incomplete {
+                        true => "incomplete",
+                        false => "completed",
+                    };
+                    let output = outcome.take_output();
+                    let previous = create.previous.as_deref();
+                    socket.history.record(&id, previous, input, output);
+                    outcomes.with_label_values(&[label]).inc();
+                }
                 let text = match with_report(&data, &report) {
                     Some(edited) => String::from_utf8_lossy(&edited).into_owned(),
                     None => String::from_utf8_lossy(&data).into_owned(),
                 };
                 tx.text(text).await.map_err(|_| None)?;
+                if input.is_none() {
+                    // The response is over, and the client may send its
+                    // next turn now, whatever the upstream still holds
+                    // open. The rest is read apart, for as long as a write
+                    // may stall, so its connection can serve again.
+                    let stall = tx.stall;
+                    tokio::spawn(async move {
+                        let rest = async { while body.next().await.is_some() {} };
+                        let _ = tokio::time::timeout(stall, rest).await;
+                    });
+                    return Ok(());
+                }
             }
             if done {
                 break;
             }
         }
-        match (outcome.finished, outcome.id.clone()) {
-            (true, Some(id)) => {
-                let label = match outcome.incomplete {
-                    true => "incomplete",
-                    false => "completed",
-                };
-                let previous = create.previous.as_deref();
-                socket
-                    .history
-                    .record(&id, previous, create.input, outcome.output());
-                outcomes.with_label_values(&[label]).inc();
-            }
-            _ => outcomes.with_label_values(&["failed"]).inc(),
+        if input.is_some() {
+            outcomes.with_label_values(&["failed"]).inc();
         }
         Ok(())
     }

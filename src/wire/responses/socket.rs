@@ -364,13 +364,14 @@ impl Outcome {
         }
     }
 
-    /// The response's output items.
-    pub fn output(mut self) -> Vec<Bytes> {
-        if let Some(output) = self.completed {
+    /// The response's output items, taken out of the outcome.
+    pub fn take_output(&mut self) -> Vec<Bytes> {
+        if let Some(output) = self.completed.take() {
             return output;
         }
-        self.done.sort_by_key(|(i, _)| *i);
-        self.done.into_iter().map(|(_, item)| item).collect()
+        let mut done = std::mem::take(&mut self.done);
+        done.sort_by_key(|(i, _)| *i);
+        done.into_iter().map(|(_, item)| item).collect()
     }
 }
 
@@ -620,7 +621,7 @@ mod tests {
         assert_eq!(o.id.as_deref(), Some("resp_1"));
         // In output-index order, each item's bytes (and key order) kept.
         assert_eq!(
-            o.output(),
+            o.take_output(),
             [
                 Bytes::from(r#"{"id":"a"}"#),
                 Bytes::from(r#"{"id":"b","a":1}"#)
@@ -636,7 +637,7 @@ mod tests {
         assert!(o.finished && o.incomplete);
         assert_eq!(o.id.as_deref(), Some("resp_2"));
         assert_eq!(
-            o.output(),
+            o.take_output(),
             [Bytes::from(
                 r#"{"type":"reasoning","id":"rs_1","summary":[]}"#
             )]
