@@ -508,7 +508,9 @@ async fn idle_connections_beyond_the_cap_are_evicted_and_health_still_answers() 
     .unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.text().await.unwrap(), "ok");
-    assert!(closed(s, "evicted") >= 136.0, "{}", closed(s, "evicted"));
+    // Accepting a connection only asks an idle one to go; each is counted
+    // by its own task as it goes.
+    eventually("the evictions counted", || closed(s, "evicted") >= 136.0).await;
     assert_eq!(closed(s, "refused"), 0.0);
     // The longest-idle connections went first, and they are really closed.
     bounded("an evicted connection closes", until_closed(&mut conns[0])).await;
@@ -1477,13 +1479,16 @@ async fn clients_that_never_read_their_responses_do_not_hold_the_connection_cap(
     })
     .await;
     let refused = closed(server(&h), "refused");
-    let stalled_closed = closed(server(&h), "write_stalled");
-    drop(stalled);
     assert!(
         served.is_ok(),
         "two clients that never read held both connections for 10 s ({refused} refused)"
     );
-    assert!(stalled_closed >= 1.0, "{stalled_closed}");
+    // The connection's slot is freed a moment before its close is counted.
+    eventually("a stalled close counted", || {
+        closed(server(&h), "write_stalled") >= 1.0
+    })
+    .await;
+    drop(stalled);
     h.shutdown().await;
 }
 

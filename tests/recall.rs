@@ -1214,8 +1214,24 @@ async fn redis_replicas_answer_each_others_recall_keys() {
     *up.model.key.lock().unwrap() = Some(key);
     let mut body = compacted.clone();
     body["tools"].as_array_mut().unwrap().truncate(1);
-    // Stored in the background by a: wait for it.
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // Stored in the background by a (a spawned write nothing waits for):
+    // wait until it is in Redis.
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let mut stored = false;
+    for _ in 0..500 {
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("condense:recall:*")
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        if !keys.is_empty() {
+            stored = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(stored, "replica a stored no original within 5 s");
     let before = up.model.requests().len();
     let (status, _) = common::post(&b, "/v1/chat/completions", &body).await;
     assert_eq!(status, 200);

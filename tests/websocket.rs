@@ -203,6 +203,14 @@ async fn each_create_goes_upstream_as_the_whole_conversation_and_events_come_bac
     assert_eq!(kinds, ["response.created", "response.completed"]);
     assert_eq!(events[1]["response"]["output"], json!([]));
     let warm_id = events[1]["response"]["id"].as_str().unwrap().to_string();
+    assert_eq!(
+        common::metric_at(
+            server.local_addr(),
+            "condense_websocket_responses_total{outcome=\"warmup\"}"
+        )
+        .await,
+        1.0
+    );
     assert!(
         up.mock.requests.lock().unwrap().is_empty(),
         "no upstream call"
@@ -392,7 +400,11 @@ async fn the_conversation_on_a_socket_is_compacted_like_any_other() {
 #[tokio::test]
 async fn a_response_is_over_at_its_last_event_though_the_upstream_holds_its_stream_open() {
     let up = upstream().await;
-    let server = condense(&up, |c| c.server.idle_timeout_seconds = 1.0).await;
+    let server = condense(&up, |c| {
+        c.server.idle_timeout_seconds = 1.0;
+        c.upstream.idle_timeout_seconds = 1.0;
+    })
+    .await;
     up.mock.linger.store(true, Ordering::SeqCst);
     let completed = "condense_websocket_responses_total{outcome=\"completed\"}";
     let mut ws = connect(&server).await;
@@ -417,6 +429,13 @@ async fn a_response_is_over_at_its_last_event_though_the_upstream_holds_its_stre
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(gone, "a lingering upstream stream was held");
+    // A stream that stalls is ended by condense with an error event, the
+    // turn counted as failed before it goes out.
+    up.mock.stall.store(true, Ordering::SeqCst);
+    let events = response(&mut ws, create(vec![user("hi")], None)).await;
+    assert_eq!(events.last().unwrap()["type"], "error", "{events:?}");
+    let failed = "condense_websocket_responses_total{outcome=\"failed\"}";
+    assert_eq!(common::metric_at(server.local_addr(), failed).await, 1.0);
     ws.close(None).await.unwrap();
     server.shutdown().await.unwrap();
 }

@@ -292,13 +292,16 @@ impl Proxy {
             let now = SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs());
-            for event in warmup_events(&id, create.model().as_deref(), now) {
-                send(tx, &event).await.map_err(|_| None)?;
-            }
+            let events = warmup_events(&id, create.model().as_deref(), now);
+            // Remembered and counted before the client sees it, as a
+            // response is.
             socket
                 .history
                 .record(&id, create.previous.as_deref(), create.input, Vec::new());
             outcomes.with_label_values(&["warmup"]).inc();
+            for event in events {
+                send(tx, &event).await.map_err(|_| None)?;
+            }
             return Ok(());
         }
         let body = create.body(&input);
@@ -420,19 +423,24 @@ impl Proxy {
                     continue;
                 }
                 outcome.event(&data);
-                // A finished response is remembered and counted before its
-                // last event goes out: a client (or a scrape) that has
-                // seen it complete finds it continued and counted.
-                if outcome.finished
-                    && let (Some(id), Some(input)) = (outcome.id.clone(), input.take())
+                // A response that ended is remembered and counted before
+                // its last event goes out: a client (or a scrape) that has
+                // seen it end finds it continued and counted.
+                if (outcome.finished || outcome.failed)
+                    && let Some(input) = input.take()
                 {
-                    let label = match outcome.incomplete {
-                        true => "incomplete",
-                        false => "completed",
+                    let label = match (outcome.finished, outcome.id.clone()) {
+                        (true, Some(id)) => {
+                            let output = outcome.take_output();
+                            let previous = create.previous.as_deref();
+                            socket.history.record(&id, previous, input, output);
+                            match outcome.incomplete {
+                                true => "incomplete",
+                                false => "completed",
+                            }
+                        }
+                        _ => "failed",
                     };
-                    let output = outcome.take_output();
-                    let previous = create.previous.as_deref();
-                    socket.history.record(&id, previous, input, output);
                     outcomes.with_label_values(&[label]).inc();
                 }
                 let text = match with_report(&data, &report) {

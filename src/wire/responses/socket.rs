@@ -306,6 +306,9 @@ pub struct Outcome {
     pub finished: bool,
     /// Whether it ended incomplete.
     pub incomplete: bool,
+    /// Whether it ended in failure: `response.failed`, or an `error` event
+    /// (the upstream's, or the relay's own when the stream broke off).
+    pub failed: bool,
 }
 
 impl Outcome {
@@ -360,6 +363,7 @@ impl Outcome {
                     .filter(|o| !o.is_empty())
                     .map(|o| o.into_iter().map(raw).collect());
             }
+            Some("response.failed" | "error") => self.failed = true,
             _ => {}
         }
     }
