@@ -488,7 +488,9 @@ fn words_in(l: &str) -> u32 {
     if let Some(finder) = &*WORD_FINDER
         && let Ok(hits) = finder.try_find_overlapping_iter(l)
     {
-        return hits.fold(0, |bits, hit| bits | 1 << hit.pattern().as_u32());
+        return hits
+            .filter(|hit| counts(l, hit.pattern().as_usize(), hit.start()))
+            .fold(0, |bits, hit| bits | 1 << hit.pattern().as_u32());
     }
     words_each(l)
 }
@@ -499,8 +501,31 @@ fn words_each(l: &str) -> u32 {
     WORDS
         .iter()
         .enumerate()
-        .filter(|(_, w)| lower.contains(*w))
+        .filter(|(i, w)| lower.match_indices(*w).any(|(at, _)| counts(l, *i, at)))
         .fold(0, |bits, (i, _)| bits | 1 << i)
+}
+
+/// Whether the word `WORDS[word]` found at byte `at` of `l` counts: a
+/// failure word only where a word begins, not inside a name or a path
+/// (`thiserror`, `src/error.rs`, `yarn-error.log`, `test_error_paths`),
+/// save an exception's name (`TypeError`, `IOException`). A Codex
+/// session's `find | grep error` listing of a Rust target directory
+/// scored as eleven failures; its lines took the digest's room, and the
+/// `fatal: Could not read from remote repository.` before them left it.
+/// Over all the shared traces, mean probe retention at 16k went from 0.890
+/// to 0.900 (chars:3.6) and 0.866 to 0.875 (chars:3.0), of facts the agent
+/// used again from 0.923 to 0.940 and 0.897 to 0.914; at 32k up 0.001, at
+/// 64k even; mean stability even.
+fn counts(l: &str, word: usize, at: usize) -> bool {
+    if 1 << word & FAILURE_WORDS == 0 {
+        return true;
+    }
+    let b = l.as_bytes();
+    let Some(&before) = at.checked_sub(1).and_then(|i| b.get(i)) else {
+        return true;
+    };
+    let camel = before.is_ascii_lowercase() && b.get(at).is_some_and(u8::is_ascii_uppercase);
+    camel || !(before.is_ascii_alphanumeric() || matches!(before, b'_' | b'/' | b'-' | b'.'))
 }
 
 /// Whether `s` starts with `prefix`, ASCII case ignored.
@@ -1230,6 +1255,8 @@ FAILED tests/test_render.py::test_heading - TypeError\n",
             "Exit code: 1",
             "Permission DENIED: cannot open /etc/x (No such file)",
             "erreur fatale: invalide — échec",
+            "rust/target/debug/.fingerprint/thiserror-c851/lib-thiserror",
+            "raise TypeError(msg) from self.error_handler",
             "Traceback (most recent call last):",
             "nothing to see here",
             "",
@@ -1239,6 +1266,40 @@ FAILED tests/test_render.py::test_heading - TypeError\n",
         let both = words_in("2 failed");
         assert_eq!(both & (1 << 3 | 1 << 12), 1 << 3 | 1 << 12);
         assert_eq!(words_in("nothing to see here"), 0);
+    }
+
+    #[test]
+    fn a_failure_word_inside_a_name_or_a_path_is_no_failure() {
+        let failure = |l: &str| words_in(l) & FAILURE_WORDS != 0;
+        for l in [
+            "rust/shannon-api/target/debug/.fingerprint/thiserror-c85141cebfdd2830/lib-thiserror",
+            "rust/agent-core/src/error.rs",
+            "yarn-error.log*",
+            "tests/test_error_paths.py",
+            "    self.log.error(msg)",
+            "cc -Werror -o build/main main.c",
+        ] {
+            assert!(!failure(l), "{l}");
+        }
+        for l in [
+            "fatal: Could not read from remote repository.",
+            "error: cannot find value `x` in this scope",
+            "raise TypeError(msg)",
+            "java.io.FileNotFoundException: /etc/x",
+            "[ERROR] Failed to execute goal",
+            "sh: 1: make: not found",
+            "Permission denied (publickey).",
+        ] {
+            assert!(failure(l), "{l}");
+        }
+        // A listing of paths that merely name errors keeps none of them
+        // over the failure it holds.
+        let mut listing: String = (0..40)
+            .map(|i| format!("rust/target/debug/.fingerprint/thiserror-{i:04x}/lib-thiserror\n"))
+            .collect();
+        listing.push_str("fatal: Could not read from remote repository.\n");
+        let kept = key_lines(&listing, 120);
+        assert!(kept.contains("fatal: Could not read"), "{kept}");
     }
 
     #[test]
