@@ -606,7 +606,7 @@ fn score(line: &str) -> (u32, Option<&str>) {
         s += 4;
     }
     let path = path_in(l);
-    if path.is_some() {
+    if path.is_some_and(|p| !library(p)) {
         s += 3;
     }
     if starts_with_ignoring_case(l, "file \"") || pytest_frame(l) || words & OUTCOME_WORDS != 0 {
@@ -616,6 +616,27 @@ fn score(line: &str) -> (u32, Option<&str>) {
         s += 1;
     }
     (s, path)
+}
+
+/// Whether `path` is a file of an installed library or toolchain: a
+/// traceback's frames inside a package say less than the agent's own
+/// files, and earn no path bonus. A Claude Code session's digest held four
+/// frames inside `site-packages/litdata/` where the names of the agent's
+/// own modules went; over all the shared traces this took mean retention
+/// of facts the agent used again at 16k from 0.940 to 0.942 (chars:3.6)
+/// and 0.914 to 0.919 (chars:3.0), that session's from 0.577 to 0.702
+/// (chars:3.0); 32k and 64k even.
+fn library(path: &str) -> bool {
+    [
+        "site-packages/",
+        "dist-packages/",
+        "node_modules/",
+        "/usr/lib/",
+        ".cargo/registry/",
+        "/rustc/",
+    ]
+    .iter()
+    .any(|lib| path.contains(lib))
 }
 
 /// `line` after the line number `cat -n`, `nl` and grep put before it,
@@ -1300,6 +1321,27 @@ FAILED tests/test_render.py::test_heading - TypeError\n",
         listing.push_str("fatal: Could not read from remote repository.\n");
         let kept = key_lines(&listing, 120);
         assert!(kept.contains("fatal: Could not read"), "{kept}");
+    }
+
+    #[test]
+    fn a_traceback_keeps_the_agent_s_frames_over_a_library_s() {
+        let lib = "/home/u/.venv/lib/python3.12/site-packages/litdata/streaming";
+        let mut out = String::from("Traceback (most recent call last):\n");
+        out.push_str("  File \"/work/app/train.py\", line 48, in main\n    run()\n");
+        for (i, f) in ["dataset", "client", "downloader", "reader"]
+            .iter()
+            .enumerate()
+        {
+            out.push_str(&format!(
+                "  File \"{lib}/{f}.py\", line {}, in _{f}\n    x()\n",
+                100 + i
+            ));
+        }
+        out.push_str("RuntimeError: data_connection_id is required\n");
+        let kept = key_lines(&out, 120);
+        assert!(kept.contains("RuntimeError: data_connection_id"), "{kept}");
+        assert!(kept.contains("/work/app/train.py"), "{kept}");
+        assert!(!kept.contains("site-packages"), "{kept}");
     }
 
     #[test]
