@@ -171,6 +171,17 @@ async fn answer(State(mock): State<Arc<Mock>>, req: Request) -> Response {
         .into_response()
 }
 
+/// Whether every stream the upstream opened is closed within 5 s.
+async fn upstream_closed(up: &Upstream) -> bool {
+    for _ in 0..100 {
+        if up.mock.open.load(Ordering::SeqCst) == 0 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
 async fn condense(up: &Upstream, tweak: impl FnOnce(&mut Config)) -> Server {
     let mut config = Config::default();
     config.server.listen = "127.0.0.1:0".parse().unwrap();
@@ -420,15 +431,10 @@ async fn a_response_is_over_at_its_last_event_though_the_upstream_holds_its_stre
     assert_eq!(up.mock.seen()[1].1["input"].as_array().unwrap().len(), 3);
     assert_eq!(common::metric_at(server.local_addr(), completed).await, 2.0);
     // What the upstream still held open is let go within a write's stall.
-    let mut gone = false;
-    for _ in 0..100 {
-        if up.mock.open.load(Ordering::SeqCst) == 0 {
-            gone = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(gone, "a lingering upstream stream was held");
+    assert!(
+        upstream_closed(&up).await,
+        "a lingering upstream stream was held"
+    );
     // A stream that stalls is ended by condense with an error event, the
     // turn counted as failed before it goes out.
     up.mock.stall.store(true, Ordering::SeqCst);
@@ -453,15 +459,10 @@ async fn a_client_gone_mid_response_drops_it_and_an_oversized_message_closes_wit
     assert_eq!(up.mock.open.load(Ordering::SeqCst), 1);
     drop(ws);
     // The upstream request goes with the client.
-    let mut gone = false;
-    for _ in 0..100 {
-        if up.mock.open.load(Ordering::SeqCst) == 0 {
-            gone = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(gone, "the upstream stream outlived its client");
+    assert!(
+        upstream_closed(&up).await,
+        "the upstream stream outlived its client"
+    );
 
     up.mock.stall.store(false, Ordering::SeqCst);
     let mut ws = connect(&server).await;
