@@ -606,10 +606,12 @@ fn score(line: &str) -> (u32, Option<&str>) {
         s += 4;
     }
     let path = path_in(l);
-    if path.is_some_and(|p| !library(p)) {
+    let python_frame = starts_with_ignoring_case(l, "file \"") || pytest_frame(l);
+    let frame = python_frame || l.starts_with("at ");
+    if path.is_some_and(|p| !(frame && library(p))) {
         s += 3;
     }
-    if starts_with_ignoring_case(l, "file \"") || pytest_frame(l) || words & OUTCOME_WORDS != 0 {
+    if python_frame || words & OUTCOME_WORDS != 0 {
         s += 2;
     }
     if words & TEST_WORDS != 0 {
@@ -619,8 +621,10 @@ fn score(line: &str) -> (u32, Option<&str>) {
 }
 
 /// Whether `path` is a file of an installed library or toolchain: a
-/// traceback's frames inside a package say less than the agent's own
-/// files, and earn no path bonus. A Claude Code session's digest held four
+/// traceback's frames inside a package (`File "…"`, pytest's `…: in`, a
+/// JavaScript or Java `at …`) say less than the agent's own files, and
+/// earn no path bonus. Looked up on frames only: on every line with a
+/// path, a 16 MB result of path lines took 7% longer to mask. A Claude Code session's digest held four
 /// frames inside `site-packages/litdata/` where the names of the agent's
 /// own modules went; over all the shared traces this took mean retention
 /// of facts the agent used again at 16k from 0.940 to 0.942 (chars:3.6)
