@@ -623,13 +623,13 @@ fn score(line: &str) -> (u32, Option<&str>) {
 /// Whether `path` is a file of an installed library or toolchain: a
 /// traceback's frames inside a package (`File "…"`, pytest's `…: in`, a
 /// JavaScript or Java `at …`) say less than the agent's own files, and
-/// earn no path bonus. Looked up on frames only: on every line with a
-/// path, a 16 MB result of path lines took 7% longer to mask. A Claude Code session's digest held four
-/// frames inside `site-packages/litdata/` where the names of the agent's
-/// own modules went; over all the shared traces this took mean retention
-/// of facts the agent used again at 16k from 0.940 to 0.942 (chars:3.6)
-/// and 0.914 to 0.919 (chars:3.0), that session's from 0.577 to 0.702
-/// (chars:3.0); 32k and 64k even.
+/// earn no path bonus. A Claude Code session's digest held four frames
+/// inside `site-packages/litdata/` where the names of the agent's own
+/// modules went; over all the shared traces this took mean retention of
+/// facts the agent used again at 16k from 0.940 to 0.942 (chars:3.6) and
+/// 0.914 to 0.919 (chars:3.0), that session's from 0.577 to 0.702
+/// (chars:3.0); 32k and 64k even. Looked up on frames only: on every line
+/// with a path, a 16 MB result of path lines took about 7% longer to mask.
 fn library(path: &str) -> bool {
     [
         "site-packages/",
