@@ -1443,3 +1443,76 @@ fn a_messages_last_user_text_beside_an_image_survives_prune() {
     );
     assert_eq!(checked, Ok(()));
 }
+
+/// An overflow's retry cut to its minimum goes out when its plain count
+/// fits: here a turn of 88 parallel calls, whose framing the error's
+/// bytes-per-token reading overcounts (found by the property in CI).
+#[test]
+fn a_retry_of_many_parallel_calls_goes_out_when_its_count_fits() {
+    let call = |shape, image, custom| Call {
+        shape,
+        long_args: None,
+        image,
+        custom,
+    };
+    let turn = |thinking, say, calls, user| Turn {
+        thinking,
+        say,
+        calls,
+        user,
+    };
+    let c = Conv {
+        task: (Lang::English, 1204, true),
+        env: false,
+        turns: vec![
+            turn(
+                Some(103),
+                Lang::English,
+                vec![],
+                Some((Lang::English, false)),
+            ),
+            turn(
+                None,
+                Lang::Emoji,
+                vec![call(Shape::Log(2585), false, false)],
+                None,
+            ),
+            turn(
+                None,
+                Lang::English,
+                vec![
+                    call(Shape::Minified(54_459), true, true),
+                    call(Shape::Log(6198), false, false),
+                    call(Shape::Wrapped(1577), true, true),
+                ],
+                None,
+            ),
+            turn(
+                Some(2437),
+                Lang::Cjk,
+                vec![
+                    call(Shape::Minified(5951), false, true),
+                    call(Shape::Whitespace(22_616), false, true),
+                    call(Shape::Minified(8876), false, false),
+                ],
+                None,
+            ),
+            turn(
+                Some(1001),
+                Lang::English,
+                vec![call(Shape::Minified(6828), false, false)],
+                Some((Lang::English, false)),
+            ),
+            turn(None, Lang::Cjk, (0..88).map(|_| tiny()).collect(), None),
+        ],
+        max_tokens: Some(4096),
+    };
+    let got = check(
+        &c,
+        Fmt::Messages,
+        8067,
+        CountRule::Chars(3.0),
+        OverflowStyle::Bare,
+    );
+    assert!(got.is_ok(), "{got:?}");
+}

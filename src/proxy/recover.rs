@@ -235,9 +235,17 @@ impl Proxy {
     /// unchanged. The retry aims at the budget, but goes out whenever it
     /// fits the window: a budget's reserve, and a completion allowance the
     /// request did not ask for, are condense's margins, not the provider's
-    /// limit. On this path a needed checkpoint that cannot be had is no
-    /// reason to drop history mechanically: the client gets the upstream's
-    /// error.
+    /// limit. Whether it fits is read the lenient way: the retry is cut
+    /// against each message counted at the larger of its tokens and its
+    /// bytes at the error's density (see [`overflow::Overflow::correction`]),
+    /// a bound meant to cut deep enough, which overshoots framing-heavy
+    /// messages (a hundred small parallel calls, JSON keys the provider
+    /// does not count as text); it goes out when its plain count, at the
+    /// calibration ratio, fits. A retry rejected again costs one round trip
+    /// and gives the client the provider's own error; one not sent would cut
+    /// short a turn the provider might take. On this path a needed
+    /// checkpoint that cannot be had is no reason to drop history
+    /// mechanically: the client gets the upstream's error.
     async fn prepare_retry(
         &self,
         format: Format,
@@ -271,7 +279,10 @@ impl Proxy {
             .ok()?;
         let p = self.checkpointed(format, p, model, headers, false).await?;
         let outcome = p.outcome.as_ref()?;
-        if outcome.messages.is_none() || p.tokens_after + completion > window {
+        let plain = p.raw_after.map_or(p.tokens_after, |raw| {
+            (raw as f64 * p.assessment.calibration_ratio).round() as u64
+        });
+        if outcome.messages.is_none() || p.tokens_after.min(plain) + completion > window {
             return None;
         }
         // The retry carries nothing condense would add (no tools, no recall
