@@ -445,11 +445,20 @@ impl Overflow {
     /// tokens at that ratio). Either kind of difference is then seen where
     /// it is, and the rejected body itself counts at least what the
     /// provider said. The ceiling is the window. Without a count, the retry
-    /// aims at 70% of the rejected prompt.
+    /// aims at 70% of the rejected prompt, and each message counts at least
+    /// its bytes at the rejected body's mean tokens per byte as condense
+    /// counted it: what tips the body over may be one whitespace-heavy
+    /// result, which the retry must then see (a chat request whose fresh
+    /// 44 KB of indented code o200k counts at a third of a provider
+    /// counting characters was cut to 70% everywhere else, left the result
+    /// whole and was rejected again).
     pub fn correction(&self, sent: &Rejected) -> Correction {
         let ratio = sent.ratio.clamp(MIN_RATIO, MAX_RATIO);
         let density = match self.prompt {
             Some(p) if sent.bytes > 0 => Some(p as f64 / sent.bytes as f64 / ratio),
+            None if sent.bytes > 0 && sent.calibrated > 0 => {
+                Some(sent.calibrated as f64 / sent.bytes as f64 / ratio)
+            }
             _ => None,
         };
         let counted = self.prompt.unwrap_or(sent.calibrated);

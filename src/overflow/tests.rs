@@ -34,12 +34,12 @@ fn the_retry_budget_follows_what_the_error_says() {
     assert_eq!(c.completion, Some(1000));
     assert_eq!(c.prompt_budget, None);
     assert!((c.density.unwrap() - 0.3 / 1.1).abs() < 1e-12);
-    // No numbers: 70% of the rejected prompt, no floor.
+    // No numbers: 70% of the rejected prompt, and the body's mean tokens
+    // per byte as condense counted it (11,000 / 40,000, here over 1.1 in
+    // raw tokens) floors every message.
     let c = o(None, None, None).correction(&sent);
-    assert_eq!(
-        (c.ratio, c.prompt_budget, c.density),
-        (None, Some(7_700), None)
-    );
+    assert_eq!((c.ratio, c.prompt_budget), (Some(1.1), Some(7_700)));
+    assert!((c.density.unwrap() - 11_000.0 / 40_000.0 / 1.1).abs() < 1e-12);
     // A ceiling without a count: the window, and 70% as a cap.
     let c = o(Some(8192), None, None).correction(&sent);
     assert_eq!(c.prompt_budget, Some(7_700));
