@@ -1516,3 +1516,139 @@ fn a_retry_of_many_parallel_calls_goes_out_when_its_count_fits() {
     );
     assert!(got.is_ok(), "{got:?}");
 }
+
+/// An overflow that names no numbers, on a turn whose fresh result is
+/// 44 KB of indented code: a provider counting characters counts it at
+/// about three times o200k, so the retry must see where the difference
+/// is, not only cut to 70% (found by the property).
+#[test]
+fn a_blind_retry_cuts_the_whitespace_result_that_tipped_it_over() {
+    let call = |shape, long_args, custom| Call {
+        shape,
+        long_args,
+        image: false,
+        custom,
+    };
+    let turn = |thinking, calls| Turn {
+        thinking,
+        say: Lang::English,
+        calls,
+        user: None,
+    };
+    let c = Conv {
+        task: (Lang::English, 20, false),
+        env: true,
+        turns: vec![
+            turn(None, vec![call(Shape::Wrapped(23_283), None, false)]),
+            turn(
+                None,
+                vec![
+                    call(Shape::Prose(Lang::English, 4388), None, true),
+                    call(Shape::Prose(Lang::English, 6973), None, false),
+                ],
+            ),
+            turn(
+                None,
+                vec![
+                    call(Shape::Wrapped(7803), None, false),
+                    call(Shape::Prose(Lang::Emoji, 4972), Some(2093), false),
+                    call(Shape::Log(1430), None, false),
+                ],
+            ),
+            turn(None, vec![call(Shape::Tiny, Some(5982), false)]),
+            turn(
+                Some(1587),
+                vec![
+                    call(Shape::Whitespace(9977), None, true),
+                    call(Shape::Whitespace(43_854), None, false),
+                ],
+            ),
+        ],
+        max_tokens: Some(1024),
+    };
+    let got = check(
+        &c,
+        Fmt::Chat,
+        16_499,
+        CountRule::Chars(3.6),
+        OverflowStyle::Bare,
+    );
+    assert!(got.is_ok(), "{got:?}");
+}
+
+/// An overflow whose error names the provider's count, on a turn ending in
+/// 44 KB of indented code: the retry's count is corrected by one reading
+/// of the whole rejected body, and what the cut leaves counts denser than
+/// what it took, so the retry keeps a larger reserve (found by the
+/// property).
+#[test]
+fn a_retry_keeps_room_for_what_its_correction_misses() {
+    let call = |shape, long_args, image, custom| Call {
+        shape,
+        long_args,
+        image,
+        custom,
+    };
+    let turn = |thinking, say, calls, user| Turn {
+        thinking,
+        say,
+        calls,
+        user,
+    };
+    let c = Conv {
+        task: (Lang::English, 1281, false),
+        env: true,
+        turns: vec![
+            turn(
+                None,
+                Lang::English,
+                vec![call(Shape::Wrapped(25_357), None, false, false)],
+                None,
+            ),
+            turn(
+                None,
+                Lang::English,
+                vec![
+                    call(Shape::Prose(Lang::Cjk, 9237), None, false, true),
+                    call(Shape::Prose(Lang::English, 6977), None, false, false),
+                ],
+                None,
+            ),
+            turn(
+                None,
+                Lang::English,
+                vec![
+                    call(Shape::Wrapped(7847), None, false, false),
+                    call(Shape::Prose(Lang::Emoji, 4972), Some(2132), true, false),
+                    call(Shape::Whitespace(2407), None, false, false),
+                ],
+                None,
+            ),
+            turn(None, Lang::English, (0..43).map(|_| tiny()).collect(), None),
+            turn(
+                None,
+                Lang::Emoji,
+                vec![call(Shape::Tiny, Some(6287), false, false)],
+                Some((Lang::English, false)),
+            ),
+            turn(
+                Some(1768),
+                Lang::Cjk,
+                vec![
+                    call(Shape::Whitespace(9993), None, false, true),
+                    call(Shape::Whitespace(43_900), None, false, false),
+                ],
+                None,
+            ),
+        ],
+        max_tokens: Some(1024),
+    };
+    let got = check(
+        &c,
+        Fmt::Messages,
+        17_785,
+        CountRule::Chars(3.6),
+        OverflowStyle::Bare,
+    );
+    assert!(got.is_ok(), "{got:?}");
+}

@@ -46,6 +46,9 @@ use shared::Shared;
 
 /// Bytes of masked message forms remembered across requests.
 const MEMO_BYTES: usize = 16 * 1024 * 1024;
+/// The least share of the window an overflow's retry keeps in reserve
+/// (`tokens.reserve_ratio` when that is larger).
+pub const RETRY_RESERVE: f64 = 0.15;
 
 /// Cache keys of messages, and of tool schemas apart from them.
 const MESSAGES_DOMAIN: u64 = 0;
@@ -416,12 +419,19 @@ impl TokenService {
 
     /// The prompt budget of `req` for a model with `info`.
     fn budget(&self, info: &ModelInfo, req: &ChatRequest) -> Budget {
+        // A retry after an overflow keeps a larger reserve: its count is
+        // corrected by one observation of a whole body, and what the cut
+        // leaves may be denser, as the provider counts, than what it took.
+        let reserve = match &info.correction {
+            Some(_) => self.config.tokens.reserve_ratio.max(RETRY_RESERVE),
+            None => self.config.tokens.reserve_ratio,
+        };
         let correction = info.correction.clone().unwrap_or_default();
         let mut budget = Budget::new(
             info.window,
             correction.completion.or(req.max_completion_tokens()),
             self.config.tokens.default_completion_tokens,
-            self.config.tokens.reserve_ratio,
+            reserve,
         );
         if let Some(cap) = correction.prompt_budget {
             budget.prompt_budget = budget.prompt_budget.min(cap.max(1));
