@@ -1444,23 +1444,38 @@ fn a_messages_last_user_text_beside_an_image_survives_prune() {
     assert_eq!(checked, Ok(()));
 }
 
+/// A call, for the cases the property found, written out.
+fn call_of(shape: Shape, long_args: Option<usize>, image: bool, custom: bool) -> Call {
+    Call {
+        shape,
+        long_args,
+        image,
+        custom,
+    }
+}
+
+/// A turn, for the cases the property found, written out.
+fn turn_of_parts(
+    thinking: Option<usize>,
+    say: Lang,
+    calls: Vec<Call>,
+    user: Option<(Lang, bool)>,
+) -> Turn {
+    Turn {
+        thinking,
+        say,
+        calls,
+        user,
+    }
+}
+
 /// An overflow's retry cut to its minimum goes out when its plain count
 /// fits: here a turn of 88 parallel calls, whose framing the error's
 /// bytes-per-token reading overcounts (found by the property in CI).
 #[test]
 fn a_retry_of_many_parallel_calls_goes_out_when_its_count_fits() {
-    let call = |shape, image, custom| Call {
-        shape,
-        long_args: None,
-        image,
-        custom,
-    };
-    let turn = |thinking, say, calls, user| Turn {
-        thinking,
-        say,
-        calls,
-        user,
-    };
+    let call = |shape, image, custom| call_of(shape, None, image, custom);
+    let turn = turn_of_parts;
     let c = Conv {
         task: (Lang::English, 1204, true),
         env: false,
@@ -1523,18 +1538,8 @@ fn a_retry_of_many_parallel_calls_goes_out_when_its_count_fits() {
 /// is, not only cut to 70% (found by the property).
 #[test]
 fn a_blind_retry_cuts_the_whitespace_result_that_tipped_it_over() {
-    let call = |shape, long_args, custom| Call {
-        shape,
-        long_args,
-        image: false,
-        custom,
-    };
-    let turn = |thinking, calls| Turn {
-        thinking,
-        say: Lang::English,
-        calls,
-        user: None,
-    };
+    let call = |shape, long_args, custom| call_of(shape, long_args, false, custom);
+    let turn = |thinking, calls| turn_of_parts(thinking, Lang::English, calls, None);
     let c = Conv {
         task: (Lang::English, 20, false),
         env: true,
@@ -1583,18 +1588,8 @@ fn a_blind_retry_cuts_the_whitespace_result_that_tipped_it_over() {
 /// property).
 #[test]
 fn a_retry_keeps_room_for_what_its_correction_misses() {
-    let call = |shape, long_args, image, custom| Call {
-        shape,
-        long_args,
-        image,
-        custom,
-    };
-    let turn = |thinking, say, calls, user| Turn {
-        thinking,
-        say,
-        calls,
-        user,
-    };
+    let call = call_of;
+    let turn = turn_of_parts;
     let c = Conv {
         task: (Lang::English, 1281, false),
         env: true,
