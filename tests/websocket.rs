@@ -171,15 +171,26 @@ async fn answer(State(mock): State<Arc<Mock>>, req: Request) -> Response {
         .into_response()
 }
 
-/// Whether every stream the upstream opened is closed within 5 s.
-async fn upstream_closed(up: &Upstream) -> bool {
-    for _ in 0..100 {
-        if up.mock.open.load(Ordering::SeqCst) == 0 {
+/// Whether `cond` holds within `limit`, polled every 50 ms.
+async fn within(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let start = tokio::time::Instant::now();
+    loop {
+        if cond() {
             return true;
+        }
+        if start.elapsed() >= limit {
+            return false;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    false
+}
+
+/// Whether every stream the upstream opened is closed within 5 s.
+async fn upstream_closed(up: &Upstream) -> bool {
+    within(Duration::from_secs(5), || {
+        up.mock.open.load(Ordering::SeqCst) == 0
+    })
+    .await
 }
 
 async fn condense(up: &Upstream, tweak: impl FnOnce(&mut Config)) -> Server {
@@ -497,14 +508,10 @@ async fn a_client_that_stops_reading_is_closed_and_its_upstream_request_dropped(
         .await
         .unwrap();
     // The client reads nothing more; the upstream streams without end.
-    let mut gone = false;
-    for _ in 0..200 {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        if up.mock.open.load(Ordering::SeqCst) == 0 && !up.mock.seen().is_empty() {
-            gone = true;
-            break;
-        }
-    }
+    let gone = within(Duration::from_secs(10), || {
+        up.mock.open.load(Ordering::SeqCst) == 0 && !up.mock.seen().is_empty()
+    })
+    .await;
     assert!(
         gone,
         "a client that stopped reading held its upstream stream"
