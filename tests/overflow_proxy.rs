@@ -95,6 +95,60 @@ async fn an_overflow_is_recovered_and_later_requests_are_compacted_first() {
     assert_eq!(h.mock.chat_requests().len(), 3);
 }
 
+/// A retry's placeholders are the bytes the next turn sends, recall keys
+/// and all: the retry offers none of condense's tools, but written without
+/// keys its masked results were rewritten on the next turn, and the
+/// provider's cached prefix broke a second time in a row.
+#[tokio::test]
+async fn a_retry_writes_the_placeholders_the_next_turn_sends() {
+    let h = Harness::start().await;
+    let window = [("x-mock-window", "8192")];
+    let with_tools = |turns| {
+        let mut body = session(turns);
+        body["tools"] = json!([{"type": "function", "function": {
+            "name": "run",
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+        }}]);
+        body
+    };
+    assert_eq!(send(&h, &with_tools(14), &window).await.status(), 200);
+    assert_eq!(send(&h, &with_tools(15), &window).await.status(), 200);
+    let sent: Vec<Value> = h
+        .mock
+        .chat_requests()
+        .iter()
+        .map(|r| serde_json::from_slice(&r.body).unwrap())
+        .collect();
+    assert_eq!(
+        sent.len(),
+        3,
+        "a rejected request, its retry, the next turn"
+    );
+    let (retry, next) = (&sent[1], &sent[2]);
+    let tools = retry["tools"].to_string();
+    assert!(!tools.contains("condense_recall"), "{tools}");
+    // The results both mask, by call.
+    let masked = |body: &Value| -> Vec<(String, Value)> {
+        body["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["role"] == "tool" && m.to_string().contains("[condense:"))
+            .map(|m| (m["tool_call_id"].to_string(), m.clone()))
+            .collect()
+    };
+    let later = masked(next);
+    let mut both = 0;
+    for (id, m) in masked(retry) {
+        assert!(m.to_string().contains("recall key: "), "{m}");
+        if let Some((_, again)) = later.iter().find(|(i, _)| *i == id) {
+            assert_eq!(&m, again, "the next turn rewrote {id}");
+            both += 1;
+        }
+    }
+    assert!(both >= 5, "{both} results masked by both");
+}
+
 #[tokio::test]
 async fn a_streamed_request_is_recovered_before_its_first_byte() {
     let h = Harness::start().await;

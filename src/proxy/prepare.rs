@@ -67,12 +67,10 @@ impl Prepared {
     }
 }
 
-/// What condense may add to a request beyond compacting it.
+/// What the pipeline reads besides the request: a compaction the model
+/// asked for, and what the conversation's earlier turns reached.
 #[derive(Debug, Clone, Default)]
 pub struct Own {
-    /// Its tools (`condense_recall`, `compress_context`) may be offered,
-    /// and rewrites carry recall keys; not on an overflow retry.
-    pub tools: bool,
     /// The model asked for compaction up to this message.
     pub due: Option<usize>,
     /// What the conversation's earlier turns were planned against and
@@ -161,7 +159,6 @@ impl Proxy {
             c.read(&self.state).await;
         }
         let own = Own {
-            tools: true,
             due,
             history: course.as_ref().and_then(|c| c.history.clone()),
         };
@@ -255,11 +252,7 @@ impl Proxy {
         info: ModelInfo,
         own: Own,
     ) -> Result<Measured, Box<Prepared>> {
-        let Own {
-            tools,
-            due,
-            history,
-        } = own;
+        let Own { due, history } = own;
         let replacement = self
             .summarizer_for(format)
             .map_or(Replacement::Digest, |(s, _)| s.replacement());
@@ -275,23 +268,16 @@ impl Proxy {
             conversation,
             writer,
         } = parsed;
-        // Without condense's tools, rewrites carry no recall keys (the
-        // model could not use them) and no room is kept for the tools.
-        let plain;
-        let settings = if tools {
-            &self.compaction
-        } else {
-            plain = crate::config::CompactionConfig {
-                recall: false,
-                agent_tool: false,
-                ..self.compaction.clone()
-            };
-            &plain
-        };
+        // Rewrites carry recall keys (when recall is on) on every request,
+        // an overflow's retry included, which offers no tools: a retry that
+        // wrote its placeholders without keys was rewritten by the next
+        // turn at its first masked message, and a Claude Code session lost
+        // its whole cached prefix twice in a row (stability 0.848 against
+        // 0.856 with keys, at 32k chars:3.0; no other replay moved).
         std::panic::catch_unwind(AssertUnwindSafe(|| {
             pipeline::process(
                 &self.tokens,
-                settings,
+                &self.compaction,
                 subject,
                 conversation,
                 body,

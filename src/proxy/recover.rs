@@ -285,9 +285,10 @@ impl Proxy {
         if outcome.messages.is_none() || p.tokens_after.min(plain) + completion > window {
             return None;
         }
-        // The retry carries nothing condense would add (no tools, no recall
-        // keys): it is sized to the window just learned, and the next
-        // request gets them again.
+        // The retry offers none of condense's tools: it is sized to the
+        // window just learned, and the next request offers them again. Its
+        // placeholders carry their recall keys, as the next request's do,
+        // so that one's cached prefix survives.
         std::panic::catch_unwind(AssertUnwindSafe(|| self.ready(p, &writer, model, false)))
             .ok()
             .flatten()
