@@ -990,16 +990,65 @@ fn prune_drops_whole_units_and_leaves_a_digest() {
     let result = out.messages.unwrap();
     assert!(well_paired(&result));
     assert!(result.len() < m.len());
-    // The system prompt and the task stay; a digest stands in for the rest.
+    // The system prompt and the task stay; a digest stands in for the
+    // turns dropped, the newest the frontier had passed (so that the
+    // cached prefix holds up to them).
     assert_eq!(result[0].raw(), m[0].raw());
     assert_eq!(result[1].raw(), m[1].raw());
-    let digest = content(&result[2]);
-    assert!(
-        digest.starts_with("[condense:") && digest.contains("earlier messages were removed"),
-        "{digest}"
-    );
+    let at = result
+        .iter()
+        .position(|r| content(r).contains("earlier messages were removed"))
+        .unwrap();
+    let digest = content(&result[at]);
+    assert!(digest.starts_with("[condense:"), "{digest}");
+    // The oldest turn is still there, masked, before it.
+    assert!(at > 3);
+    assert_eq!(json_of(&result[2])["tool_calls"][0]["id"], "call_0");
+    assert!(content(&result[3]).starts_with("[condense:"));
     assert!(digest.contains("ValueError: bad header"), "{digest}");
     assert!(out.tokens_after as f64 <= budget);
+}
+
+#[test]
+fn a_drop_keeps_the_cached_prefix_up_to_the_turns_it_removes() {
+    // Turn after turn on a budget that keeps dropping: every turn that
+    // drops more keeps the previous request's bytes past the task (the
+    // older masked turns), as they were. Oldest first, each drop rewrote
+    // everything after the task.
+    let svc = service();
+    let all = agent_turns(60, 2500);
+    let removed = |m: &[Message]| {
+        m.iter()
+            .map(content)
+            .find_map(|c| {
+                let at = c.find(" earlier messages were removed")?;
+                c[..at].rsplit(' ').next()?.parse::<usize>().ok()
+            })
+            .unwrap_or(0)
+    };
+    let mut previous: Option<Vec<Message>> = None;
+    let mut drops = 0;
+    for end in (4..all.len()).step_by(2) {
+        let prefix = &all[..end];
+        let out = run(&svc, prefix, 3000.0);
+        let now = out.messages.unwrap_or_else(|| prefix.to_vec());
+        if let Some(prev) = &previous
+            && removed(&now) > removed(prev)
+        {
+            drops += 1;
+            let common = prev
+                .iter()
+                .zip(&now)
+                .take_while(|(a, b)| a.raw() == b.raw())
+                .count();
+            assert!(
+                common > 4,
+                "the drop at {end} messages kept {common} of the previous request"
+            );
+        }
+        previous = Some(now);
+    }
+    assert!(drops >= 3, "{drops} drops");
 }
 
 #[test]
@@ -1010,8 +1059,11 @@ fn a_digest_of_many_dropped_turns_keeps_more_of_their_key_lines() {
         assert!(out.actions().contains("prune"), "{}", out.actions());
         assert!(out.tokens_after as f64 <= budget);
         let result = out.messages.unwrap();
-        let digest = content(&result[2]);
-        assert!(digest.contains("earlier messages were removed"), "{digest}");
+        let digest = result
+            .iter()
+            .map(content)
+            .find(|c| c.contains("earlier messages were removed"))
+            .unwrap();
         (
             digest.matches("ValueError: bad header").count(),
             digest.len(),

@@ -24,7 +24,8 @@
 //! everything outside the recent window still leaves the request over its
 //! budget; they also jump to the target, so they are rare and large. They
 //! come before `fade` because a boundary that is not replayed cannot stay
-//! put; `fade` then works on the current request only.
+//! put; `fade` then works on the current request only. They take the
+//! newest turns the frontier has passed first (see [`drop_order`]).
 //!
 //! The recent window (the larger of `recent_turns` turns and `recent_share`
 //! of the window, but at most `recent_max_share` of the budget and at least
@@ -106,8 +107,9 @@ pub struct Plan {
 /// How old turns are dropped.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Drops {
-    /// Oldest units first, those with epistemic markers last; never the task
-    /// or the last user message. A short digest takes their place.
+    /// The newest units the frontier has passed first, those with
+    /// epistemic markers last; never the task or the last user message. A
+    /// short digest takes their place.
     Units,
     /// One contiguous span from the first message after the leading
     /// system/developer ones, ending between units; the last user message
@@ -558,9 +560,27 @@ fn protect_start(a: &Analysis, sums: &Sums, c: &Costs, e: usize) -> usize {
 }
 
 /// Units that may be dropped below `frontier`, in the order to drop them:
-/// the oldest first, those with epistemic markers after the others, what
-/// the user wrote after all of them. Never the task, the client's last
-/// words (see [`Analysis::last_words`]), or anything of the recent window.
+/// the newest first, those with epistemic markers after the others, what
+/// the user wrote after all of them (the oldest of it first). Never the
+/// task, the client's last words (see [`Analysis::last_words`]), or
+/// anything of the recent window.
+///
+/// The newest first because a drop rewrites the request from the first
+/// message it removes, and the digest stands there. Taken from just below
+/// the frontier, the older masked turns before them keep their bytes and
+/// the provider's cached prefix holds up to the drop; oldest first, every
+/// drop rewrote everything after the task, and the next one did again.
+/// Over all the shared traces this took mean prefix stability at 16k from
+/// 0.843 to 0.848 (chars:3.6) and 0.826 to 0.828 (chars:3.0), at 32k
+/// from 0.911 to 0.912 and 0.899 to 0.900; probe retention at 16k from
+/// 0.913 to 0.905 and 0.889 to 0.893, at 32k from 0.960 to 0.962 and
+/// 0.954 to 0.957; facts the agent used again at 16k from 0.942 to 0.939
+/// and 0.919 to 0.934, 32k even; 64k even. The OpenHands requests session
+/// gained 0.025 of stability at 16k (chars:3.6) and lost 0.05 of
+/// retention there (an early traceback's frames, which a digest of the
+/// oldest turns had kept and its placeholder did not); the Claude Code
+/// musdb session gained 0.047 of retention at 16k (chars:3.0), Codex's
+/// openprintkit 0.051 of facts used again.
 fn drop_order(a: &Analysis, frontier: usize, dropped: &[bool]) -> Vec<usize> {
     let eligible = |u: &Vec<usize>| {
         u.iter().all(|&i| {
@@ -572,13 +592,15 @@ fn drop_order(a: &Analysis, frontier: usize, dropped: &[bool]) -> Vec<usize> {
         .collect();
     // What the user wrote goes last of all: an agent's later instructions
     // (the real task after a greeting, a correction) are few and short,
-    // and nothing else stands for them.
+    // and nothing else stands for them. Among them the oldest first: a
+    // later one (a correction) may overrule it, and the digest gives it.
     let said = |u: usize| a.units[u].iter().any(|&i| a.said(i));
     order.sort_by_key(|&u| {
+        let at = a.units[u][0] as i64;
         (
             said(u),
             a.units[u].iter().any(|&i| a.marker[i]),
-            a.units[u][0],
+            if said(u) { at } else { -at },
         )
     });
     order

@@ -2,10 +2,11 @@
 //! message) dropped when even masking leaves the request over its budget,
 //! with one short digest message in their place.
 //!
-//! Which units go is decided by the replayed plan (`plan.rs`): the oldest
-//! first, those with epistemic markers later, what the user wrote last of
-//! all; never the task, the client's last words or the recent window, and
-//! a call always together with its results (so no orphan remains). The
+//! Which units go is decided by the replayed plan (`plan.rs`): the newest
+//! the frontier has passed first (so the cached prefix holds up to them),
+//! those with epistemic markers later, what the user wrote last of all;
+//! never the task, the client's last words or the recent window, and a
+//! call always together with its results (so no orphan remains). The
 //! digest gives what the user wrote in the dropped messages, then the key
 //! lines they held (more of them the more it replaces) and the paths they
 //! named, the most named first; a drop breaks the cached prefix anyway, so

@@ -163,13 +163,23 @@ fn dropped_turns_leave_alternating_roles_and_a_digest() {
     let (_, out) = compacted(&body, 4_000);
     let messages = out["messages"].as_array().unwrap();
     assert!(messages.len() < body["messages"].as_array().unwrap().len());
-    // The task keeps its bytes; the digest follows the tool results of
-    // the first turn kept.
+    // The task keeps its bytes, and so does the oldest turn: the turns
+    // dropped are the newest the frontier has passed, so that the cached
+    // prefix holds up to them.
     assert_eq!(messages[0], body["messages"][0]);
-    let after = messages[2]["content"].as_array().unwrap();
-    assert_eq!(after[0]["type"], "tool_result");
-    let digest = after[1]["text"].as_str().unwrap();
-    assert!(digest.contains("earlier messages were removed"), "{digest}");
+    assert_eq!(messages[1], body["messages"][1]);
+    // Turns 8 to 35 went; the digest follows the tool results of the first
+    // turn kept after them.
+    let gone = |id: &str| !out.to_string().contains(id);
+    assert!(gone("\"toolu_8\"") && gone("\"toolu_35\"") && !gone("\"toolu_7\""));
+    let at = messages
+        .iter()
+        .position(|m| m.to_string().contains("earlier messages were removed"))
+        .unwrap();
+    assert_eq!(messages[at - 1]["content"][2]["id"], "toolu_36");
+    let with = messages[at]["content"].as_array().unwrap();
+    assert_eq!(with[0]["tool_use_id"], "toolu_36");
+    assert_eq!(with.last().unwrap()["type"], "text");
     assert_valid(&out);
     // The newest turn is the client's.
     assert_eq!(messages.last(), body["messages"].as_array().unwrap().last());
