@@ -25,7 +25,7 @@
 //! budget; they also jump to the target, so they are rare and large. They
 //! come before `fade` because a boundary that is not replayed cannot stay
 //! put; `fade` then works on the current request only. They take the
-//! newest turns the frontier has passed first (see [`drop_order`]).
+//! newest turns the frontier has passed first (see `drop_order`).
 //!
 //! The recent window (the larger of `recent_turns` turns and `recent_share`
 //! of the window, but at most `recent_max_share` of the budget and at least
