@@ -1263,6 +1263,42 @@ fn replay_of_the_example_session_fits_every_turn_and_keeps_facts() {
 }
 
 #[test]
+fn the_stability_ceiling_is_what_rewrites_leave_out() {
+    let body = Bytes::from(std::fs::read("examples/agent-session.json").unwrap());
+    let probes: Vec<condense::replay::Probe> =
+        serde_json::from_slice(&std::fs::read("examples/agent-session.probes.json").unwrap())
+            .unwrap();
+    let replay = |window| {
+        let options = condense::offline::CompactOptions {
+            model: None,
+            window: Some(window),
+        };
+        condense::replay::replay(&Config::default(), &body, &options, &probes).unwrap()
+    };
+    // Nothing compacted: every strategy forwards what the client sent, and
+    // what each turn adds is all it does not send cached.
+    let wide = replay(1_000_000);
+    assert!(wide.turns.iter().all(|t| t.actions == "none"));
+    for t in [&wide.condense, &wide.drop_oldest, &wide.last_10_results] {
+        assert!(t.stability_ceiling < 1.0);
+        assert!(
+            (t.stability_ceiling - t.prefix_stability).abs() < 1e-9,
+            "{} vs {}",
+            t.stability_ceiling,
+            t.prefix_stability
+        );
+    }
+    // Compacted: smaller requests lower the ceiling, and rewrites keep the
+    // stability under it.
+    let tight = replay(12_000);
+    let (c, w) = (&tight.condense, &wide.condense);
+    assert!(c.tokens_sent < w.tokens_sent);
+    assert!(c.stability_ceiling < w.stability_ceiling);
+    assert!(c.prefix_stability < c.stability_ceiling);
+    assert!(tight.drop_oldest.prefix_stability <= tight.drop_oldest.stability_ceiling);
+}
+
+#[test]
 #[ignore = "needs ../shared/traces beside the repository; run with `cargo test -- --ignored shared_traces`"]
 fn replay_of_the_shared_traces() {
     // ../shared/traces is internal material beside the repository, not

@@ -3,6 +3,13 @@
 //! and the same over the probes the agent used again (see [`reused`]):
 //! a fact it quoted in a later call or answer is one it needed to do its
 //! job, where many probes are only ever read once.
+//!
+//! And what a strategy's stability could have been ([`Growth`]): what the
+//! client's own requests add each turn is uncached whatever a strategy
+//! does, so a strategy that never rewrote a byte it had sent before still
+//! scores `1 - new / sent`, and the smaller its requests, the lower that
+//! ceiling. The gap between the ceiling and the stability is the cost of
+//! its rewrites alone, the part a strategy controls.
 
 use bytes::Bytes;
 
@@ -19,6 +26,7 @@ pub(super) struct Track {
     previous: Option<Vec<Bytes>>,
     totals: Totals,
     stable_tokens: u64,
+    new_tokens: u64,
     retention_sum: f64,
     recoverable_sum: f64,
     retention_turns: usize,
@@ -35,31 +43,22 @@ pub(super) struct Here<'a> {
 }
 
 impl Track {
-    /// Records one turn's request; `fits`: whether the provider took it;
-    /// `recallable`: the originals its recall keys give back.
+    /// Records one turn's request; `new`: the tokens the client's own
+    /// request added this turn ([`Growth`]); `fits`: whether the provider
+    /// took it; `recallable`: the originals its recall keys give back.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn turn(
         &mut self,
         messages: &[Message],
         fixed: u64,
         counter: &dyn Counter,
         probes: &Here,
+        new: u64,
         fits: bool,
         recallable: &str,
     ) -> Strategy {
-        let costs: Vec<u64> = messages.iter().map(|m| counter.message(m.raw())).collect();
-        let tokens = fixed + costs.iter().sum::<u64>();
-        let raws: Vec<Bytes> = messages
-            .iter()
-            .map(|m| Bytes::copy_from_slice(m.raw()))
-            .collect();
-        let stable = match &self.previous {
-            Some(prev) => {
-                let common = prev.iter().zip(&raws).take_while(|(a, b)| a == b).count();
-                fixed + costs[..common].iter().sum::<u64>()
-            }
-            None => 0,
-        };
-        self.previous = Some(raws);
+        let (tokens, stable) = prefix(&mut self.previous, messages, fixed, counter);
+        self.new_tokens += new.min(tokens);
         let hay = haystack(messages);
         let (retention, recoverable) = (
             share_kept(&hay, &probes.all, ""),
@@ -102,10 +101,13 @@ impl Track {
     }
 
     pub(super) fn finish(mut self) -> Totals {
-        self.totals.prefix_stability = if self.totals.tokens_sent == 0 {
-            1.0
-        } else {
-            self.stable_tokens as f64 / self.totals.tokens_sent as f64
+        let sent = self.totals.tokens_sent as f64;
+        (self.totals.prefix_stability, self.totals.stability_ceiling) = match sent > 0.0 {
+            true => (
+                self.stable_tokens as f64 / sent,
+                1.0 - self.new_tokens as f64 / sent,
+            ),
+            false => (1.0, 1.0),
         };
         let turns = self.retention_turns as f64;
         self.totals.probe_retention =
@@ -118,6 +120,53 @@ impl Track {
             (self.reused_turns > 0).then(|| self.reused_recoverable_sum / turns);
         self.totals
     }
+}
+
+/// The client's requests as a relay forwards them: what each turn adds to
+/// the one before (the uncached tokens of a strategy that changes
+/// nothing), which no strategy can send cached.
+#[derive(Default)]
+pub(super) struct Growth {
+    previous: Option<Vec<Bytes>>,
+}
+
+impl Growth {
+    /// The tokens of `messages` (the turn as the client sent it), and how
+    /// many of them are not a prefix of the client's previous turn.
+    pub(super) fn turn(
+        &mut self,
+        messages: &[Message],
+        fixed: u64,
+        counter: &dyn Counter,
+    ) -> (u64, u64) {
+        let (tokens, stable) = prefix(&mut self.previous, messages, fixed, counter);
+        (tokens, tokens - stable)
+    }
+}
+
+/// A request's tokens and how many of them are a byte-identical prefix of
+/// `previous` (the request before, which `messages` then replaces).
+fn prefix(
+    previous: &mut Option<Vec<Bytes>>,
+    messages: &[Message],
+    fixed: u64,
+    counter: &dyn Counter,
+) -> (u64, u64) {
+    let costs: Vec<u64> = messages.iter().map(|m| counter.message(m.raw())).collect();
+    let tokens = fixed + costs.iter().sum::<u64>();
+    let raws: Vec<Bytes> = messages
+        .iter()
+        .map(|m| Bytes::copy_from_slice(m.raw()))
+        .collect();
+    let stable = match previous.as_deref() {
+        Some(prev) => {
+            let common = prev.iter().zip(&raws).take_while(|(a, b)| a == b).count();
+            fixed + costs[..common].iter().sum::<u64>()
+        }
+        None => 0,
+    };
+    *previous = Some(raws);
+    (tokens, stable)
 }
 
 /// The share of `probes` whose text is still present in `hay` (a

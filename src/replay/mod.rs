@@ -11,7 +11,9 @@
 //! Reported per turn and in total: tokens sent, stages applied, prefix
 //! stability (the token-weighted share of a turn's request that is a
 //! byte-identical prefix of the previous turn's), uncached tokens (the rest,
-//! which a provider bills at full price), probe retention (the share of
+//! which a provider bills at full price), the stability ceiling (what
+//! stability would have been had nothing sent before been rewritten, see
+//! `measure.rs`), probe retention (the share of
 //! known facts from earlier messages still present verbatim; recoverable:
 //! present or given back by a recall key the request holds), the same over
 //! the facts the agent used again (a probe quoted in a later assistant
@@ -24,7 +26,6 @@ use bytes::Bytes;
 use std::sync::Arc;
 
 use crate::chat::{ChatRequest, Message};
-use crate::compaction::Counter;
 use crate::compaction::text::message_text;
 use crate::config::Config;
 use crate::metrics::Metrics;
@@ -44,7 +45,7 @@ mod turns;
 
 use baselines::{drop_oldest, last_10_results};
 pub use error::ReplayError;
-use measure::{Here, Track, haystack, recallable, reused};
+use measure::{Growth, Here, Track, haystack, recallable, reused};
 pub use report::*;
 use turns::Source;
 
@@ -199,6 +200,7 @@ async fn run(
         reused(&texts, &assistant, probes)
     };
     let (mut ours, mut drop, mut sliding) = (Track::default(), Track::default(), Track::default());
+    let mut growth = Growth::default();
     let mut turns = Vec::new();
     let mut rejections = 0;
     for (t, &end) in source.turn_ends().iter().enumerate() {
@@ -218,7 +220,7 @@ async fn run(
             all: present(probes, &client_hay, |_| true),
             reused: present(probes, &client_hay, |i| reused[i]),
         };
-        let before = fixed + prefix.iter().map(|m| counter.message(m.raw())).sum::<u64>();
+        let (before, added) = growth.turn(prefix, fixed, &counter);
 
         let seen = simulator.received().len();
         let (status, actions, estimate) = send_turn(&proxy, format, turn_body.clone()).await;
@@ -241,13 +243,14 @@ async fn run(
             fixed,
             &counter,
             &probes_here,
+            added,
             (200..300).contains(&status),
             &recalled,
         );
         let d = drop_oldest(prefix, fixed, budget.prompt_budget, &counter);
-        let drop_s = drop.turn(&d, fixed, &counter, &probes_here, accepts(&d), "");
+        let drop_s = drop.turn(&d, fixed, &counter, &probes_here, added, accepts(&d), "");
         let s = last_10_results(prefix, before, info.trigger * budget.prompt_budget as f64);
-        let sliding_s = sliding.turn(&s, fixed, &counter, &probes_here, accepts(&s), "");
+        let sliding_s = sliding.turn(&s, fixed, &counter, &probes_here, added, accepts(&s), "");
         let lost: Vec<String> = probes_here
             .all
             .iter()

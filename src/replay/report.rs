@@ -56,6 +56,11 @@ pub struct Totals {
     pub uncached_tokens: u64,
     /// Token-weighted over all turns.
     pub prefix_stability: f64,
+    /// The prefix stability had nothing sent before been rewritten: one
+    /// less the tokens the client's own requests added (each turn's at
+    /// most what the turn sent) over the tokens sent. What is left between
+    /// it and `prefix_stability` is what rewrites cost.
+    pub stability_ceiling: f64,
     /// Mean over turns that had probes.
     pub probe_retention: Option<f64>,
     /// The same, counting probes a recall key in the prompt gives back.
@@ -177,6 +182,7 @@ fn mean<'a>(totals: impl Iterator<Item = &'a Totals>) -> Totals {
         out.uncached_tokens += t.uncached_tokens;
         out.turns_not_fit += t.turns_not_fit;
         out.prefix_stability += t.prefix_stability;
+        out.stability_ceiling += t.stability_ceiling;
         n += 1;
         if let Some(r) = t.probe_retention {
             kept += r;
@@ -191,6 +197,7 @@ fn mean<'a>(totals: impl Iterator<Item = &'a Totals>) -> Totals {
     }
     if n > 0 {
         out.prefix_stability /= n as f64;
+        out.stability_ceiling /= n as f64;
     }
     out.probe_retention = (with_probes > 0).then(|| kept / with_probes as f64);
     out.recoverable_retention = (with_probes > 0).then(|| recoverable / with_probes as f64);
@@ -252,7 +259,7 @@ fn provider_line(p: &ProviderReport) -> String {
 /// The strategies' totals as a table.
 fn strategies(s: &mut String, condense: &Totals, drop_oldest: &Totals, last_10: &Totals) {
     s.push_str(
-        "strategy          tokens sent  uncached  prefix stability  probe retention  recoverable  reused  reused rec.  turns not fit\n",
+        "strategy          tokens sent  uncached  prefix stability  ceiling  probe retention  recoverable  reused  reused rec.  turns not fit\n",
     );
     let num = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3}"));
     for (name, t) in [
@@ -261,11 +268,12 @@ fn strategies(s: &mut String, condense: &Totals, drop_oldest: &Totals, last_10: 
         ("last_10_results", last_10),
     ] {
         s.push_str(&format!(
-            "{:<17} {:>11} {:>9} {:>17.3} {:>16} {:>12} {:>7} {:>12} {:>14}\n",
+            "{:<17} {:>11} {:>9} {:>17.3} {:>8.3} {:>16} {:>12} {:>7} {:>12} {:>14}\n",
             name,
             t.tokens_sent,
             t.uncached_tokens,
             t.prefix_stability,
+            t.stability_ceiling,
             num(t.probe_retention),
             num(t.recoverable_retention),
             num(t.reused_retention),
