@@ -4,12 +4,13 @@
 //! a fact it quoted in a later call or answer is one it needed to do its
 //! job, where many probes are only ever read once.
 //!
-//! And what a strategy's stability could have been ([`Growth`]): what the
-//! client's own requests add each turn is uncached whatever a strategy
-//! does, so a strategy that never rewrote a byte it had sent before still
-//! scores `1 - new / sent`, and the smaller its requests, the lower that
-//! ceiling. The gap between the ceiling and the stability is the cost of
-//! its rewrites alone, the part a strategy controls.
+//! And what a strategy's stability could have been ([`Growth`]): the
+//! messages the client's request adds each turn are uncached whatever a
+//! strategy does, so a strategy that never rewrote a byte it had sent
+//! before still scores `1 - new / sent`, `new` counted as the strategy
+//! sent those messages (cut, when it cut them), and the smaller its
+//! requests, the lower that ceiling. The gap between the ceiling and the
+//! stability is the cost of its rewrites alone, the part it controls.
 
 use bytes::Bytes;
 
@@ -43,9 +44,10 @@ pub(super) struct Here<'a> {
 }
 
 impl Track {
-    /// Records one turn's request; `new`: the tokens the client's own
-    /// request added this turn ([`Growth`]); `fits`: whether the provider
-    /// took it; `recallable`: the originals its recall keys give back.
+    /// Records one turn's request; `added`: how many messages the client's
+    /// own request added this turn ([`Growth`]), the last ones of
+    /// `messages`; `fits`: whether the provider took it; `recallable`: the
+    /// originals its recall keys give back.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn turn(
         &mut self,
@@ -53,12 +55,17 @@ impl Track {
         fixed: u64,
         counter: &dyn Counter,
         probes: &Here,
-        new: u64,
+        added: usize,
         fits: bool,
         recallable: &str,
     ) -> Strategy {
-        let (tokens, stable) = prefix(&mut self.previous, messages, fixed, counter);
-        self.new_tokens += new.min(tokens);
+        let first = self.previous.is_none();
+        let (costs, tokens, stable) = prefix(&mut self.previous, messages, fixed, counter);
+        let new = match first {
+            true => tokens,
+            false => costs[costs.len().saturating_sub(added)..].iter().sum(),
+        };
+        self.new_tokens += new.min(tokens - stable);
         let hay = haystack(messages);
         let (retention, recoverable) = (
             share_kept(&hay, &probes.all, ""),
@@ -122,9 +129,8 @@ impl Track {
     }
 }
 
-/// The client's requests as a relay forwards them: what each turn adds to
-/// the one before (the uncached tokens of a strategy that changes
-/// nothing), which no strategy can send cached.
+/// The client's requests, turn after turn: which messages each adds to
+/// the one before, which no strategy can send cached.
 #[derive(Default)]
 pub(super) struct Growth {
     previous: Option<Vec<Bytes>>,
@@ -132,26 +138,33 @@ pub(super) struct Growth {
 
 impl Growth {
     /// The tokens of `messages` (the turn as the client sent it), and how
-    /// many of them are not a prefix of the client's previous turn.
+    /// many of its last messages are not in the client's previous turn.
     pub(super) fn turn(
         &mut self,
         messages: &[Message],
         fixed: u64,
         counter: &dyn Counter,
-    ) -> (u64, u64) {
-        let (tokens, stable) = prefix(&mut self.previous, messages, fixed, counter);
-        (tokens, tokens - stable)
+    ) -> (u64, usize) {
+        let kept = self.previous.as_ref().map_or(0, |prev| {
+            prev.iter()
+                .zip(messages)
+                .take_while(|(a, b)| a[..] == *b.raw())
+                .count()
+        });
+        let (_, tokens, _) = prefix(&mut self.previous, messages, fixed, counter);
+        (tokens, messages.len() - kept)
     }
 }
 
-/// A request's tokens and how many of them are a byte-identical prefix of
-/// `previous` (the request before, which `messages` then replaces).
+/// A request's per-message tokens, its tokens, and how many of them are a
+/// byte-identical prefix of `previous` (the request before, which
+/// `messages` then replaces).
 fn prefix(
     previous: &mut Option<Vec<Bytes>>,
     messages: &[Message],
     fixed: u64,
     counter: &dyn Counter,
-) -> (u64, u64) {
+) -> (Vec<u64>, u64, u64) {
     let costs: Vec<u64> = messages.iter().map(|m| counter.message(m.raw())).collect();
     let tokens = fixed + costs.iter().sum::<u64>();
     let raws: Vec<Bytes> = messages
@@ -166,7 +179,7 @@ fn prefix(
         None => 0,
     };
     *previous = Some(raws);
-    (tokens, stable)
+    (costs, tokens, stable)
 }
 
 /// The share of `probes` whose text is still present in `hay` (a

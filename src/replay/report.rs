@@ -57,9 +57,9 @@ pub struct Totals {
     /// Token-weighted over all turns.
     pub prefix_stability: f64,
     /// The prefix stability had nothing sent before been rewritten: one
-    /// less the tokens the client's own requests added (each turn's at
-    /// most what the turn sent) over the tokens sent. What is left between
-    /// it and `prefix_stability` is what rewrites cost.
+    /// less the tokens of the messages each turn's client request added,
+    /// as this strategy sent them, over the tokens sent. What is left
+    /// between it and `prefix_stability` is what rewrites cost.
     pub stability_ceiling: f64,
     /// Mean over turns that had probes.
     pub probe_retention: Option<f64>,
