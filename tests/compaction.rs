@@ -1052,6 +1052,61 @@ fn a_drop_keeps_the_cached_prefix_up_to_the_turns_it_removes() {
 }
 
 #[test]
+fn a_drop_past_a_long_user_message_leaves_it_cached() {
+    // A long prompt from the user in the middle of a session (a spec-kit
+    // command), with agent turns on both sides: drops take turns before
+    // it and after it, and what the user wrote stays. Each drop after it
+    // keeps it in the cached prefix: the digest stands past it. Before it,
+    // each drop changed the digest in front of it and sent it again.
+    let svc = service();
+    let mut all = agent_turns(20, 2500);
+    let spec: String = (0..300)
+        .map(|i| format!("- Requirement {i}: the startup check waits for service {i} to answer.\n"))
+        .collect();
+    let long = all.len();
+    all.push(msg(json!({"role": "user", "content": spec})));
+    all.extend(agent_turns(40, 2500).into_iter().skip(2).map(|m| {
+        // Other call ids than the first 20 turns'.
+        let v = json_of(&m).to_string().replace("\"call_", "\"call_b");
+        msg(serde_json::from_str(&v).unwrap())
+    }));
+    let mut previous: Option<Vec<Message>> = None;
+    let mut past = 0;
+    for end in (long + 3..all.len()).step_by(2) {
+        let prefix = &all[..end];
+        let out = run(&svc, prefix, 9000.0);
+        let now = out.messages.unwrap_or_else(|| prefix.to_vec());
+        assert!(well_paired(&now));
+        let at = now.iter().position(|m| m.raw() == all[long].raw());
+        let at = at.expect("what the user wrote stays");
+        let digest = now
+            .iter()
+            .position(|m| content(m).contains("earlier messages were removed"));
+        // From one drop to the next (the first rewrites from the first
+        // message it removes, before the prompt).
+        if let (Some(prev), Some(d)) = (&previous, digest)
+            && d > at
+            && prev
+                .iter()
+                .any(|m| content(m).contains("earlier messages were removed"))
+        {
+            past += 1;
+            let common = prev
+                .iter()
+                .zip(&now)
+                .take_while(|(a, b)| a.raw() == b.raw())
+                .count();
+            assert!(
+                common > at,
+                "a drop at {end} messages sent the user's prompt again"
+            );
+        }
+        previous = Some(now);
+    }
+    assert!(past >= 3, "{past} requests with the digest past the prompt");
+}
+
+#[test]
 fn a_digest_of_many_dropped_turns_keeps_more_of_their_key_lines() {
     let svc = service();
     let count = |m: &[Message], budget: f64| {

@@ -538,6 +538,7 @@ pub fn compact_until(
         };
         w.replaced = w.dropped.clone();
         let d_cost = counter.message(&d);
+        w.digest_at = after_what_was_said(&w.dropped, &w.cost, |i| a.said(i), d_cost);
         let removed: u64 = (0..n).filter(|&i| w.dropped[i]).map(|i| w.cost[i]).sum();
         w.digest = Some((d, d_cost));
         w.record(stage, dropped_count, removed.saturating_sub(d_cost));
@@ -581,6 +582,42 @@ pub fn compact_until(
         span: None,
         frontier: plan.frontier,
     }
+}
+
+/// Where the digest stands when not where the first dropped message stood:
+/// where the last run of dropped messages starts, when what the user wrote
+/// between the first dropped message and that run costs at least twice
+/// the digest (`d_cost`).
+///
+/// Drops take units on both sides of what the user wrote, which is
+/// dropped last: a Codex session's 49,000-character spec-kit prompt came
+/// in the middle of the conversation, and every drop after it changed the
+/// digest standing before it, so every drop sent it again, uncached. Past
+/// it, a drop rewrites from there and leaves it cached. Mean stability over
+/// the shared traces rose 0.001-0.002 at 16k and at 32k chars:3.0 (even at
+/// 32k chars:3.6 and 64k), all of it that session's (at 16k 0.789 to
+/// 0.798 with chars:3.6 and 0.749 to 0.783 with chars:3.0; at 32k
+/// chars:3.0 0.828 to 0.846); every other replay and every retention
+/// figure moved less than 0.0005. Counting whatever
+/// is kept between the runs, not only what the user wrote, moved the
+/// digest on Claude Code sessions too; as a Messages body it joins the
+/// next user message there, often the newest tool result, which is
+/// masked ahead on the next turn and sends it again: their stability fell
+/// up to 0.006.
+fn after_what_was_said(
+    dropped: &[bool],
+    cost: &[u64],
+    said: impl Fn(usize) -> bool,
+    d_cost: u64,
+) -> Option<usize> {
+    let first = dropped.iter().position(|d| *d)?;
+    let last = dropped.iter().rposition(|d| *d)?;
+    let start = (first + 1..=last).rev().find(|&i| !dropped[i - 1])?;
+    let between: u64 = (first..start)
+        .filter(|&i| !dropped[i] && said(i))
+        .map(|i| cost[i])
+        .sum();
+    (between >= 2 * d_cost).then_some(start)
 }
 
 /// When and how the plan drops old turns under `replacement`.

@@ -1,6 +1,8 @@
 //! `prune`: whole old units (an assistant call with its results, or a single
 //! message) dropped when even masking leaves the request over its budget,
-//! with one short digest message in their place.
+//! with one short digest message in their place: where the first of them
+//! stood, or past what the user wrote between them when that outweighs it
+//! (`after_what_was_said` in `mod.rs`).
 //!
 //! Which units go is decided by the replayed plan (`plan.rs`): the newest
 //! the frontier has passed first (so the cached prefix holds up to them),

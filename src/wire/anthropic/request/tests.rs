@@ -186,6 +186,40 @@ fn dropped_turns_leave_alternating_roles_and_a_digest() {
 }
 
 #[test]
+fn a_digest_stands_past_a_long_prompt_between_dropped_turns() {
+    // The user's long prompt after turn 20's results (Claude Code sends
+    // it in the same message): turns before and after it are dropped, it
+    // stays, and the digest goes past it, into a later user message, so
+    // that a later drop leaves it cached.
+    let mut body = session(40);
+    let prompt: String = (0..150)
+        .map(|i| format!("Requirement {i}: the parser accepts header form {i}.\n"))
+        .collect();
+    body["messages"][42]["content"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"type": "text", "text": prompt}));
+    let (_, out) = compacted(&body, 6_000);
+    assert_valid(&out);
+    let messages = out["messages"].as_array().unwrap();
+    let gone = |id: &str| !out.to_string().contains(id);
+    assert!(gone("\"toolu_19\"") && gone("\"toolu_21\""));
+    let holding = |needle: &str| {
+        messages
+            .iter()
+            .position(|m| m.to_string().contains(needle))
+            .unwrap()
+    };
+    let (at, digest) = (
+        holding("Requirement 149"),
+        holding("earlier messages were removed"),
+    );
+    assert!(digest > at, "the digest at {digest}, the prompt at {at}");
+    let kept = messages[at]["content"].as_array().unwrap();
+    assert_eq!(kept.last().unwrap()["text"], prompt);
+}
+
+#[test]
 fn a_digest_goes_into_the_newest_user_message_when_that_is_the_first_kept() {
     // The turns between the task and the turn in progress are dropped.
     // Joined to the task's message, the digest changed the first message

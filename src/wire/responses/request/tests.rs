@@ -181,6 +181,34 @@ fn dropped_turns_go_with_their_reasoning_and_leave_a_digest() {
 }
 
 #[test]
+fn a_digest_stands_past_a_long_prompt_between_dropped_turns() {
+    // The user's long prompt after turn 20: turns before and after it are
+    // dropped, it stays, and the digest follows it, so that a later drop
+    // leaves it cached.
+    let mut body = session(40);
+    let prompt: String = (0..150)
+        .map(|i| format!("Requirement {i}: the parser accepts header form {i}.\n"))
+        .collect();
+    let item = json!({"type": "message", "role": "user",
+        "content": [{"type": "input_text", "text": prompt}]});
+    body["input"]
+        .as_array_mut()
+        .unwrap()
+        .insert(1 + 21 * 4, item.clone());
+    let out = compacted(&body, 8_000);
+    assert_valid(&out, &body);
+    let items = out["input"].as_array().unwrap();
+    let gone = |id: &str| !out.to_string().contains(id);
+    assert!(gone("\"call_19\"") && gone("\"call_21\""));
+    let at = items.iter().position(|i| *i == item).unwrap();
+    let digest = items
+        .iter()
+        .position(|i| i.to_string().contains("earlier messages were removed"))
+        .unwrap();
+    assert!(digest > at, "the digest at {digest}, the prompt at {at}");
+}
+
+#[test]
 fn what_is_not_a_stateless_item_list_is_told() {
     let s = |v: Value| ResponsesRequest::parse(&Bytes::from(v.to_string()));
     assert!(s(json!({"model": "m", "input": "hello"})).is_err());
