@@ -584,10 +584,10 @@ pub fn compact_until(
     }
 }
 
-/// Where the digest stands when not where the first dropped message stood:
-/// where the last run of dropped messages starts, when what the user wrote
-/// between the first dropped message and that run costs at least twice
-/// the digest (`d_cost`).
+/// Where the digest (or checkpoint) stands when not where the first
+/// dropped message stood: where the last run of dropped messages starts,
+/// when what the user wrote between the first dropped message and that run
+/// costs at least twice the digest (`d_cost`).
 ///
 /// Drops take units on both sides of what the user wrote, which is
 /// dropped last: a Codex session's 49,000-character spec-kit prompt came
