@@ -435,6 +435,14 @@ fn agent_turns(n: usize, result_chars: usize) -> Vec<Message> {
     out
 }
 
+/// How many messages `now` begins with as `prev` had them, byte for byte.
+fn common_prefix(prev: &[Message], now: &[Message]) -> usize {
+    prev.iter()
+        .zip(now)
+        .take_while(|(a, b)| a.raw() == b.raw())
+        .count()
+}
+
 fn content(m: &Message) -> String {
     json_of(m)["content"]
         .as_str()
@@ -526,11 +534,7 @@ fn boundaries_stay_put_between_steps() {
         let now = out.messages.unwrap_or_else(|| prefix.to_vec());
         assert!(tokens(&svc, &now) as f64 <= budget);
         if let Some(prev) = &previous {
-            let common = prev
-                .iter()
-                .zip(&now)
-                .take_while(|(a, b)| a.raw() == b.raw())
-                .count();
+            let common = common_prefix(prev, &now);
             if common == prev.len() {
                 steady += 1;
             } else {
@@ -1036,11 +1040,7 @@ fn a_drop_keeps_the_cached_prefix_up_to_the_turns_it_removes() {
             && removed(&now) > removed(prev)
         {
             drops += 1;
-            let common = prev
-                .iter()
-                .zip(&now)
-                .take_while(|(a, b)| a.raw() == b.raw())
-                .count();
+            let common = common_prefix(prev, &now);
             assert!(
                 common > 4,
                 "the drop at {end} messages kept {common} of the previous request"
@@ -1091,11 +1091,7 @@ fn a_drop_past_a_long_user_message_leaves_it_cached() {
                 .any(|m| content(m).contains("earlier messages were removed"))
         {
             past += 1;
-            let common = prev
-                .iter()
-                .zip(&now)
-                .take_while(|(a, b)| a.raw() == b.raw())
-                .count();
+            let common = common_prefix(prev, &now);
             assert!(
                 common > at,
                 "a drop at {end} messages sent the user's prompt again"

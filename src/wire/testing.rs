@@ -63,3 +63,11 @@ pub(crate) fn types_first(raw: &[u8]) -> bool {
     text.match_indices("\"type\":")
         .all(|(at, _)| text[..at].ends_with('{'))
 }
+
+/// A long prompt from the user, as a spec-kit command sends mid-session:
+/// 150 lines, the last `Requirement 149: …`.
+pub(crate) fn long_prompt() -> String {
+    (0..150)
+        .map(|i| format!("Requirement {i}: the parser accepts header form {i}.\n"))
+        .collect()
+}

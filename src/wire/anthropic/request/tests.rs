@@ -192,9 +192,7 @@ fn a_digest_stands_past_a_long_prompt_between_dropped_turns() {
     // stays, and the digest goes past it, into a later user message, so
     // that a later drop leaves it cached.
     let mut body = session(40);
-    let prompt: String = (0..150)
-        .map(|i| format!("Requirement {i}: the parser accepts header form {i}.\n"))
-        .collect();
+    let prompt = crate::wire::testing::long_prompt();
     body["messages"][42]["content"]
         .as_array_mut()
         .unwrap()

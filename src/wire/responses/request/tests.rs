@@ -186,9 +186,7 @@ fn a_digest_stands_past_a_long_prompt_between_dropped_turns() {
     // dropped, it stays, and the digest follows it, so that a later drop
     // leaves it cached.
     let mut body = session(40);
-    let prompt: String = (0..150)
-        .map(|i| format!("Requirement {i}: the parser accepts header form {i}.\n"))
-        .collect();
+    let prompt = crate::wire::testing::long_prompt();
     let item = json!({"type": "message", "role": "user",
         "content": [{"type": "input_text", "text": prompt}]});
     body["input"]
