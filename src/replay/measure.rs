@@ -36,34 +36,40 @@ pub(super) struct Track {
     reused_turns: usize,
 }
 
-/// The probes a turn is measured on: those its request (as the client sent
-/// it) holds, and among them those the agent used again.
+/// What a turn is measured on: the probes its request (as the client sent
+/// it) holds, among them those the agent used again, and how many
+/// messages that request added to the one before ([`Growth`]).
 pub(super) struct Here<'a> {
     pub all: Vec<&'a Probe>,
     pub reused: Vec<&'a Probe>,
+    pub added: usize,
 }
 
 impl Track {
-    /// Records one turn's request; `added`: how many messages the client's
-    /// own request added this turn ([`Growth`]), the last ones of
-    /// `messages`; `fits`: whether the provider took it; `recallable`: the
-    /// originals its recall keys give back.
-    #[allow(clippy::too_many_arguments)]
+    /// Records one turn's request; `fits`: whether the provider took it;
+    /// `recallable`: the originals its recall keys give back. The messages
+    /// the client's request added are the last `probes.added` of
+    /// `messages`.
     pub(super) fn turn(
         &mut self,
         messages: &[Message],
         fixed: u64,
         counter: &dyn Counter,
         probes: &Here,
-        added: usize,
         fits: bool,
         recallable: &str,
     ) -> Strategy {
         let first = self.previous.is_none();
-        let (costs, tokens, stable) = prefix(&mut self.previous, messages, fixed, counter);
-        let new = match first {
-            true => tokens,
-            false => costs[costs.len().saturating_sub(added)..].iter().sum(),
+        let (costs, common) = prefix(&mut self.previous, messages, counter);
+        let tokens = fixed + costs.iter().sum::<u64>();
+        let (stable, new) = match first {
+            true => (0, tokens),
+            false => (
+                fixed + costs[..common].iter().sum::<u64>(),
+                costs[costs.len().saturating_sub(probes.added)..]
+                    .iter()
+                    .sum(),
+            ),
         };
         self.new_tokens += new.min(tokens - stable);
         let hay = haystack(messages);
@@ -145,41 +151,29 @@ impl Growth {
         fixed: u64,
         counter: &dyn Counter,
     ) -> (u64, usize) {
-        let kept = self.previous.as_ref().map_or(0, |prev| {
-            prev.iter()
-                .zip(messages)
-                .take_while(|(a, b)| a[..] == *b.raw())
-                .count()
-        });
-        let (_, tokens, _) = prefix(&mut self.previous, messages, fixed, counter);
-        (tokens, messages.len() - kept)
+        let (costs, common) = prefix(&mut self.previous, messages, counter);
+        (fixed + costs.iter().sum::<u64>(), messages.len() - common)
     }
 }
 
-/// A request's per-message tokens, its tokens, and how many of them are a
-/// byte-identical prefix of `previous` (the request before, which
-/// `messages` then replaces).
+/// A request's per-message tokens, and how many of its first messages are
+/// byte for byte those of `previous` (the request before, which `messages`
+/// then replaces).
 fn prefix(
     previous: &mut Option<Vec<Bytes>>,
     messages: &[Message],
-    fixed: u64,
     counter: &dyn Counter,
-) -> (Vec<u64>, u64, u64) {
+) -> (Vec<u64>, usize) {
     let costs: Vec<u64> = messages.iter().map(|m| counter.message(m.raw())).collect();
-    let tokens = fixed + costs.iter().sum::<u64>();
     let raws: Vec<Bytes> = messages
         .iter()
         .map(|m| Bytes::copy_from_slice(m.raw()))
         .collect();
-    let stable = match previous.as_deref() {
-        Some(prev) => {
-            let common = prev.iter().zip(&raws).take_while(|(a, b)| a == b).count();
-            fixed + costs[..common].iter().sum::<u64>()
-        }
-        None => 0,
-    };
+    let common = previous.as_deref().map_or(0, |prev| {
+        prev.iter().zip(&raws).take_while(|(a, b)| a == b).count()
+    });
     *previous = Some(raws);
-    (costs, tokens, stable)
+    (costs, common)
 }
 
 /// The share of `probes` whose text is still present in `hay` (a

@@ -216,11 +216,12 @@ async fn run(
         // turn was measured on facts its agent had not seen yet.
         let end = prefix.len();
         let client_hay = haystack(prefix);
+        let (before, added) = growth.turn(prefix, fixed, &counter);
         let probes_here = Here {
             all: present(probes, &client_hay, |_| true),
             reused: present(probes, &client_hay, |i| reused[i]),
+            added,
         };
-        let (before, added) = growth.turn(prefix, fixed, &counter);
 
         let seen = simulator.received().len();
         let (status, actions, estimate) = send_turn(&proxy, format, turn_body.clone()).await;
@@ -243,14 +244,13 @@ async fn run(
             fixed,
             &counter,
             &probes_here,
-            added,
             (200..300).contains(&status),
             &recalled,
         );
         let d = drop_oldest(prefix, fixed, budget.prompt_budget, &counter);
-        let drop_s = drop.turn(&d, fixed, &counter, &probes_here, added, accepts(&d), "");
+        let drop_s = drop.turn(&d, fixed, &counter, &probes_here, accepts(&d), "");
         let s = last_10_results(prefix, before, info.trigger * budget.prompt_budget as f64);
-        let sliding_s = sliding.turn(&s, fixed, &counter, &probes_here, added, accepts(&s), "");
+        let sliding_s = sliding.turn(&s, fixed, &counter, &probes_here, accepts(&s), "");
         let lost: Vec<String> = probes_here
             .all
             .iter()
