@@ -209,7 +209,10 @@ pub struct Fates {
     pub replacement: Option<Bytes>,
     /// The message the replacement stands before, when not the first
     /// dropped one: `emergency`'s last resort puts it right after the last
-    /// user message (see `emergency.rs`).
+    /// user message (see `emergency.rs`), and a digest stands past what
+    /// the user wrote between two runs of dropped messages when that
+    /// outweighs it (`after_what_was_said`), which may also be right
+    /// after the last user message.
     pub replacement_at: Option<usize>,
     /// Per message: whether the replacement stands for it (the messages
     /// dropped when it was made; with recall on, also those `emergency`'s
@@ -538,7 +541,11 @@ pub fn compact_until(
         };
         w.replaced = w.dropped.clone();
         let d_cost = counter.message(&d);
-        w.digest_at = after_what_was_said(&w.dropped, &w.cost, |i| a.said(i), d_cost);
+        // A checkpoint says the messages "that stood here" were replaced,
+        // and its placement is not measured: it stays where they stood.
+        if matches!(replacement, Replacement::Digest) {
+            w.digest_at = after_what_was_said(&w.dropped, &w.cost, |i| a.said(i), d_cost);
+        }
         let removed: u64 = (0..n).filter(|&i| w.dropped[i]).map(|i| w.cost[i]).sum();
         w.digest = Some((d, d_cost));
         w.record(stage, dropped_count, removed.saturating_sub(d_cost));
@@ -584,8 +591,7 @@ pub fn compact_until(
     }
 }
 
-/// Where the digest (or checkpoint) stands when not where the first
-/// dropped message stood: where the last run of dropped messages starts,
+/// Where the digest stands when not where the first dropped message stood: where the last run of dropped messages starts,
 /// when what the user wrote between the first dropped message and that run
 /// costs at least twice the digest (`d_cost`).
 ///
@@ -604,6 +610,14 @@ pub fn compact_until(
 /// next user message there, often the newest tool result, which is
 /// masked ahead on the next turn and sends it again: their stability fell
 /// up to 0.006.
+///
+/// Decided on each request: a digest that grows past half of what the
+/// user wrote goes back in front of it, on a turn that drops more and
+/// rewrites from the first message it drops anyway. Standing right after
+/// the client's last words, it takes the last resort's place in a
+/// Messages body (`place_digest` in the writer). A checkpoint stays where
+/// the first message it replaces stood: its text says so, and summaries
+/// were not measured this way.
 fn after_what_was_said(
     dropped: &[bool],
     cost: &[u64],

@@ -11,6 +11,10 @@
 //! sent those messages (cut, when it cut them), and the smaller its
 //! requests, the lower that ceiling. The gap between the ceiling and the
 //! stability is the cost of its rewrites alone, the part it controls.
+//! They are the last messages of its request, as many as the client
+//! added; where a digest stands among them (the last resort's place),
+//! one of them is the digest, and the count is capped at the turn's
+//! uncached tokens.
 
 use bytes::Bytes;
 

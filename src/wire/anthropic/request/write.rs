@@ -70,7 +70,8 @@ impl MessagesRequest {
             }
         }
         if let Some(d) = digest_out {
-            // Placed by the last resort (see `Fates::replacement_at`).
+            // Placed right after the client's last words: by the last
+            // resort, or past a long prompt (see `Fates::replacement_at`).
             let after_last_words =
                 fates.replacement_at.is_some() && last_words_out.is_some_and(|w| w + 1 == d);
             self.place_digest(&mut out, d, after_last_words);
