@@ -591,9 +591,10 @@ pub fn compact_until(
     }
 }
 
-/// Where the digest stands when not where the first dropped message stood: where the last run of dropped messages starts,
-/// when what the user wrote between the first dropped message and that run
-/// costs at least twice the digest (`d_cost`).
+/// Where the digest stands when not where the first dropped message
+/// stood: where the last run of dropped messages starts, when what the
+/// user wrote between the first dropped message and that run costs at
+/// least twice the digest (`d_cost`).
 ///
 /// Drops take units on both sides of what the user wrote, which is
 /// dropped last: a Codex session's 49,000-character spec-kit prompt came
@@ -604,12 +605,11 @@ pub fn compact_until(
 /// 32k chars:3.6 and 64k), all of it that session's (at 16k 0.789 to
 /// 0.798 with chars:3.6 and 0.749 to 0.783 with chars:3.0; at 32k
 /// chars:3.0 0.828 to 0.846); every other replay and every retention
-/// figure moved less than 0.0005. Counting whatever
-/// is kept between the runs, not only what the user wrote, moved the
-/// digest on Claude Code sessions too; as a Messages body it joins the
-/// next user message there, often the newest tool result, which is
-/// masked ahead on the next turn and sends it again: their stability fell
-/// up to 0.006.
+/// figure moved less than 0.0005. Counting whatever is kept between the
+/// runs, not only what the user wrote, moved the digest on Claude Code
+/// sessions too; as a Messages body it joins the next user message there,
+/// often the newest tool result, which is masked ahead on the next turn
+/// and sends it again: their stability fell up to 0.006.
 ///
 /// Decided on each request: a digest that grows past half of what the
 /// user wrote goes back in front of it, on a turn that drops more and
