@@ -435,6 +435,31 @@ fn agent_turns(n: usize, result_chars: usize) -> Vec<Message> {
     out
 }
 
+/// The requests of `all` turn by turn (each prefix from `from` messages
+/// on, two messages further each turn) as compacted at `budget`, each with
+/// the number of messages the client sent.
+fn turn_by_turn(
+    svc: &TokenService,
+    all: &[Message],
+    from: usize,
+    budget: f64,
+) -> Vec<(usize, Vec<Message>)> {
+    (from..all.len())
+        .step_by(2)
+        .map(|end| {
+            let prefix = &all[..end];
+            let out = run(svc, prefix, budget);
+            (end, out.messages.unwrap_or_else(|| prefix.to_vec()))
+        })
+        .collect()
+}
+
+/// Where the digest stands in `m`, if there is one.
+fn digest_at(m: &[Message]) -> Option<usize> {
+    m.iter()
+        .position(|m| content(m).contains("earlier messages were removed"))
+}
+
 /// How many messages `now` begins with as `prev` had them, byte for byte.
 fn common_prefix(prev: &[Message], now: &[Message]) -> usize {
     prev.iter()
@@ -526,22 +551,18 @@ fn boundaries_stay_put_between_steps() {
     let svc = service();
     let all = agent_turns(40, 2500);
     let budget = 9000.0;
-    let mut previous: Option<Vec<Message>> = None;
+    let requests = turn_by_turn(&svc, &all, 4, budget);
+    for (_, now) in &requests {
+        assert!(tokens(&svc, now) as f64 <= budget);
+    }
     let (mut steady, mut moves) = (0, 0);
-    for end in (4..all.len()).step_by(2) {
-        let prefix = &all[..end];
-        let out = run(&svc, prefix, budget);
-        let now = out.messages.unwrap_or_else(|| prefix.to_vec());
-        assert!(tokens(&svc, &now) as f64 <= budget);
-        if let Some(prev) = &previous {
-            let common = common_prefix(prev, &now);
-            if common == prev.len() {
-                steady += 1;
-            } else {
-                moves += 1;
-            }
+    for pair in requests.windows(2) {
+        let (prev, now) = (&pair[0].1, &pair[1].1);
+        if common_prefix(prev, now) == prev.len() {
+            steady += 1;
+        } else {
+            moves += 1;
         }
-        previous = Some(now);
     }
     assert!(
         steady >= 2 * moves,
@@ -1030,23 +1051,17 @@ fn a_drop_keeps_the_cached_prefix_up_to_the_turns_it_removes() {
             })
             .unwrap_or(0)
     };
-    let mut previous: Option<Vec<Message>> = None;
     let mut drops = 0;
-    for end in (4..all.len()).step_by(2) {
-        let prefix = &all[..end];
-        let out = run(&svc, prefix, 3000.0);
-        let now = out.messages.unwrap_or_else(|| prefix.to_vec());
-        if let Some(prev) = &previous
-            && removed(&now) > removed(prev)
-        {
+    for pair in turn_by_turn(&svc, &all, 4, 3000.0).windows(2) {
+        let (prev, (end, now)) = (&pair[0].1, &pair[1]);
+        if removed(now) > removed(prev) {
             drops += 1;
-            let common = common_prefix(prev, &now);
+            let common = common_prefix(prev, now);
             assert!(
                 common > 4,
                 "the drop at {end} messages kept {common} of the previous request"
             );
         }
-        previous = Some(now);
     }
     assert!(drops >= 3, "{drops} drops");
 }
@@ -1070,34 +1085,27 @@ fn a_drop_past_a_long_user_message_leaves_it_cached() {
         let v = json_of(&m).to_string().replace("\"call_", "\"call_b");
         msg(serde_json::from_str(&v).unwrap())
     }));
-    let mut previous: Option<Vec<Message>> = None;
+    let requests = turn_by_turn(&svc, &all, long + 3, 9000.0);
+    let prompt_at = |m: &[Message]| {
+        assert!(well_paired(m));
+        let at = m.iter().position(|m| m.raw() == all[long].raw());
+        at.expect("what the user wrote stays")
+    };
+    prompt_at(&requests[0].1);
     let mut past = 0;
-    for end in (long + 3..all.len()).step_by(2) {
-        let prefix = &all[..end];
-        let out = run(&svc, prefix, 9000.0);
-        let now = out.messages.unwrap_or_else(|| prefix.to_vec());
-        assert!(well_paired(&now));
-        let at = now.iter().position(|m| m.raw() == all[long].raw());
-        let at = at.expect("what the user wrote stays");
-        let digest = now
-            .iter()
-            .position(|m| content(m).contains("earlier messages were removed"));
+    for pair in requests.windows(2) {
+        let (prev, (end, now)) = (&pair[0].1, &pair[1]);
+        let at = prompt_at(now);
         // From one drop to the next (the first rewrites from the first
         // message it removes, before the prompt).
-        if let (Some(prev), Some(d)) = (&previous, digest)
-            && d > at
-            && prev
-                .iter()
-                .any(|m| content(m).contains("earlier messages were removed"))
-        {
+        if digest_at(now).is_some_and(|d| d > at) && digest_at(prev).is_some() {
             past += 1;
-            let common = common_prefix(prev, &now);
+            let common = common_prefix(prev, now);
             assert!(
                 common > at,
                 "a drop at {end} messages sent the user's prompt again"
             );
         }
-        previous = Some(now);
     }
     assert!(past >= 3, "{past} requests with the digest past the prompt");
 }
@@ -1284,17 +1292,23 @@ fn compacted_bodies_stay_valid_requests() {
 
 // ---------------------------------------------------------------- replay
 
-#[test]
-fn replay_of_the_example_session_fits_every_turn_and_keeps_facts() {
+/// The example session (`examples/agent-session.json`) replayed with its
+/// probes in a `window`.
+fn example_replay(window: u64) -> condense::replay::Report {
     let body = Bytes::from(std::fs::read("examples/agent-session.json").unwrap());
     let probes: Vec<condense::replay::Probe> =
         serde_json::from_slice(&std::fs::read("examples/agent-session.probes.json").unwrap())
             .unwrap();
     let options = condense::offline::CompactOptions {
         model: None,
-        window: Some(12_000),
+        window: Some(window),
     };
-    let r = condense::replay::replay(&Config::default(), &body, &options, &probes).unwrap();
+    condense::replay::replay(&Config::default(), &body, &options, &probes).unwrap()
+}
+
+#[test]
+fn replay_of_the_example_session_fits_every_turn_and_keeps_facts() {
+    let r = example_replay(12_000);
     assert_eq!(r.condense.turns_not_fit, 0);
     assert!(
         r.turns.iter().any(|t| t.actions != "none"),
@@ -1315,20 +1329,9 @@ fn replay_of_the_example_session_fits_every_turn_and_keeps_facts() {
 
 #[test]
 fn the_stability_ceiling_is_what_rewrites_leave_out() {
-    let body = Bytes::from(std::fs::read("examples/agent-session.json").unwrap());
-    let probes: Vec<condense::replay::Probe> =
-        serde_json::from_slice(&std::fs::read("examples/agent-session.probes.json").unwrap())
-            .unwrap();
-    let replay = |window| {
-        let options = condense::offline::CompactOptions {
-            model: None,
-            window: Some(window),
-        };
-        condense::replay::replay(&Config::default(), &body, &options, &probes).unwrap()
-    };
     // Nothing compacted: every strategy forwards what the client sent, and
     // what each turn adds is all it does not send cached.
-    let wide = replay(1_000_000);
+    let wide = example_replay(1_000_000);
     assert!(wide.turns.iter().all(|t| t.actions == "none"));
     for t in [&wide.condense, &wide.drop_oldest, &wide.last_10_results] {
         assert!(t.stability_ceiling < 1.0);
@@ -1341,7 +1344,7 @@ fn the_stability_ceiling_is_what_rewrites_leave_out() {
     }
     // Compacted: smaller requests lower the ceiling, and rewrites keep the
     // stability under it.
-    let tight = replay(12_000);
+    let tight = example_replay(12_000);
     let (c, w) = (&tight.condense, &wide.condense);
     assert!(c.tokens_sent < w.tokens_sent);
     assert!(c.stability_ceiling < w.stability_ceiling);
