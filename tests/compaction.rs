@@ -1111,6 +1111,41 @@ fn a_drop_past_a_long_user_message_leaves_it_cached() {
 }
 
 #[test]
+fn a_digest_after_the_clients_last_words_leaves_them_theirs() {
+    // A request as compaction leaves it when drops took every turn before
+    // the user's long request and one after it: the digest, a user message,
+    // stands past the request (`after_what_was_said`). Compacted again at
+    // a budget it just fits, it must not change: the request is still the
+    // client's last words, not the pinned head's to cut (it was, because
+    // the digest read as the last user message).
+    let svc = service();
+    let ask: String = (0..240)
+        .map(|i| format!("- Booking {i}: move the flight to the morning and keep seat {i}A.\n"))
+        .collect();
+    let out = [
+        msg(json!({"role": "system", "content": "You are an agent."})),
+        msg(json!({"role": "user", "content": ask})),
+        msg(
+            json!({"role": "assistant", "content": "Wait, actually the morning flights are full."}),
+        ),
+        msg(
+            json!({"role": "user", "content": "[condense: recall key: 624176672068955; 12 earlier messages were removed to fit the context window.]"}),
+        ),
+        msg(
+            json!({"role": "assistant", "content": "Checking the evening flights.", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "search", "arguments": "{\"when\":\"evening\"}"}}]}),
+        ),
+        msg(
+            json!({"role": "tool", "tool_call_id": "call_1", "content": "UA 12 18:05, UA 14 20:40"}),
+        ),
+    ];
+    let budget = tokens(&svc, &out) as f64 / 0.99;
+    let ask = messages_tokens(&svc, &out[1..2]) as f64;
+    assert!(ask > settings().fit_share * budget, "over fit's share");
+    let again = run(&svc, &out, budget);
+    assert!(again.messages.is_none(), "{}", again.actions());
+}
+
+#[test]
 fn a_digest_of_many_dropped_turns_keeps_more_of_their_key_lines() {
     let svc = service();
     let count = |m: &[Message], budget: f64| {

@@ -20,7 +20,7 @@ use std::sync::LazyLock;
 use aho_corasick::{AhoCorasick, Input, MatchKind};
 use serde_json::Value;
 
-use super::text::content_text;
+use super::text::{MARK, content_text};
 use crate::chat::Message;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,6 +99,12 @@ pub struct Analysis {
     pub observation: Vec<bool>,
 }
 
+/// Whether a message is one condense wrote in place of others (a digest
+/// or a checkpoint): its text starts with [`MARK`].
+fn condense_own(m: &Message) -> bool {
+    matches!(m.content(), Some(Value::String(s)) if s.starts_with(MARK))
+}
+
 impl Analysis {
     pub fn of(messages: &[Message]) -> Analysis {
         let n = messages.len();
@@ -121,7 +127,14 @@ impl Analysis {
             })
             .collect();
         let head = (base..n).find(|&i| !pinned[i]).unwrap_or(n);
-        let last_user = roles.iter().rposition(|r| *r == Role::User);
+        // condense's own digest is a user message, and may stand after the
+        // client's last words (`after_what_was_said`, `emergency`'s last
+        // resort): those words are still the client's, in a second pass too.
+        let last_user = (0..n)
+            .rev()
+            .filter(|&i| roles[i] == Role::User)
+            .find(|&i| !condense_own(&messages[i]))
+            .or_else(|| roles.iter().rposition(|r| *r == Role::User));
         let assistants: Vec<usize> = (0..n).filter(|&i| roles[i] == Role::Assistant).collect();
 
         let call_ids: Vec<Vec<String>> = messages.iter().map(Message::tool_call_ids).collect();
@@ -391,6 +404,15 @@ mod tests {
         ];
         let a = Analysis::of(&later);
         assert!(!a.last_words(1) && a.last_words(3));
+        // condense's digest after them is not the client's.
+        let digest = [
+            m(r#"{"role":"system","content":"s"}"#),
+            m(r#"{"role":"user","content":"Fix the build."}"#),
+            m(r#"{"role":"assistant","content":"Done."}"#),
+            m(r#"{"role":"user","content":"[condense: 3 earlier messages were removed]"}"#),
+        ];
+        let a = Analysis::of(&digest);
+        assert!(a.last_words(1) && !a.last_words(3) && a.protected(1));
     }
 
     proptest::proptest! {
