@@ -523,9 +523,18 @@ mod tests {
                 }
             })
         });
-        // One batch is held in the blocked write, one queue's worth waits.
-        std::thread::sleep(Duration::from_millis(300));
-        let stuck = pushed.load(Ordering::SeqCst);
+        // One batch is held in the blocked write, one queue's worth waits:
+        // the pusher stalls there (however slowly a loaded machine gets it
+        // there). One that never stalls pushes all of them.
+        let mut stuck = 0;
+        for _ in 0..300 {
+            std::thread::sleep(Duration::from_millis(200));
+            let now = pushed.load(Ordering::SeqCst);
+            if now == stuck && now >= QUEUED {
+                break;
+            }
+            stuck = now;
+        }
         assert!((QUEUED..=2 * QUEUED).contains(&stuck), "{stuck} pushed");
         *gate.0.lock().unwrap() = true;
         gate.1.notify_all();
