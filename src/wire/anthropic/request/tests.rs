@@ -168,18 +168,24 @@ fn dropped_turns_leave_alternating_roles_and_a_digest() {
     // prefix holds up to them.
     assert_eq!(messages[0], body["messages"][0]);
     assert_eq!(messages[1], body["messages"][1]);
-    // Turns 8 to 35 went; the digest follows the tool results of the first
-    // turn kept after them.
+    // Turns 8 to 35 went; the digest follows the tool results of the last
+    // turn kept before them, where a chat request has it, and the results
+    // of the first turn kept after them stand alone: masked on a later
+    // turn, they do not send the digest again.
     let gone = |id: &str| !out.to_string().contains(id);
     assert!(gone("\"toolu_8\"") && gone("\"toolu_35\"") && !gone("\"toolu_7\""));
     let at = messages
         .iter()
         .position(|m| m.to_string().contains("earlier messages were removed"))
         .unwrap();
-    assert_eq!(messages[at - 1]["content"][2]["id"], "toolu_36");
+    assert_eq!(messages[at - 1]["content"][2]["id"], "toolu_7");
     let with = messages[at]["content"].as_array().unwrap();
-    assert_eq!(with[0]["tool_use_id"], "toolu_36");
+    assert_eq!(with[0]["tool_use_id"], "toolu_7");
     assert_eq!(with.last().unwrap()["type"], "text");
+    assert_eq!(messages[at + 1]["content"][2]["id"], "toolu_36");
+    let results = messages[at + 2]["content"].as_array().unwrap();
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0]["tool_use_id"], "toolu_36");
     assert_valid(&out);
     // The newest turn is the client's.
     assert_eq!(messages.last(), body["messages"].as_array().unwrap().last());
