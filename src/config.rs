@@ -145,7 +145,8 @@ pub struct CompactionConfig {
     /// window of 16k tokens or less (see
     /// [`crate::compaction::extract::placeholder_base`]).
     pub placeholder_chars: usize,
-    /// Per-result allowance of `fade`, as a share of the budget.
+    /// Per-result allowance of `fade`, as a share of the budget (see
+    /// `compaction::fade::allowance`).
     pub fade_share: f64,
     /// Largest share of the budget a single result or argument string may
     /// take, and the user messages of the pinned head together (`fit`).

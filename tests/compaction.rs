@@ -1146,6 +1146,62 @@ fn a_digest_after_the_clients_last_words_leaves_them_theirs() {
 }
 
 #[test]
+fn a_request_that_fits_after_the_planned_stages_is_not_cut_further() {
+    // An agent that runs four commands at once: on the turn their outputs
+    // arrive, still unanswered, they hold the request over the trigger
+    // after the plan masked what it may; on the next they are answered and
+    // masked ahead. That first request fits: cut further on that turn
+    // alone (`fade` did, from the trigger on), the recent results came
+    // back whole on the next, and the cached prefix broke there. (A low
+    // trigger leaves the shape room between it and the budget.)
+    let svc = service();
+    let s = Settings {
+        trigger: 0.6,
+        target: 0.4,
+        ..settings()
+    };
+    let mut all = agent_turns(6, 1200);
+    let calls: Vec<Value> = (0..4)
+        .map(|k| json!({"id": format!("call_p{k}"), "type": "function", "function": {"name": "run", "arguments": json!({"cmd": format!("pytest tests/test_{k}.py")}).to_string()}}))
+        .collect();
+    all.push(msg(
+        json!({"role": "assistant", "content": "Running the four suites.", "tool_calls": calls}),
+    ));
+    for k in 0..4 {
+        let out: String = (0..50)
+            .map(|l| format!("tests/test_{k}.py::test_case_{l} PASSED [{l}%] in {k}.{l}s\n"))
+            .collect();
+        all.push(msg(
+            json!({"role": "tool", "tool_call_id": format!("call_p{k}"), "content": out}),
+        ));
+    }
+    all.push(msg(json!({"role": "assistant", "content": "All four pass. Checking the log.", "tool_calls": [{"id": "call_log", "type": "function", "function": {"name": "run", "arguments": "{\"cmd\":\"tail -3 log.txt\"}"}}]})));
+    all.push(msg(
+        json!({"role": "tool", "tool_call_id": "call_log", "content": "ok"}),
+    ));
+    let budget = 8000.0;
+    let first = run_with(&svc, &all[..all.len() - 2], budget, &s);
+    let next = run_with(&svc, &all, budget, &s);
+    assert!(first.fits && first.tokens_before as f64 > s.trigger * budget);
+    assert!(!first.actions().contains("fade"), "{}", first.actions());
+    let sent = |o: Outcome, end: usize| o.messages.unwrap_or_else(|| all[..end].to_vec());
+    let (prev, now) = (sent(first, all.len() - 2), sent(next, all.len()));
+    for m in prev.iter().filter(|m| m.role() == Some("tool")) {
+        if !content(m).contains("[condense:") {
+            continue;
+        }
+        let id = m.tool_call_id();
+        let whole = all
+            .iter()
+            .find(|o| o.role() == Some("tool") && o.tool_call_id() == id);
+        assert!(
+            !now.iter().any(|n| Some(n.raw()) == whole.map(Message::raw)),
+            "{id:?}, cut on one turn, is whole on the next"
+        );
+    }
+}
+
+#[test]
 fn a_digest_of_many_dropped_turns_keeps_more_of_their_key_lines() {
     let svc = service();
     let count = |m: &[Message], budget: f64| {

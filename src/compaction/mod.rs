@@ -563,9 +563,10 @@ pub fn compact_until(
 
     // The planned boundaries leave the request between target and trigger
     // on most turns; that is the hysteresis working, not a reason to cut
-    // more. Only a request still at the trigger goes on to the per-request
-    // stages, which then aim at the target.
-    if (w.total() as f64) >= s.trigger * limits.budget {
+    // more. Only a request still over the budget goes on to the per-request
+    // stages (at the trigger it fits, and what `fade` cut there came back
+    // on the next turn; see `fade.rs`); `emergency` then aims at the target.
+    if (w.total() as f64) > limits.budget {
         fade::run(&mut w, &a, limits, s, counter);
     }
     if (w.total() as f64) > limits.budget {
