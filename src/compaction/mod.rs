@@ -10,7 +10,7 @@
 //! | `fit`       | `fit.rs`       | no single result or argument string over 30% of the budget, nor the pinned head's user messages together |
 //! | `prune`     | `prune.rs`     | old units dropped, a digest in their place (replayed, only when masking cannot get under the budget) |
 //! | `mask`      | `mask.rs`      | old tool output → extractive placeholder, old long arguments shortened (replayed frontier); large answered results masked ahead of it |
-//! | `fade`      | `fade.rs`      | recent large results shrunk by pressure band and age |
+//! | `fade`      | `fade.rs`      | recent large results shrunk by age, in a request still over the budget |
 //! | `emergency` | `emergency.rs` | everything but system/developer and the last user message shortened |
 //!
 //! `fit` runs first, whenever compaction is active: it depends on a message
@@ -608,9 +608,11 @@ pub fn compact_until(
 /// chars:3.0 0.828 to 0.846); every other replay and every retention
 /// figure moved less than 0.0005. Counting whatever is kept between the
 /// runs, not only what the user wrote, moved the digest on Claude Code
-/// sessions too; as a Messages body it joins the next user message there,
-/// often the newest tool result, which is masked ahead on the next turn
-/// and sends it again: their stability fell up to 0.006.
+/// sessions too; as a Messages body it then joined the next user message
+/// there, often the newest tool result, which is masked ahead on the next
+/// turn and sent it again: their stability fell up to 0.006. (Measured
+/// before the writer put the digest behind the tool results before it,
+/// `place_digest`.)
 ///
 /// Decided on each request: a digest that grows past half of what the
 /// user wrote goes back in front of it, on a turn that drops more and
