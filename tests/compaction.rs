@@ -514,12 +514,24 @@ fn mask_replaces_old_results_with_extractive_placeholders() {
         first_result.contains("ValueError: bad header 0"),
         "keeps the error: {first_result}"
     );
-    // Assistant messages are never masked; the recent turns stay verbatim.
+    // Assistant messages are never masked; the recent turns stay verbatim
+    // but for answered results masked ahead of the frontier, each with its
+    // own recall key; the unanswered last one is whole.
     assert_eq!(result[2].raw(), m[2].raw());
     let n = m.len();
     for i in n - 6..n {
-        assert_eq!(result[i].raw(), m[i].raw(), "recent message {i} changed");
+        if result[i].raw() == m[i].raw() {
+            continue;
+        }
+        let key = condense::compaction::keys::key(m[i].raw());
+        assert!(
+            i < n - 1
+                && m[i].role() == Some("tool")
+                && content(&result[i]).starts_with(&format!("[condense: recall key: {key};")),
+            "recent message {i} changed"
+        );
     }
+    assert_eq!(result[n - 1].raw(), m[n - 1].raw());
     assert!(out.tokens_after as f64 <= 0.9 * before as f64 / 1.2);
 }
 
@@ -547,7 +559,9 @@ fn json_results_get_a_shape_digest() {
 fn boundaries_stay_put_between_steps() {
     // Turn after turn, the compacted prefix is byte-identical until the
     // frontier has to move again: most turns keep everything but the new
-    // messages.
+    // messages, and the result the agent has just answered, which may be
+    // masked ahead (it is the last message the provider cached, so only
+    // its placeholder is new).
     let svc = service();
     let all = agent_turns(40, 2500);
     let budget = 9000.0;
@@ -558,7 +572,10 @@ fn boundaries_stay_put_between_steps() {
     let (mut steady, mut moves) = (0, 0);
     for pair in requests.windows(2) {
         let (prev, now) = (&pair[0].1, &pair[1].1);
-        if common_prefix(prev, now) == prev.len() {
+        let common = common_prefix(prev, now);
+        let last = prev.len() - 1;
+        if common == prev.len() || (common == last && content(&now[last]).starts_with("[condense:"))
+        {
             steady += 1;
         } else {
             moves += 1;
@@ -1204,8 +1221,15 @@ fn a_request_that_fits_after_the_planned_stages_is_not_cut_further() {
 #[test]
 fn a_digest_of_many_dropped_turns_keeps_more_of_their_key_lines() {
     let svc = service();
+    // Only the largest results masked ahead: masked all, the recent ones
+    // leave the shorter conversation under a sixth of its size with nothing
+    // dropped, and the digest is what is measured here.
+    let s = Settings {
+        ahead_share: 0.1,
+        ..settings()
+    };
     let count = |m: &[Message], budget: f64| {
-        let out = run(&svc, m, budget);
+        let out = run_with(&svc, m, budget, &s);
         assert!(out.actions().contains("prune"), "{}", out.actions());
         assert!(out.tokens_after as f64 <= budget);
         let result = out.messages.unwrap();
@@ -1923,4 +1947,45 @@ fn the_first_turn_at_the_trigger_moves_the_frontier_though_fit_alone_would_do() 
         "{} of {budget}",
         out.tokens_after
     );
+}
+
+#[test]
+fn masking_ahead_aims_at_the_room_the_pinned_head_leaves() {
+    // Instructions that take two fifths of the budget: once the agent has
+    // worked a while, the request is over half the budget on every turn,
+    // whatever condense masks. Against that target every result would go
+    // the turn after the agent read it; against the target share of the
+    // room the instructions leave, a request with room to spare keeps the
+    // newest whole. (One recent turn: the result before the last is out of
+    // the recent window, so only masking ahead could take it.)
+    let svc = service();
+    let s = Settings {
+        ahead_share: 0.01,
+        recent_turns: 1,
+        recent_share: 0.0,
+        ..settings()
+    };
+    let rules: String = (0..570)
+        .map(|l| format!("Rule {l}: keep the public API of module_{l} stable.\n"))
+        .collect();
+    let mut all = agent_turns(13, 3000);
+    all[0] = msg(json!({"role": "system", "content": rules}));
+    let budget = 20_000.0;
+    let head = tokens(&svc, &all[..2]) as f64;
+    assert!(head > 0.35 * budget && head < 0.45 * budget, "{head}");
+    let out = run_with(&svc, &all, budget, &s);
+    assert!(out.actions().contains("mask"), "{}", out.actions());
+    assert!(out.tokens_after as f64 > s.target * budget);
+    let room_target = head + s.target * (budget - head);
+    assert!(
+        (out.tokens_after as f64) < room_target,
+        "{} {room_target} {}",
+        out.tokens_after,
+        out.actions()
+    );
+    let sent = out.messages.expect("compacted");
+    // The newest answered result, and the unanswered last one, are whole.
+    let n = all.len();
+    assert!(sent[n - 3].raw() == all[n - 3].raw(), "masked ahead");
+    assert!(sent[n - 1].raw() == all[n - 1].raw());
 }

@@ -34,17 +34,15 @@
 //! - Masking ahead: once the replay has crossed the trigger, every tool
 //!   result an assistant message has answered, and every assistant message
 //!   whose results are in and report no error, whose masked form saves at
-//!   least `ahead_share` of the budget is masked, recent or not (a 5k-token
-//!   file listing, a call that wrote a whole file). Such a message sits
-//!   near the end of the prompt, so masking it costs the cached prefix only
-//!   the placeholder, while keeping it would bring the next frontier move
-//!   or drop (which rewrite everything after them) sooner. A call's
+//!   least `ahead_share` of the budget (1%: nearly every result `mask`
+//!   would shorten) is masked, recent or not. Such a message sits near the
+//!   end of the prompt, so masking it costs the cached prefix only the
+//!   placeholder, while keeping it would bring the next frontier move or
+//!   drop (which rewrite everything after them) sooner, and the frontier,
+//!   when it comes, rewrites every result it passes a second time. A call's
 //!   arguments cost nothing at all: they are new in the request that brings
 //!   their results. A call that failed keeps them until the agent has
-//!   answered, as it may retry with the same content. On the shared traces
-//!   at 16k, masking ahead takes uncached tokens from 84k to 56k (django)
-//!   and 85k to 76k (requests); mean stability from 0.845 to 0.863, mean
-//!   probe retention from 0.950 to 0.945.
+//!   answered, as it may retry with the same content.
 //!
 //!   But a result only while the request is over the target, oldest
 //!   first (on a turn that moves the frontier, which rewrites what follows
@@ -52,13 +50,33 @@
 //!   the frontier comes. Masking every large result took a browsing
 //!   session, whose pages are 3k tokens each, to a quarter of its budget on
 //!   the turn it first crossed the trigger and kept it under half to the
-//!   end, with facts masked that it had room for. Over all the shared
-//!   traces (natives included) this took mean probe retention at 32k from
-//!   0.938 to 0.945 (chars:3.6) and 0.927 to 0.933 (chars:3.0), stability
-//!   up 0.001-0.002, 16k and 64k even. Stopping at the midpoint of target
-//!   and trigger kept 0.002 more at 32k but lost 0.004 at 64k, and left a
-//!   recall too little room: the request sat nearer the trigger, and a
-//!   recalled 2.5 KB output came back cut to fit.
+//!   end, with facts masked that it had room for. Stopping at the midpoint
+//!   of target and trigger left a recall too little room: the request sat
+//!   nearer the trigger, and a recalled 2.5 KB output came back cut to fit.
+//!
+//!   The target here is the room's (see [`ahead_target`]): `target` of what
+//!   the fixed tokens and the pinned head leave of the budget, above them.
+//!   Against the whole budget, a Claude Code session whose tool schemas and
+//!   instructions take most of a small budget is over the target on every
+//!   turn, and every result went the turn after the agent read it. And a
+//!   result goes only while the request is over that target by more than
+//!   a quarter of what masking it saves ([`AHEAD_MARGIN`]): masking a
+//!   7k-token result in a request just over the target left it far under,
+//!   and whether a request is just over depends on how its format counts
+//!   (the Messages and chat forms of one OpenHands session went different
+//!   ways on one turn, and 0.022 apart in stability at 32k chars:3.0).
+//!
+//!   At 10% of the budget, only the largest results went ahead; every
+//!   other one waited for the frontier, which rewrote it, and everything
+//!   after it, a second time. At 1%, with the room's target and the
+//!   margin, over all the shared traces (natives included), mean prefix
+//!   stability went from 0.912 to 0.920 at 32k (chars:3.6) and 0.901 to
+//!   0.915 (chars:3.0), 0.850 to 0.859 and 0.832 to 0.837 at 16k, 0.938 to
+//!   0.940 and 0.931 to 0.934 at 64k; probe retention from 0.962 to 0.963
+//!   and 0.957 to 0.961 at 32k, 0.905 to 0.900 and 0.893 to 0.892 at 16k,
+//!   0.987 to 0.987 and 0.985 to 0.980 at 64k. The largest loss: the Claude
+//!   Code frontend session at 16k, a 7k-token budget, lost 0.08 of probe
+//!   retention (a file it had read went the turn after).
 //! - When the recent turns alone still hold the request at the trigger after
 //!   drops, the frontier moves into them, turn by turn, newest last. An
 //!   extractive placeholder that stays put keeps more and breaks the cache
@@ -302,11 +320,12 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // This turn's budget: an earlier turn is replayed against the one
         // it was planned against.
         let budget = c.budget_at(e);
+        let ahead_at = ahead_target(c, budget);
         // Once compaction has begun, large results the agent has answered
         // are masked ahead of the frontier while the request is over the
         // target (see the module notes).
         if engaged {
-            let over = cost(&sums, c, e, frontier, gone) - c.target * budget;
+            let over = cost(&sums, c, e, frontier, gone) - ahead_at;
             if mask_answered(a, c, e, over, &mut ahead_from, &mut full, &mut ahead) {
                 sums.full = prefix_sums(&full);
             }
@@ -341,7 +360,7 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // the target, those passed by before included.
         if hot {
             engaged = true;
-            let over = cost(&sums, c, e, frontier, gone) - c.target * budget;
+            let over = cost(&sums, c, e, frontier, gone) - ahead_at;
             let mut from = frontier;
             if mask_answered(a, c, e, over, &mut from, &mut full, &mut ahead) {
                 sums.full = prefix_sums(&full);
@@ -426,11 +445,25 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
     }
 }
 
+/// A result is masked ahead only while the request is over its target by
+/// more than this share of what masking it saves (see the module notes).
+const AHEAD_MARGIN: f64 = 0.25;
+
+/// The target masking ahead aims at in a turn planned against `budget`:
+/// `target` of what the fixed tokens and the pinned head leave of it,
+/// above them. The share of the whole budget when they are small; a
+/// reachable one when they take most of it.
+fn ahead_target(c: &Costs, budget: f64) -> f64 {
+    let pinned = (c.fixed + c.head) as f64;
+    pinned + c.target * (budget - pinned).max(0.0)
+}
+
 /// Masks ahead of the frontier, in `[*from, e)`, every tool result a later
 /// assistant message before `e` answers and every assistant message whose
 /// calls have done their work (see below), if its masked form saves at
 /// least `c.ahead_saving`: the calls always, the results oldest first
-/// while the request is `over` its target by more than what is masked.
+/// while the request is `over` its target (by more than [`AHEAD_MARGIN`]
+/// of what each saves) once what is masked is taken off.
 /// Moves `*from` to the last assistant message before `e` (a result it
 /// passes stays whole until the frontier comes). Returns whether any was
 /// masked.
@@ -459,9 +492,10 @@ fn mask_answered(
         };
         // A call's arguments go whenever they are large: they are new in
         // the request that brings their results, so that costs the cache
-        // nothing; a result only while the request is over.
+        // nothing; a result only while the request is over by more than
+        // the margin.
         let saves = full[i].saturating_sub(c.masked[i]) as f64;
-        let wanted = over > 0.0 || a.roles[i] == Role::Assistant;
+        let wanted = over > saves * AHEAD_MARGIN || a.roles[i] == Role::Assistant;
         if wanted && done && !ahead[i] && saves >= saving {
             over -= saves;
             ahead[i] = true;
