@@ -238,6 +238,15 @@ fn prefix_sums(v: &[u64]) -> Vec<u64> {
     out
 }
 
+/// Brings the prefix sums `sums` of `v` up to date after a change at `k`
+/// and later: masking ahead changes messages near the end of the prefix,
+/// nearly every turn, so only the sums after them are recomputed.
+fn refresh_sums(sums: &mut [u64], v: &[u64], k: usize) {
+    for j in k..v.len() {
+        sums[j + 1] = sums[j] + v[j];
+    }
+}
+
 /// Prefix sums of the message costs; `full` counts a message masked ahead of
 /// the frontier at its masked cost.
 struct Sums {
@@ -326,8 +335,8 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // target (see the module notes).
         if engaged {
             let over = cost(&sums, c, e, frontier, gone) - ahead_at;
-            if mask_answered(a, c, e, over, &mut ahead_from, &mut full, &mut ahead) {
-                sums.full = prefix_sums(&full);
+            if let Some(k) = mask_answered(a, c, e, over, &mut ahead_from, &mut full, &mut ahead) {
+                refresh_sums(&mut sums.full, &full, k);
             }
         }
         // Until compaction has begun, a turn is at the trigger as the
@@ -362,8 +371,8 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
             engaged = true;
             let over = cost(&sums, c, e, frontier, gone) - ahead_at;
             let mut from = frontier;
-            if mask_answered(a, c, e, over, &mut from, &mut full, &mut ahead) {
-                sums.full = prefix_sums(&full);
+            if let Some(k) = mask_answered(a, c, e, over, &mut from, &mut full, &mut ahead) {
+                refresh_sums(&mut sums.full, &full, k);
             }
             ahead_from = ahead_from.max(from);
         }
@@ -465,8 +474,8 @@ fn ahead_target(c: &Costs, budget: f64) -> f64 {
 /// while the request is `over` its target (by more than [`AHEAD_MARGIN`]
 /// of what each saves) once what is masked is taken off.
 /// Moves `*from` to the last assistant message before `e` (a result it
-/// passes stays whole until the frontier comes). Returns whether any was
-/// masked.
+/// passes stays whole until the frontier comes). Returns the first it
+/// masked, if any.
 fn mask_answered(
     a: &Analysis,
     c: &Costs,
@@ -475,12 +484,12 @@ fn mask_answered(
     from: &mut usize,
     full: &mut [u64],
     ahead: &mut [bool],
-) -> bool {
+) -> Option<usize> {
     let answered_before = match a.assistants.partition_point(|&x| x < e) {
-        0 => return false,
+        0 => return None,
         k => a.assistants[k - 1],
     };
-    let mut changed = false;
+    let mut first = None;
     let saving = c.ahead_saving * c.scale(e);
     for i in *from..e {
         let done = match a.roles[i] {
@@ -500,11 +509,11 @@ fn mask_answered(
             over -= saves;
             ahead[i] = true;
             full[i] = c.masked[i];
-            changed = true;
+            first = first.or(Some(i));
         }
     }
     *from = (*from).max(answered_before);
-    changed
+    first
 }
 
 /// What a result that came in at `c.sent[i]` is expected to cost once it is
