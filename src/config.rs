@@ -190,7 +190,7 @@ impl Default for CompactionConfig {
             placeholder_chars: 300,
             fade_share: 0.05,
             fit_share: 0.30,
-            ahead_share: 0.01,
+            ahead_share: 0.005,
             recall: true,
             max_recalls: 3,
             agent_tool: false,

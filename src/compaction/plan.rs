@@ -34,7 +34,7 @@
 //! - Masking ahead: once the replay has crossed the trigger, every tool
 //!   result an assistant message has answered, and every assistant message
 //!   whose results are in and report no error, whose masked form saves at
-//!   least `ahead_share` of the budget (1%: nearly every result `mask`
+//!   least `ahead_share` of the budget (0.5%: nearly every result `mask`
 //!   would shorten) is masked, recent or not. Such a message sits near the
 //!   end of the prompt, so masking it costs the cached prefix only the
 //!   placeholder, while keeping it would bring the next frontier move or
@@ -54,13 +54,13 @@
 //!   of target and trigger left a recall too little room: the request sat
 //!   nearer the trigger, and a recalled 2.5 KB output came back cut to fit.
 //!
-//!   The target here is the room's (see [`ahead_target`]): `target` of what
+//!   The target here is the room's (see `ahead_target`): `target` of what
 //!   the fixed tokens and the pinned head leave of the budget, above them.
 //!   Against the whole budget, a Claude Code session whose tool schemas and
 //!   instructions take most of a small budget is over the target on every
 //!   turn, and every result went the turn after the agent read it. And a
 //!   result goes only while the request is over that target by more than
-//!   a quarter of what masking it saves ([`AHEAD_MARGIN`]): masking a
+//!   a quarter of what masking it saves (`AHEAD_MARGIN`): masking a
 //!   7k-token result in a request just over the target left it far under,
 //!   and whether a request is just over depends on how its format counts
 //!   (the Messages and chat forms of one OpenHands session went different
@@ -68,15 +68,17 @@
 //!
 //!   At 10% of the budget, only the largest results went ahead; every
 //!   other one waited for the frontier, which rewrote it, and everything
-//!   after it, a second time. At 1%, with the room's target and the
+//!   after it, a second time. At 0.5%, with the room's target and the
 //!   margin, over all the shared traces (natives included), mean prefix
 //!   stability went from 0.912 to 0.920 at 32k (chars:3.6) and 0.901 to
-//!   0.915 (chars:3.0), 0.850 to 0.859 and 0.832 to 0.837 at 16k, 0.938 to
-//!   0.940 and 0.931 to 0.934 at 64k; probe retention from 0.962 to 0.963
-//!   and 0.957 to 0.961 at 32k, 0.905 to 0.900 and 0.893 to 0.892 at 16k,
-//!   0.987 to 0.987 and 0.985 to 0.980 at 64k. The largest loss: the Claude
-//!   Code frontend session at 16k, a 7k-token budget, lost 0.08 of probe
-//!   retention (a file it had read went the turn after).
+//!   0.915 (chars:3.0), 0.850 to 0.859 and 0.832 to 0.839 at 16k, 0.938 to
+//!   0.940 and 0.931 to 0.934 at 64k; probe retention from 0.962 to 0.962
+//!   and 0.957 to 0.960 at 32k, 0.905 to 0.900 and 0.893 to 0.892 at 16k,
+//!   0.987 to 0.986 and 0.985 to 0.980 at 64k. (1% kept 0.001 more
+//!   retention at 32k, for 0.0005 less stability; 2% 0.003 less stability
+//!   at 16k and 32k.) The largest loss: the Claude Code frontend session at
+//!   16k, a 7k-token budget, lost 0.08 of probe retention (a file it had
+//!   read went the turn after).
 //! - When the recent turns alone still hold the request at the trigger after
 //!   drops, the frontier moves into them, turn by turn, newest last. An
 //!   extractive placeholder that stays put keeps more and breaks the cache
