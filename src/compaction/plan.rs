@@ -332,9 +332,10 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // it was planned against.
         let budget = c.budget_at(e);
         let ahead_at = ahead_target(c, budget);
-        // Once compaction has begun, large results the agent has answered
-        // are masked ahead of the frontier while the request is over the
-        // target (see the module notes).
+        // Once compaction has begun, results the agent has answered whose
+        // placeholder saves `ahead_share` of the budget are masked ahead of
+        // the frontier while the request is over the room's target, by the
+        // margin (see the module notes).
         if engaged {
             let over = cost(&sums, c, e, frontier, gone) - ahead_at;
             if let Some(k) = mask_answered(a, c, e, over, &mut ahead_from, &mut full, &mut ahead) {
