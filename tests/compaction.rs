@@ -1989,3 +1989,61 @@ fn masking_ahead_aims_at_the_room_the_pinned_head_leaves() {
     assert!(sent[n - 3].raw() == all[n - 3].raw(), "masked ahead");
     assert!(sent[n - 1].raw() == all[n - 1].raw());
 }
+
+#[test]
+fn masking_ahead_leaves_a_request_just_over_the_target_whole() {
+    // A compacted conversation whose newest answered result is large: as
+    // the last (unanswered) output grows, the request goes over the room's
+    // target. Masked the moment it is over, the result would leave the
+    // request far under it, and whether a request is just over depends on
+    // how its format counts; it goes only once the request is over by more
+    // than a quarter of what masking it saves, so the request never lands
+    // more than three quarters of that saving under the target.
+    let svc = service();
+    let s = Settings {
+        recent_turns: 1,
+        recent_share: 0.0,
+        ..settings()
+    };
+    let mut all = agent_turns(12, 2000);
+    let newest = agent_turns(1, 5000);
+    all.extend_from_slice(&newest[2..]);
+    let id = "call_last";
+    all.push(msg(json!({"role": "assistant", "content": "The header parser drops the last field.", "tool_calls": [{"id": id, "type": "function", "function": {"name": "run", "arguments": "{\"cmd\":\"pytest -x\"}"}}]})));
+    let r = all.len() - 2;
+    let budget = 11_000.0;
+    let head = tokens(&svc, &all[..2]) as f64;
+    let target = head + s.target * (budget - head);
+    let (mut kept_over, mut masked) = (false, false);
+    for lines in (0..120).step_by(4) {
+        let log: String = (0..lines)
+            .map(|l| format!("tests/test_header.py::test_field_{l} PASSED\n"))
+            .collect();
+        let mut m = all.clone();
+        m.push(msg(
+            json!({"role": "tool", "tool_call_id": id, "content": format!("{log}1 failed")}),
+        ));
+        let out = run_with(&svc, &m, budget, &s);
+        assert!(
+            out.fits && !out.actions().contains("prune"),
+            "{}",
+            out.actions()
+        );
+        let sent = out.messages.expect("compacted");
+        assert_eq!(sent.len(), m.len());
+        let after = out.tokens_after as f64;
+        if sent[r].raw() == m[r].raw() {
+            assert!(!masked, "{lines} lines: a smaller request masked it");
+            kept_over |= after > target;
+        } else {
+            masked = true;
+            let saves = (tokens(&svc, &m[r..r + 1]) - tokens(&svc, &sent[r..r + 1])) as f64;
+            assert!(saves > 0.1 * budget, "{saves}");
+            assert!(
+                after >= target - 0.75 * saves - 0.01 * budget,
+                "{lines} lines: {after} tokens, target {target}, masking saved {saves}"
+            );
+        }
+    }
+    assert!(kept_over && masked, "the sweep crosses the margin");
+}
