@@ -232,11 +232,8 @@ impl Costs<'_> {
 }
 
 fn prefix_sums(v: &[u64]) -> Vec<u64> {
-    let mut out = Vec::with_capacity(v.len() + 1);
-    out.push(0);
-    for x in v {
-        out.push(out.last().copied().unwrap_or(0) + x);
-    }
+    let mut out = vec![0; v.len() + 1];
+    refresh_sums(&mut out, v, 0);
     out
 }
 
