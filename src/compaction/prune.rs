@@ -94,10 +94,7 @@ pub fn digest(
         .map(String::as_str)
         .filter(|l| !l.is_empty())
         .collect();
-    let body = format!(
-        "{MARK} {count} earlier messages were removed to fit the context window; {held}:]\n{}",
-        lines.join("\n")
-    );
+    let body = format!("{MARK} {count} {REMOVED}; {held}:]\n{}", lines.join("\n"));
     Bytes::from(json!({"role": "user", "content": body}).to_string())
 }
 
@@ -162,9 +159,13 @@ fn harness_wrapped(text: &str) -> bool {
             .is_some_and(|t| t.ends_with("</"))
 }
 
+/// What every digest and notice says (the replay tells a request's
+/// stand-in for dropped turns by it).
+pub const REMOVED: &str = "earlier messages were removed to fit the context window";
+
 /// The shortest stand-in for `count` dropped messages: only that they went
 /// (with recall on, the key that gives them back is written into it).
 pub fn notice(count: usize) -> Bytes {
-    let body = format!("{MARK} {count} earlier messages were removed to fit the context window.]");
+    let body = format!("{MARK} {count} {REMOVED}.]");
     Bytes::from(json!({"role": "user", "content": body}).to_string())
 }

@@ -18,12 +18,14 @@
 
 use bytes::Bytes;
 
-use super::report::{Probe, Strategy, Totals};
+use super::report::{Probe, Rewrites, Strategy, Totals};
 use crate::chat::Message;
 use crate::compaction::Counter;
-use crate::compaction::text::message_text;
+use crate::compaction::prune::REMOVED;
+use crate::compaction::text::{MARK, message_text};
 use crate::proxy::Proxy;
 use crate::recall::store::Originals;
+use crate::summary::prompt::REPLACED;
 
 /// One strategy's running state across turns.
 #[derive(Default)]
@@ -38,6 +40,48 @@ pub(super) struct Track {
     reused_sum: f64,
     reused_recoverable_sum: f64,
     reused_turns: usize,
+    /// Tokens sent again, by [`Cause`] (see [`Rewrites`]).
+    rewritten: [u64; 6],
+    /// Whether a request before rewrote anything.
+    changed: bool,
+}
+
+/// What changed first in a request that rewrote part of the one before.
+#[derive(Clone, Copy)]
+enum Cause {
+    First,
+    Cut,
+    Dropped,
+    Restored,
+    Recut,
+    Other,
+}
+
+impl Cause {
+    /// From the first message that differs, as it was (`before`) and as
+    /// `request` has it (at `at`; either may be missing: a request that
+    /// ends there). A message the request no longer has, with nothing cut
+    /// in its place, was dropped when the request holds a digest or
+    /// checkpoint somewhere else (the last resort puts its notice after
+    /// the client's last words).
+    fn of(before: Option<&[u8]>, request: &[Message], at: usize, changed: bool) -> Cause {
+        fn text(b: Option<&[u8]>) -> &str {
+            b.map_or("", |b| std::str::from_utf8(b).unwrap_or(""))
+        }
+        let stands_in = |t: &str| t.contains(REMOVED) || t.contains(REPLACED);
+        let (before, after) = (text(before), text(request.get(at).map(|m| m.raw())));
+        match (before.contains(MARK), after.contains(MARK)) {
+            _ if !changed => Cause::First,
+            _ if stands_in(before) || stands_in(after) => Cause::Dropped,
+            (false, true) => Cause::Cut,
+            (true, false) => Cause::Restored,
+            (true, true) => Cause::Recut,
+            (false, false) if request.iter().any(|m| stands_in(text(Some(m.raw())))) => {
+                Cause::Dropped
+            }
+            (false, false) => Cause::Other,
+        }
+    }
 }
 
 /// What a turn is measured on: the probes its request (as the client sent
@@ -64,6 +108,7 @@ impl Track {
         recallable: &str,
     ) -> Strategy {
         let first = self.previous.is_none();
+        let before = self.previous.clone();
         let (costs, common) = prefix(&mut self.previous, messages, counter);
         let tokens = fixed + costs.iter().sum::<u64>();
         let (stable, new) = match first {
@@ -75,7 +120,22 @@ impl Track {
                     .sum(),
             ),
         };
-        self.new_tokens += new.min(tokens - stable);
+        let new = new.min(tokens - stable);
+        self.new_tokens += new;
+        let again = tokens - stable - new;
+        if again > 0 {
+            let cause = Cause::of(
+                before
+                    .as_deref()
+                    .and_then(|b| b.get(common))
+                    .map(|b| &b[..]),
+                messages,
+                common,
+                self.changed,
+            );
+            self.rewritten[cause as usize] += again;
+            self.changed = true;
+        }
         let hay = haystack(messages);
         let (retention, recoverable) = (
             share_kept(&hay, &probes.all, ""),
@@ -125,6 +185,18 @@ impl Track {
                 1.0 - self.new_tokens as f64 / sent,
             ),
             false => (1.0, 1.0),
+        };
+        let share = |c: Cause| match sent > 0.0 {
+            true => self.rewritten[c as usize] as f64 / sent,
+            false => 0.0,
+        };
+        self.totals.rewrites = Rewrites {
+            first: share(Cause::First),
+            cut: share(Cause::Cut),
+            dropped: share(Cause::Dropped),
+            restored: share(Cause::Restored),
+            recut: share(Cause::Recut),
+            other: share(Cause::Other),
         };
         let turns = self.retention_turns as f64;
         self.totals.probe_retention =

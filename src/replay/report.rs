@@ -71,6 +71,54 @@ pub struct Totals {
     /// The same, counting probes a recall key in the prompt gives back.
     pub reused_recoverable: Option<f64>,
     pub turns_not_fit: usize,
+    /// What the rewrites cost, by what changed first in the request that
+    /// rewrote; they add up to `stability_ceiling - prefix_stability`.
+    pub rewrites: Rewrites,
+}
+
+/// The tokens a strategy sent again although it had sent them before
+/// (uncached, and not new in the client's request), as shares of all the
+/// tokens it sent, by the first message of the request that differed
+/// from the one before. Where stability goes, and so which knob to turn.
+#[derive(Debug, Default, Clone, Copy, Serialize)]
+pub struct Rewrites {
+    /// The strategy's first rewrite (for condense, its first compaction):
+    /// whatever the strategy, a request near the window is rewritten once.
+    pub first: f64,
+    /// A message sent whole before went out cut: masked, or shortened.
+    pub cut: f64,
+    /// A digest or checkpoint came or changed, or a message went while
+    /// the request holds one: old turns were dropped.
+    pub dropped: f64,
+    /// A message sent cut before went out whole again.
+    pub restored: f64,
+    /// A message sent cut before went out cut differently.
+    pub recut: f64,
+    /// Anything else, such as a message dropped with no stand-in anywhere
+    /// (the baseline that drops the oldest messages).
+    pub other: f64,
+}
+
+impl Rewrites {
+    fn add(&mut self, o: &Rewrites) {
+        self.first += o.first;
+        self.cut += o.cut;
+        self.dropped += o.dropped;
+        self.restored += o.restored;
+        self.recut += o.recut;
+        self.other += o.other;
+    }
+
+    pub(super) fn scaled(self, by: f64) -> Rewrites {
+        Rewrites {
+            first: self.first * by,
+            cut: self.cut * by,
+            dropped: self.dropped * by,
+            restored: self.restored * by,
+            recut: self.recut * by,
+            other: self.other * by,
+        }
+    }
 }
 
 /// What the summarizer did over a replay (`--upstream`).
@@ -183,6 +231,7 @@ fn mean<'a>(totals: impl Iterator<Item = &'a Totals>) -> Totals {
         out.turns_not_fit += t.turns_not_fit;
         out.prefix_stability += t.prefix_stability;
         out.stability_ceiling += t.stability_ceiling;
+        out.rewrites.add(&t.rewrites);
         n += 1;
         if let Some(r) = t.probe_retention {
             kept += r;
@@ -198,6 +247,7 @@ fn mean<'a>(totals: impl Iterator<Item = &'a Totals>) -> Totals {
     if n > 0 {
         out.prefix_stability /= n as f64;
         out.stability_ceiling /= n as f64;
+        out.rewrites = out.rewrites.scaled(1.0 / n as f64);
     }
     out.probe_retention = (with_probes > 0).then(|| kept / with_probes as f64);
     out.recoverable_retention = (with_probes > 0).then(|| recoverable / with_probes as f64);
@@ -281,6 +331,11 @@ fn strategies(s: &mut String, condense: &Totals, drop_oldest: &Totals, last_10: 
             t.turns_not_fit
         ));
     }
+    let r = &condense.rewrites;
+    s.push_str(&format!(
+        "condense's rewrites (ceiling - stability), by what changed first: first compaction {:.4}, cut {:.4}, dropped {:.4}, restored {:.4}, cut again {:.4}, other {:.4}\n",
+        r.first, r.cut, r.dropped, r.restored, r.recut, r.other
+    ));
 }
 
 /// A replay of several conversations as text: each one's totals, then all.

@@ -288,3 +288,42 @@ async fn what_the_last_resort_drops_stays_recallable_in_every_format() {
         }
     }
 }
+
+/// The rewrites add up to what stability lost to them (the ceiling less
+/// the stability), in every format; a conversation that must drop turns
+/// to fit shows its first compaction and its drops.
+#[tokio::test]
+async fn the_rewrites_add_up_to_the_gap_between_ceiling_and_stability() {
+    for format in ["chat", "messages", "responses"] {
+        let (body, probes) = crowded(format);
+        let (report, _) = run(
+            &Config::default(),
+            &Bytes::from(body.to_string()),
+            &CompactOptions {
+                model: None,
+                window: Some(7_000),
+            },
+            &probes,
+            &Provider::default(),
+            None,
+        )
+        .await
+        .unwrap();
+        for (name, t) in [
+            ("condense", &report.condense),
+            ("drop_oldest", &report.drop_oldest),
+            ("last_10_results", &report.last_10_results),
+        ] {
+            let r = &t.rewrites;
+            let sum = r.first + r.cut + r.dropped + r.restored + r.recut + r.other;
+            let gap = t.stability_ceiling - t.prefix_stability;
+            assert!(
+                (sum - gap).abs() < 1e-9,
+                "{format} {name}: {r:?} add up to {sum}, the gap is {gap}"
+            );
+        }
+        let r = &report.condense.rewrites;
+        assert!(r.first > 0.0 && r.dropped > 0.0, "{format}: {r:?}");
+        assert!(render(&report).contains("by what changed first: first compaction"));
+    }
+}

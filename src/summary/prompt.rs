@@ -157,11 +157,15 @@ pub fn validate(content: &str, finish_reason: Option<&str>) -> Result<String, Un
     Ok(text.to_string())
 }
 
+/// What every checkpoint says of the messages it replaced (the replay
+/// tells a request's stand-in for dropped turns by it).
+pub const REPLACED: &str = "messages that stood here were replaced by this summary";
+
 /// The checkpoint message that takes the place of `replaced` messages:
 /// the summary, and the revisions (epistemic markers) of the span verbatim.
 pub fn checkpoint_message(summary: &str, replaced: usize, revisions: &[String]) -> Vec<u8> {
     let mut text = format!(
-        "{MARK} checkpoint. The {replaced} messages that stood here were replaced by this summary of them to fit the context window; the conversation continues after it.]\n\n{}",
+        "{MARK} checkpoint. The {replaced} {REPLACED} of them to fit the context window; the conversation continues after it.]\n\n{}",
         summary.trim()
     );
     if !revisions.is_empty() {
