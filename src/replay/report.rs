@@ -109,7 +109,7 @@ impl Rewrites {
         self.other += o.other;
     }
 
-    pub(super) fn scaled(self, by: f64) -> Rewrites {
+    fn scaled(self, by: f64) -> Rewrites {
         Rewrites {
             first: self.first * by,
             cut: self.cut * by,

@@ -203,6 +203,25 @@ fn crowded(format: &str) -> (Value, Vec<Probe>) {
     (body, probes)
 }
 
+/// [`crowded`] in `format` replayed at a 7,000-token window, and the
+/// provider that received its turns.
+async fn crowded_replay(format: &str) -> (Report, Arc<Simulator>) {
+    let (body, probes) = crowded(format);
+    run(
+        &Config::default(),
+        &Bytes::from(body.to_string()),
+        &CompactOptions {
+            model: None,
+            window: Some(7_000),
+        },
+        &probes,
+        &Provider::default(),
+        None,
+    )
+    .await
+    .unwrap()
+}
+
 /// When even the last resort must drop turns (a last user message that
 /// fills most of the window), what it drops stays recallable, in every
 /// format: the turns used to go with no key, and with them the digest of
@@ -211,20 +230,7 @@ fn crowded(format: &str) -> (Value, Vec<Probe>) {
 #[tokio::test]
 async fn what_the_last_resort_drops_stays_recallable_in_every_format() {
     for format in ["chat", "messages", "responses"] {
-        let (body, probes) = crowded(format);
-        let (report, provider) = run(
-            &Config::default(),
-            &Bytes::from(body.to_string()),
-            &CompactOptions {
-                model: None,
-                window: Some(7_000),
-            },
-            &probes,
-            &Provider::default(),
-            None,
-        )
-        .await
-        .unwrap();
+        let (report, provider) = crowded_replay(format).await;
         // Every request keeps its API's rules: thinking first in an
         // assistant message that has it, calls answered.
         let mut notices_in_assistant = 0;
@@ -295,20 +301,7 @@ async fn what_the_last_resort_drops_stays_recallable_in_every_format() {
 #[tokio::test]
 async fn the_rewrites_add_up_to_the_gap_between_ceiling_and_stability() {
     for format in ["chat", "messages", "responses"] {
-        let (body, probes) = crowded(format);
-        let (report, _) = run(
-            &Config::default(),
-            &Bytes::from(body.to_string()),
-            &CompactOptions {
-                model: None,
-                window: Some(7_000),
-            },
-            &probes,
-            &Provider::default(),
-            None,
-        )
-        .await
-        .unwrap();
+        let (report, _) = crowded_replay(format).await;
         for (name, t) in [
             ("condense", &report.condense),
             ("drop_oldest", &report.drop_oldest),
