@@ -108,8 +108,7 @@ impl Track {
         recallable: &str,
     ) -> Strategy {
         let first = self.previous.is_none();
-        let before = self.previous.clone();
-        let (costs, common) = prefix(&mut self.previous, messages, counter);
+        let (costs, common, before) = prefix(&mut self.previous, messages, counter);
         let tokens = fixed + costs.iter().sum::<u64>();
         let (stable, new) = match first {
             true => (0, tokens),
@@ -227,19 +226,19 @@ impl Growth {
         fixed: u64,
         counter: &dyn Counter,
     ) -> (u64, usize) {
-        let (costs, common) = prefix(&mut self.previous, messages, counter);
+        let (costs, common, _) = prefix(&mut self.previous, messages, counter);
         (fixed + costs.iter().sum::<u64>(), messages.len() - common)
     }
 }
 
-/// A request's per-message tokens, and how many of its first messages are
+/// A request's per-message tokens, how many of its first messages are
 /// byte for byte those of `previous` (the request before, which `messages`
-/// then replaces).
+/// then replaces), and that request before.
 fn prefix(
     previous: &mut Option<Vec<Bytes>>,
     messages: &[Message],
     counter: &dyn Counter,
-) -> (Vec<u64>, usize) {
+) -> (Vec<u64>, usize, Option<Vec<Bytes>>) {
     let costs: Vec<u64> = messages.iter().map(|m| counter.message(m.raw())).collect();
     let raws: Vec<Bytes> = messages
         .iter()
@@ -248,8 +247,8 @@ fn prefix(
     let common = previous.as_deref().map_or(0, |prev| {
         prev.iter().zip(&raws).take_while(|(a, b)| a == b).count()
     });
-    *previous = Some(raws);
-    (costs, common)
+    let before = previous.replace(raws);
+    (costs, common, before)
 }
 
 /// The share of `probes` whose text is still present in `hay` (a
