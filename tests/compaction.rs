@@ -624,7 +624,7 @@ fn a_budget_that_moves_leaves_the_digest_as_it_was() {
     // Sized by today's room, the digest kept more lines and was rewritten,
     // and everything after it lost the provider's cached prefix.
     let svc = service();
-    let all = agent_turns(60, 400);
+    let all = agent_turns(60, 8000);
     let (end, small) = (all.len() - 2, 3000.0);
     let before = run(&svc, &all[..end], small);
     assert!(before.actions().contains("prune"), "{}", before.actions());
@@ -1058,7 +1058,7 @@ fn a_drop_keeps_the_cached_prefix_up_to_the_turns_it_removes() {
     // older masked turns), as they were. Oldest first, each drop rewrote
     // everything after the task.
     let svc = service();
-    let all = agent_turns(60, 2500);
+    let all = agent_turns(60, 8000);
     let removed = |m: &[Message]| {
         m.iter()
             .map(content)
@@ -2046,4 +2046,49 @@ fn masking_ahead_leaves_a_request_just_over_the_target_whole() {
         }
     }
     assert!(kept_over && masked, "the sweep crosses the margin");
+}
+
+#[test]
+fn a_request_over_its_budget_drops_what_the_frontier_passed_before_emergency_cuts_it() {
+    // A Codex session: two turns, then a user message that takes most of
+    // the budget, and the agent's calls after it. On a turn where masking
+    // the recent window leaves the request just over its budget, the
+    // turns the frontier has just passed go, as they would on the next
+    // turn. `emergency` cut the whole request instead, for that turn, and
+    // the next turn sent it whole again.
+    let svc = service();
+    let mut all = agent_turns(2, 2500);
+    let spec: String = (0..400)
+        .map(|i| format!("- Requirement {i}: the startup check waits for service {i} to answer.\n"))
+        .collect();
+    let long = all.len();
+    all.push(msg(json!({"role": "user", "content": spec})));
+    all.extend(agent_turns(30, 600).into_iter().skip(2).map(|m| {
+        let v = json_of(&m).to_string().replace("\"call_", "\"call_b");
+        msg(serde_json::from_str(&v).unwrap())
+    }));
+    let head = messages_tokens(&svc, &all[..2]) + messages_tokens(&svc, &all[long..long + 1]);
+    // Budgets the task and the user message take 84-85% of: with a little
+    // less, the digest of everything dropped no longer fits beside them,
+    // whatever the plan does.
+    for share in [0.84, 0.845, 0.85] {
+        let budget = head as f64 / share;
+        // A service of its own: masked forms are kept as first made.
+        let svc = service();
+        let mut dropped = 0;
+        for end in (long + 3..all.len()).step_by(2) {
+            let out = run(&svc, &all[..end], budget);
+            let actions = out.actions();
+            assert!(
+                !actions.contains("emergency"),
+                "{share}, at {end} messages: {actions}"
+            );
+            assert!(out.fits, "{share}, at {end} messages");
+            dropped += usize::from(actions.contains("prune"));
+            assert!(well_paired(
+                &out.messages.unwrap_or_else(|| all[..end].to_vec())
+            ));
+        }
+        assert!(dropped > 10, "{share}: {dropped} requests dropped turns");
+    }
 }
