@@ -392,6 +392,7 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // Drops; then the recent window, and when the frontier moved into
         // it, drops again (see the module notes).
         let mut into_recent = false;
+        let span_before = span_end;
         loop {
             // Drops go down to the target (and to half the message limit), so
             // they are rare and large.
@@ -428,7 +429,6 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
                         }
                     }
                     Drops::Span => {
-                        let before = span_end;
                         for cut in span_cuts(a, span_end, frontier.max(limit)) {
                             if done(&sums, gone, dropped_count) {
                                 break;
@@ -441,9 +441,6 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
                                 }
                             }
                             span_end = cut;
-                        }
-                        if span_end > before {
-                            span_ends.push(span_end);
                         }
                     }
                 }
@@ -469,6 +466,10 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
             if !into_recent {
                 break;
             }
+        }
+        // One drop event a turn, however many passes it took.
+        if span_end > span_before {
+            span_ends.push(span_end);
         }
     }
     for (i, masked_ahead) in ahead.iter_mut().enumerate() {
