@@ -624,7 +624,7 @@ fn a_budget_that_moves_leaves_the_digest_as_it_was() {
     // Sized by today's room, the digest kept more lines and was rewritten,
     // and everything after it lost the provider's cached prefix.
     let svc = service();
-    let all = agent_turns(60, 8000);
+    let all = agent_turns(60, 400);
     let (end, small) = (all.len() - 2, 3000.0);
     let before = run(&svc, &all[..end], small);
     assert!(before.actions().contains("prune"), "{}", before.actions());
@@ -1058,7 +1058,7 @@ fn a_drop_keeps_the_cached_prefix_up_to_the_turns_it_removes() {
     // older masked turns), as they were. Oldest first, each drop rewrote
     // everything after the task.
     let svc = service();
-    let all = agent_turns(60, 8000);
+    let all = agent_turns(60, 2500);
     let removed = |m: &[Message]| {
         m.iter()
             .map(content)
