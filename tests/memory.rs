@@ -5,10 +5,11 @@
 //!
 //! Issue 34's attacks, each under 128 MiB: a 12 MB user message that is
 //! one word (no space: one piece to the tokenizer), and one assistant turn
-//! of 80,000 tool calls followed by their 80,000 results. Each goes through
-//! the real proxy in process, in front of the mock upstream, for a model
-//! with a 16k window, so that it is counted and compacted, not only
-//! counted; the response must say which stages ran.
+//! of 80,000 tool calls followed by their 80,000 results, as the turn in
+//! progress and one exchange later (then a checkpoint of it is written).
+//! Each goes through the real proxy in process, in front of the mock
+//! upstream, for a model with a 16k window, so that it is counted and
+//! compacted, not only counted; the response must say which stages ran.
 //!
 //! Everything in this process allocates through the tracker, the client
 //! and the mock too: the bodies are made before the baseline is taken, the
@@ -85,9 +86,18 @@ fn long_message(route: &str, text: &str) -> Value {
 }
 
 /// A task, one assistant turn of `calls` tool calls, all their results,
-/// the answer to them and a next task: in the shape of each route.
-fn tool_calls(route: &str, calls: usize) -> Value {
+/// the answer to them and a next task, then `later` more exchanges (an
+/// answer and a next task each): in the shape of each route. With one
+/// exchange after it, the huge turn is no longer the turn in progress, so
+/// the plan drops it and a checkpoint of all its calls is written.
+fn tool_calls(route: &str, calls: usize, later: usize) -> Value {
     let task = "Stat every file, one call each.";
+    let more = (0..later).flat_map(|i| {
+        [
+            json!({"role": "assistant", "content": format!("Done with step {i}.")}),
+            json!({"role": "user", "content": format!("Now step {}.", i + 1)}),
+        ]
+    });
     let args = |i: usize| json!({"cmd": format!("stat src/file_{i}.rs")});
     let out = |i: usize| format!("src/file_{i}.rs: {} bytes, modified today", 1000 + i % 977);
     let (answer, next) = ("All files are there.", "Which is the largest?");
@@ -99,12 +109,15 @@ fn tool_calls(route: &str, calls: usize) -> Value {
             let results: Vec<Value> = (0..calls)
                 .map(|i| json!({"type": "tool_result", "tool_use_id": format!("toolu_{i}"), "content": out(i)}))
                 .collect();
-            json!({"model": "memory-claude", "max_tokens": 256, "messages": [
-                {"role": "user", "content": task},
-                {"role": "assistant", "content": uses},
-                {"role": "user", "content": results},
-                {"role": "assistant", "content": answer},
-                {"role": "user", "content": next}]})
+            let mut messages = vec![
+                json!({"role": "user", "content": task}),
+                json!({"role": "assistant", "content": uses}),
+                json!({"role": "user", "content": results}),
+                json!({"role": "assistant", "content": answer}),
+                json!({"role": "user", "content": next}),
+            ];
+            messages.extend(more);
+            json!({"model": "memory-claude", "max_tokens": 256, "messages": messages})
         }
         "/v1/responses" => {
             let mut input = vec![json!({"role": "user", "content": task})];
@@ -112,6 +125,7 @@ fn tool_calls(route: &str, calls: usize) -> Value {
             input.extend((0..calls).map(|i| json!({"type": "function_call_output", "call_id": format!("call_{i}"), "output": out(i)})));
             input.push(json!({"role": "assistant", "content": answer}));
             input.push(json!({"role": "user", "content": next}));
+            input.extend(more);
             json!({"model": "memory-gpt", "input": input})
         }
         _ => {
@@ -127,6 +141,7 @@ fn tool_calls(route: &str, calls: usize) -> Value {
             ));
             messages.push(json!({"role": "assistant", "content": answer}));
             messages.push(json!({"role": "user", "content": next}));
+            messages.extend(more);
             json!({"model": "memory-gpt", "max_tokens": 256, "messages": messages})
         }
     }
@@ -234,9 +249,33 @@ async fn a_turn_of_80k_tool_calls_stays_under_128_mib_on_every_route() {
     warm_up(&h).await;
     let mut costs = Vec::new();
     for route in ROUTES {
-        let body = serde_json::to_vec(&tool_calls(route, 80_000)).unwrap();
+        let body = serde_json::to_vec(&tool_calls(route, 80_000, 0)).unwrap();
         costs.push(send(&h, route, body).await);
     }
     check("80,000 tool calls in one turn", &costs);
+    h.shutdown().await;
+}
+
+/// The same turn one exchange later: it is dropped, and the checkpoint
+/// that replaces it is written from all 160,000 of its calls and results.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_of_80k_tool_calls_stays_under_128_mib_on_every_route() {
+    let _turn = TURN.lock().await;
+    let h = harness().await;
+    warm_up(&h).await;
+    let mut costs = Vec::new();
+    for route in ROUTES {
+        let body = serde_json::to_vec(&tool_calls(route, 80_000, 1)).unwrap();
+        costs.push(send(&h, route, body).await);
+    }
+    check("80,000 tool calls, one exchange later", &costs);
+    for c in &costs {
+        assert!(
+            c.actions.contains("summarize"),
+            "{}: the huge turn was not summarized ({})",
+            c.route,
+            c.actions
+        );
+    }
     h.shutdown().await;
 }

@@ -94,6 +94,53 @@ fn assert_valid(messages: &[Value]) {
     }
 }
 
+/// A conversation first seen at many times its window: the checkpoint
+/// reads the span's oldest and newest messages in a bounded number of
+/// calls (`summary/transcript.rs`), and says what it left out between.
+#[tokio::test]
+async fn a_span_of_hundreds_of_turns_is_read_in_a_bounded_number_of_calls() {
+    let h = Harness::with(small_window).await;
+    let body = session(600, 40);
+    let resp = send(&h, &body).await;
+    assert_eq!(resp.status(), 200);
+    assert!(actions(&resp).contains("summarize"), "{}", actions(&resp));
+    let _ = resp.text().await.unwrap();
+
+    let asks: Vec<String> = h
+        .mock
+        .summary_calls()
+        .iter()
+        .map(|c| {
+            c.json()["messages"][0]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    // Eight rooms of transcript (`MAX_CALLS`), the previous checkpoint
+    // beside each chunk: a few calls more at most, not the 100-odd that
+    // reading all 1,200 messages takes.
+    assert!((2..=12).contains(&asks.len()), "{} calls", asks.len());
+    let sent = h.mock.chat_requests().pop().unwrap().json();
+    let kept = sent["messages"].to_string();
+    let first_kept = (0..600)
+        .find(|t| kept.contains(&format!("idea{t}x0 ")))
+        .unwrap();
+    assert!(first_kept > 500, "{first_kept}");
+    let read = |t: usize| {
+        asks.iter()
+            .filter(|a| a.contains(&format!(" idea{t}x0 ")))
+            .count()
+    };
+    assert_eq!(read(0), 1, "the oldest turn is read");
+    assert_eq!(read(first_kept - 1), 1, "the newest dropped turn is read");
+    assert_eq!(read(first_kept / 2), 0, "the middle is left out");
+    let notes: Vec<&String> = asks.iter().filter(|a| a.contains("left out")).collect();
+    assert_eq!(notes.len(), 1);
+    assert!(notes[0].contains("messages left out, too many to read"));
+    assert_valid(sent["messages"].as_array().unwrap());
+}
+
 #[tokio::test]
 async fn a_checkpoint_replaces_the_oldest_span_after_the_system_message() {
     let h = Harness::with(small_window).await;

@@ -15,7 +15,8 @@
 //!    plan says where it ended before), the summarizer gets that checkpoint
 //!    and only the new messages, with an update instruction;
 //! 3. from scratch otherwise, in chunks when the span is larger than the
-//!    summarizer can read at once (each chunk updates the previous result).
+//!    summarizer can read at once (each chunk updates the previous result),
+//!    reading at most a bounded transcript of it (`transcript.rs`).
 //!
 //! Concurrent requests for the same checkpoint share one call
 //! (`flight.rs`); across replicas sharing a Redis, a lease lets one write it
@@ -27,6 +28,7 @@ pub mod backoff;
 pub mod client;
 pub mod flight;
 pub mod prompt;
+pub mod transcript;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -345,10 +347,8 @@ impl Job {
             .saturating_sub(4_000 + (max_tokens * CHARS_PER_TOKEN) as usize)
             .max(8_000);
         let per_message = (room / 4).max(2_000);
-        let rendered: Vec<String> = self.messages[from..]
-            .iter()
-            .map(|(i, m)| prompt::render(*i, m, per_message))
-            .collect();
+        let rest = &self.messages[from..];
+        let pieces = transcript::pieces(rest, per_message, transcript::MAX_CALLS * room);
         let mut written = Written {
             text: String::new(),
             calls: 0,
@@ -358,11 +358,15 @@ impl Job {
         };
         let mut chunk = String::new();
         let mut markers = false;
-        let mut pending = rendered.iter().zip(&self.messages[from..]).peekable();
-        while let Some((text, (_, m))) = pending.next() {
-            chunk.push_str(text);
-            markers |= !prompt::revisions(std::iter::once(m), 1).is_empty();
-            let full = pending.peek().is_none_or(|(next, _)| {
+        let mut next = pieces.first().map(|p| p.text(rest, per_message));
+        for (k, piece) in pieces.iter().enumerate() {
+            let Some(text) = next.take() else { break };
+            chunk.push_str(&text);
+            if let transcript::Piece::Message(j) = piece {
+                markers |= !prompt::revisions(std::iter::once(&rest[*j].1), 1).is_empty();
+            }
+            next = pieces.get(k + 1).map(|p| p.text(rest, per_message));
+            let full = next.as_ref().is_none_or(|next| {
                 chunk.len() + next.len() + previous.as_ref().map_or(0, String::len) > room
             });
             if !full {

@@ -5,7 +5,7 @@ use serde_json::{Value, json};
 
 use crate::chat::Message;
 use crate::compaction::conversation::marker_sentence;
-use crate::compaction::text::{MARK, content_text, head_tail};
+use crate::compaction::text::{MARK, content_text, cut_middle};
 
 /// The checkpoint's sections, in order: (heading, what goes under it).
 pub const SECTIONS: &[(&str, &str)] = &[
@@ -87,8 +87,10 @@ pub fn update(previous: &str, transcript: &str, markers: bool, max_words: u64) -
 
 const MARKER_RULE: &str = "In these messages the agent or the user revised what they had said (\"actually\", \"wait\", \"I was wrong\", ...). Under Decisions, name each revision: what was believed before and what replaced it.\n";
 
-/// One message as the summarizer reads it; text longer than `max_chars`
-/// keeps its head and tail.
+/// One message as the summarizer reads it, in about `max_chars` at most:
+/// text longer than that keeps its head and tail (whatever it holds, a
+/// notice of condense's own included), and a turn of more tool calls than
+/// fit says how many it leaves out.
 pub fn render(index: usize, m: &Message, max_chars: usize) -> String {
     let role = m.role().unwrap_or("unknown");
     let mut out = match (role, m.name()) {
@@ -104,9 +106,15 @@ pub fn render(index: usize, m: &Message, max_chars: usize) -> String {
     };
     if !text.is_empty() {
         out.push(' ');
-        out.push_str(&head_tail(&text, max_chars));
+        out.push_str(&cut_middle(&text, max_chars));
     }
+    let limit = out.len() + max_chars;
+    let mut left_out = 0usize;
     for call in m.tool_calls() {
+        if out.len() >= limit {
+            left_out += 1;
+            continue;
+        }
         let name = call
             .pointer("/function/name")
             .and_then(Value::as_str)
@@ -117,8 +125,11 @@ pub fn render(index: usize, m: &Message, max_chars: usize) -> String {
             .unwrap_or("");
         out.push_str(&format!(
             "\n  -> calls {name}({})",
-            head_tail(args, max_chars / 2)
+            cut_middle(args, max_chars / 2)
         ));
+    }
+    if left_out > 0 {
+        out.push_str(&format!("\n  -> and {left_out} more calls"));
     }
     out.push('\n');
     out
