@@ -1083,6 +1083,28 @@ fn a_drop_keeps_the_cached_prefix_up_to_the_turns_it_removes() {
     assert!(drops >= 3, "{drops} drops");
 }
 
+/// A session with a long prompt from the user (`lines` requirements) in
+/// the middle: agent turns before it and after it (how many, and the
+/// characters of each result), and where the prompt stands.
+fn a_long_ask_between(
+    before: (usize, usize),
+    lines: usize,
+    after: (usize, usize),
+) -> (Vec<Message>, usize) {
+    let mut all = agent_turns(before.0, before.1);
+    let spec: String = (0..lines)
+        .map(|i| format!("- Requirement {i}: the startup check waits for service {i} to answer.\n"))
+        .collect();
+    let long = all.len();
+    all.push(msg(json!({"role": "user", "content": spec})));
+    all.extend(agent_turns(after.0, after.1).into_iter().skip(2).map(|m| {
+        // Other call ids than the turns' before.
+        let v = json_of(&m).to_string().replace("\"call_", "\"call_b");
+        msg(serde_json::from_str(&v).unwrap())
+    }));
+    (all, long)
+}
+
 #[test]
 fn a_drop_past_a_long_user_message_leaves_it_cached() {
     // A long prompt from the user in the middle of a session (a spec-kit
@@ -1091,17 +1113,7 @@ fn a_drop_past_a_long_user_message_leaves_it_cached() {
     // keeps it in the cached prefix: the digest stands past it. Before it,
     // each drop changed the digest in front of it and sent it again.
     let svc = service();
-    let mut all = agent_turns(20, 2500);
-    let spec: String = (0..300)
-        .map(|i| format!("- Requirement {i}: the startup check waits for service {i} to answer.\n"))
-        .collect();
-    let long = all.len();
-    all.push(msg(json!({"role": "user", "content": spec})));
-    all.extend(agent_turns(40, 2500).into_iter().skip(2).map(|m| {
-        // Other call ids than the first 20 turns'.
-        let v = json_of(&m).to_string().replace("\"call_", "\"call_b");
-        msg(serde_json::from_str(&v).unwrap())
-    }));
+    let (all, long) = a_long_ask_between((20, 2500), 300, (40, 2500));
     let requests = turn_by_turn(&svc, &all, long + 3, 9000.0);
     let prompt_at = |m: &[Message]| {
         assert!(well_paired(m));
@@ -2046,4 +2058,40 @@ fn masking_ahead_leaves_a_request_just_over_the_target_whole() {
         }
     }
     assert!(kept_over && masked, "the sweep crosses the margin");
+}
+
+#[test]
+fn a_request_over_its_budget_drops_what_the_frontier_passed_before_emergency_cuts_it() {
+    // A Codex session: two turns, then a user message that takes most of
+    // the budget, and the agent's calls after it. On a turn where masking
+    // the recent window leaves the request just over its budget, the
+    // turns the frontier has just passed go, as they would on the next
+    // turn. `emergency` cut the whole request instead, for that turn, and
+    // the next turn sent it whole again.
+    let svc = service();
+    let (all, long) = a_long_ask_between((2, 2500), 400, (30, 600));
+    let head = messages_tokens(&svc, &all[..2]) + messages_tokens(&svc, &all[long..long + 1]);
+    // Budgets the task and the user message take 84-85% of: with a little
+    // less, the digest of everything dropped no longer fits beside them,
+    // whatever the plan does.
+    for share in [0.84, 0.845, 0.85] {
+        let budget = head as f64 / share;
+        // A service of its own: masked forms are kept as first made.
+        let svc = service();
+        let mut dropped = 0;
+        for end in (long + 3..all.len()).step_by(2) {
+            let out = run(&svc, &all[..end], budget);
+            let actions = out.actions();
+            assert!(
+                !actions.contains("emergency"),
+                "{share}, at {end} messages: {actions}"
+            );
+            assert!(out.fits, "{share}, at {end} messages");
+            dropped += usize::from(actions.contains("prune"));
+            assert!(well_paired(
+                &out.messages.unwrap_or_else(|| all[..end].to_vec())
+            ));
+        }
+        assert!(dropped > 10, "{share}: {dropped} requests dropped turns");
+    }
 }
