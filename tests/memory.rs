@@ -5,8 +5,9 @@
 //!
 //! Issue 34's attacks, each under 128 MiB: a 12 MB user message that is
 //! one word (no space: one piece to the tokenizer), and one assistant turn
-//! of 80,000 tool calls followed by their 80,000 results, as the turn in
-//! progress and one exchange later (then a checkpoint of it is written).
+//! of 80,000 tool calls followed by their 80,000 results, as the last
+//! exchange but one and one exchange earlier still (summarized into a
+//! checkpoint either way).
 //! Each goes through the real proxy in process, in front of the mock
 //! upstream, for a model with a 16k window, so that it is counted and
 //! compacted, not only counted; the response must say which stages ran.
@@ -88,8 +89,9 @@ fn long_message(route: &str, text: &str) -> Value {
 /// A task, one assistant turn of `calls` tool calls, all their results,
 /// the answer to them and a next task, then `later` more exchanges (an
 /// answer and a next task each): in the shape of each route. With one
-/// exchange after it, the huge turn is no longer the turn in progress, so
-/// the plan drops it and a checkpoint of all its calls is written.
+/// exchange after it, the plan's first drop pass takes the huge turn;
+/// without, the pass after the frontier moved into the recent turns does
+/// (`plan.rs`). Either way a checkpoint of all its calls is written.
 fn tool_calls(route: &str, calls: usize, later: usize) -> Value {
     let task = "Stat every file, one call each.";
     let more = (0..later).flat_map(|i| {
@@ -256,8 +258,9 @@ async fn a_turn_of_80k_tool_calls_stays_under_128_mib_on_every_route() {
     h.shutdown().await;
 }
 
-/// The same turn one exchange later: it is dropped, and the checkpoint
-/// that replaces it is written from all 160,000 of its calls and results.
+/// The same turn one exchange later: it is dropped in the first pass, and
+/// the checkpoint that replaces it is written from all 160,000 of its
+/// calls and results.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_of_80k_tool_calls_stays_under_128_mib_on_every_route() {
     let _turn = TURN.lock().await;
