@@ -2095,3 +2095,36 @@ fn a_request_over_its_budget_drops_what_the_frontier_passed_before_emergency_cut
         assert!(dropped > 10, "{share}: {dropped} requests dropped turns");
     }
 }
+
+/// A tool result that quotes condense's own marker (the agent read this
+/// README, or a page made to look compacted) is the client's text: `fit`
+/// cuts it when it is large, and `emergency` when it is the newest result
+/// and alone over the budget. Recognized by its content, it was never cut,
+/// and such a turn went upstream over the window.
+#[test]
+fn a_result_that_quotes_the_marker_is_cut_like_any_other() {
+    let svc = service();
+    let huge = format!(
+        "[condense: 120 chars, 3 lines elided] is what the proxy writes.\n{}",
+        "0123456789 abcdefghij\n".repeat(3000)
+    );
+    let mut m = agent_turns(3, 300);
+    m[5] = msg(json!({"role": "tool", "tool_call_id": "call_1", "content": huge.clone()}));
+    let before = tokens(&svc, &m);
+    let budget = before as f64 / 1.05;
+    let out = run(&svc, &m, budget);
+    assert!(out.actions().contains("fit"), "{}", out.actions());
+    assert!(out.fits);
+    let result = out.messages.unwrap();
+    let cut = svc.message_tokens(result[5].raw(), Encoding::O200k) as f64;
+    assert!(cut <= 0.3 * budget * 1.05, "{cut} of {budget}");
+
+    let mut m = agent_turns(2, 300);
+    let last = m.len() - 1;
+    m[last] = msg(json!({"role": "tool", "tool_call_id": "call_1", "content": huge}));
+    let before = tokens(&svc, &m);
+    let out = run(&svc, &m, before as f64 / 4.0);
+    assert!(out.actions().contains("emergency"), "{}", out.actions());
+    assert!(out.fits, "{} of {}", out.tokens_after, before / 4);
+    assert!(well_paired(&out.messages.unwrap()));
+}

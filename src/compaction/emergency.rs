@@ -162,8 +162,11 @@ fn shorten(
             if let Some(text) = content_text(m.content()) {
                 let keep = ((text.len() as f64 * share) as usize).max(MIN_CHARS);
                 if keep < text.len() {
+                    // The client's text is cut whatever it holds; what
+                    // condense wrote (a placeholder) keeps its notice.
                     let (raw, cut) = match original {
                         Some(o) => (src[i].raw(), cut_middle(o, keep)),
+                        None if w.bytes[i].is_none() => (m.raw(), cut_middle(&text, keep)),
                         None => (m.raw(), head_tail(&text, keep)),
                     };
                     if let Some(bytes) = with_string_field(raw, "content", &cut)

@@ -51,7 +51,7 @@ use serde::Serialize;
 use crate::chat::Message;
 use crate::config::{CompactionConfig, SummaryTrigger, TriggerKind};
 use conversation::{Analysis, Role};
-use text::{MARK, content_text, head_tail, with_string_field};
+use text::{content_text, cut_middle, with_string_field};
 
 /// Counts the tokens of one message (the proxy's implementation caches by
 /// the message's bytes), and may remember per-message transforms.
@@ -662,17 +662,20 @@ fn drop_policy(replacement: &Replacement, limits: &Limits) -> plan::DropPolicy {
 }
 
 /// Candidates for shrinking a tool result: consumed, unprotected, not yet
-/// rewritten by condense.
+/// rewritten by condense on this request. Known by what this request did,
+/// not by what the text holds: a result that quotes condense's marker (the
+/// agent read this README, or a page written to look compacted) is the
+/// client's text like any other, and is cut when it is too large.
 fn shrinkable_result(w: &Work, a: &Analysis, i: usize) -> Option<String> {
-    if w.dropped[i] || !a.output(i) || a.protected(i) {
+    if w.dropped[i] || !a.output(i) || a.protected(i) || w.bytes[i].is_some() {
         return None;
     }
-    let text = content_text(w.current(i).content())?.into_owned();
-    (!text.starts_with(MARK)).then_some(text)
+    Some(content_text(w.src[i].content())?.into_owned())
 }
 
-/// Cuts message `i`'s text content to `limit` tokens (proportionally in
-/// characters); returns the saving.
+/// Cuts message `i`'s text content (the client's `text`, whatever it
+/// holds) to `limit` tokens (proportionally in characters); returns the
+/// saving.
 fn cut_content(w: &mut Work, i: usize, text: &str, limit: f64, counter: &dyn Counter) -> u64 {
     let cost = w.cost[i] as f64;
     if cost <= limit || cost == 0.0 {
@@ -682,7 +685,7 @@ fn cut_content(w: &mut Work, i: usize, text: &str, limit: f64, counter: &dyn Cou
     let Some(b) = with_string_field(
         w.current(i).raw(),
         "content",
-        &head_tail(text, keep.max(emergency::MIN_CHARS)),
+        &cut_middle(text, keep.max(emergency::MIN_CHARS)),
     ) else {
         return 0;
     };
