@@ -91,7 +91,8 @@ fn long_message(route: &str, text: &str) -> Value {
 /// answer and a next task each): in the shape of each route. With one
 /// exchange after it, the plan's first drop pass takes the huge turn;
 /// without, the pass after the frontier moved into the recent turns does
-/// (`plan.rs`). Either way a checkpoint of all its calls is written.
+/// (`plan.rs`). Either way a checkpoint replaces the whole turn (the
+/// summarizer reads a bounded part of it, `summary/transcript.rs`).
 fn tool_calls(route: &str, calls: usize, later: usize) -> Value {
     let task = "Stat every file, one call each.";
     let more = (0..later).flat_map(|i| {
@@ -219,6 +220,18 @@ fn check(what: &str, costs: &[Cost]) {
     }
 }
 
+/// Asserts the huge turn was replaced by a checkpoint on every route.
+fn summarized(costs: &[Cost]) {
+    for c in costs {
+        assert!(
+            c.actions.contains("summarize"),
+            "{}: the huge turn was not summarized ({})",
+            c.route,
+            c.actions
+        );
+    }
+}
+
 /// A small request on every route first: what the first request builds
 /// once for good (the tokenizer's tables, connection pools) is not a large
 /// request's cost.
@@ -255,12 +268,12 @@ async fn a_turn_of_80k_tool_calls_stays_under_128_mib_on_every_route() {
         costs.push(send(&h, route, body).await);
     }
     check("80,000 tool calls in one turn", &costs);
+    summarized(&costs);
     h.shutdown().await;
 }
 
 /// The same turn one exchange later: it is dropped in the first pass, and
-/// the checkpoint that replaces it is written from all 160,000 of its
-/// calls and results.
+/// a checkpoint replaces all 160,000 of its calls and results.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_of_80k_tool_calls_stays_under_128_mib_on_every_route() {
     let _turn = TURN.lock().await;
@@ -272,13 +285,6 @@ async fn a_checkpoint_of_80k_tool_calls_stays_under_128_mib_on_every_route() {
         costs.push(send(&h, route, body).await);
     }
     check("80,000 tool calls, one exchange later", &costs);
-    for c in &costs {
-        assert!(
-            c.actions.contains("summarize"),
-            "{}: the huge turn was not summarized ({})",
-            c.route,
-            c.actions
-        );
-    }
+    summarized(&costs);
     h.shutdown().await;
 }

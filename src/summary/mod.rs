@@ -348,7 +348,13 @@ impl Job {
             .max(8_000);
         let per_message = (room / 4).max(2_000);
         let rest = &self.messages[from..];
-        let pieces = transcript::pieces(rest, per_message, transcript::MAX_CALLS * room);
+        // What one call reads of the transcript beside a previous
+        // checkpoint of `max_tokens`.
+        let per_call = room
+            .saturating_sub((max_tokens * CHARS_PER_TOKEN) as usize)
+            .max(room / 4);
+        let limit = transcript::MAX_CALLS.saturating_mul(per_call);
+        let pieces = transcript::pieces(rest, per_message, limit);
         let mut written = Written {
             text: String::new(),
             calls: 0,

@@ -87,14 +87,20 @@ pub fn update(previous: &str, transcript: &str, markers: bool, max_words: u64) -
 
 const MARKER_RULE: &str = "In these messages the agent or the user revised what they had said (\"actually\", \"wait\", \"I was wrong\", ...). Under Decisions, name each revision: what was believed before and what replaced it.\n";
 
-/// One message as the summarizer reads it, in about `max_chars` at most:
-/// text longer than that keeps its head and tail (whatever it holds, a
-/// notice of condense's own included), and a turn of more tool calls than
-/// fit says how many it leaves out.
+/// Characters of a role or tool name the summarizer reads at most.
+const NAME_CHARS: usize = 200;
+
+/// One message as the summarizer reads it, bounded whatever it holds: its
+/// text in about `max_chars` (head and tail, a notice of condense's own
+/// included), its tool calls in about as much again (each call's
+/// arguments in half of it; a turn of more calls than fit says how many it
+/// leaves out), names in [`NAME_CHARS`].
 pub fn render(index: usize, m: &Message, max_chars: usize) -> String {
-    let role = m.role().unwrap_or("unknown");
-    let mut out = match (role, m.name()) {
-        ("tool" | "function", Some(name)) => format!("[{index}] tool result ({name}):"),
+    let role = cut_middle(m.role().unwrap_or("unknown"), NAME_CHARS);
+    let mut out = match (role.as_str(), m.name()) {
+        ("tool" | "function", Some(name)) => {
+            format!("[{index}] tool result ({}):", cut_middle(name, NAME_CHARS))
+        }
         ("tool" | "function", None) => format!("[{index}] tool result:"),
         (r, _) => format!("[{index}] {r}:"),
     };
@@ -124,7 +130,8 @@ pub fn render(index: usize, m: &Message, max_chars: usize) -> String {
             .and_then(Value::as_str)
             .unwrap_or("");
         out.push_str(&format!(
-            "\n  -> calls {name}({})",
+            "\n  -> calls {}({})",
+            cut_middle(name, NAME_CHARS),
             cut_middle(args, max_chars / 2)
         ));
     }

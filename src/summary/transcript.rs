@@ -1,22 +1,24 @@
 //! What the summarizer reads of a span, bounded whatever the span holds.
 //!
-//! Each message is rendered in at most about a quarter of one call's room
-//! (`prompt::render`), and one checkpoint reads at most [`MAX_CALLS`]
-//! rooms of messages: a span larger than that (a turn of 80,000 tool
+//! Each message is rendered in at most about two thirds of what one
+//! summarizer call reads (`prompt::render`: its text in a quarter, its
+//! calls in as much again), and one checkpoint reads at most what
+//! [`MAX_CALLS`] calls do: a span larger than that (a turn of 80,000 tool
 //! calls, a conversation first seen at ten times its window) keeps its
 //! newest messages (three quarters of that) and its oldest, and says how
 //! many messages between them it leaves out. Without the bound, one
 //! checkpoint of 160,000 small messages took hundreds of summarizer calls,
 //! one after the other while the client waited, and held every rendered
-//! message at once. What is left out stays recallable: the checkpoint
-//! carries the recall key of the whole span.
+//! message at once. With recall on (the default), what is left out stays
+//! recallable: the checkpoint carries the recall key of the whole span.
 
 use crate::chat::Message;
 
 use super::prompt;
 
-/// Rooms of transcript one checkpoint reads at most (about as many
-/// summarizer calls).
+/// Summarizer calls' worth of transcript one checkpoint reads at most (a
+/// checkpoint longer than planned beside each chunk may take a call or two
+/// more).
 pub const MAX_CALLS: usize = 8;
 
 /// Share of the transcript's limit the newest messages may take.
@@ -177,6 +179,18 @@ mod tests {
         assert!(r.len() < 2_200, "{}", r.len());
         assert!(r.starts_with("[7] assistant: Checking.\n  -> calls run("));
         let shown = r.matches("-> calls run(").count();
+        // Long text, long arguments, a long name: the text in about 2,000
+        // characters, the calls in about as much again.
+        let big = json!({"id": "c", "type": "function", "function": {
+            "name": "n".repeat(50_000), "arguments": "a".repeat(50_000)}});
+        let long = Message::from_bytes(Bytes::from(
+            json!({"role": "assistant", "content": "t".repeat(50_000),
+                   "tool_calls": vec![big; 10]})
+            .to_string(),
+        ));
+        let l = prompt::render(7, &long, 2_000);
+        assert!(l.len() < 5_500, "{}", l.len());
+        assert!(l.ends_with("more calls\n"), "{l}");
         assert!(
             r.ends_with(&format!("-> and {} more calls\n", 5_000 - shown)),
             "{}",
