@@ -2099,8 +2099,9 @@ fn a_request_over_its_budget_drops_what_the_frontier_passed_before_emergency_cut
 /// A tool result that quotes condense's own marker (the agent read this
 /// README, or a page made to look compacted) is the client's text: `fit`
 /// cuts it when it is large, and `emergency` when it is the newest result
-/// and alone over the budget. Recognized by its content, it was never cut,
-/// and such a turn went upstream over the window.
+/// and alone over the budget, with its recall key in the notice condense
+/// writes. Recognized by its content, it was never cut, and such a turn
+/// went upstream over the window.
 #[test]
 fn a_result_that_quotes_the_marker_is_cut_like_any_other() {
     let svc = service();
@@ -2118,6 +2119,15 @@ fn a_result_that_quotes_the_marker_is_cut_like_any_other() {
     let result = out.messages.unwrap();
     let cut = svc.message_tokens(result[5].raw(), Encoding::O200k) as f64;
     assert!(cut <= 0.3 * budget * 1.05, "{cut} of {budget}");
+    // The quote stays as the client sent it; the recall key goes into the
+    // notice condense wrote.
+    let text = content(&result[5]);
+    assert!(
+        text.starts_with("[condense: 120 chars, 3 lines elided] is what"),
+        "{}",
+        &text[..120]
+    );
+    assert!(text.contains("\n[condense: recall key: "), "{text}");
 
     let mut m = agent_turns(2, 300);
     let last = m.len() - 1;

@@ -37,7 +37,7 @@
 use bytes::Bytes;
 
 use super::conversation::{Analysis, Role};
-use super::text::{content_text, cut_middle, head_tail, with_string_field};
+use super::text::{content_text, cut_middle_with, head_tail, with_string_field};
 use super::{Counter, Work, keys, mask, prune};
 
 /// The shares of each text tried, largest first.
@@ -162,11 +162,16 @@ fn shorten(
             if let Some(text) = content_text(m.content()) {
                 let keep = ((text.len() as f64 * share) as usize).max(MIN_CHARS);
                 if keep < text.len() {
-                    // The client's text is cut whatever it holds; what
-                    // condense wrote (a placeholder) keeps its notice.
+                    // The client's text is cut whatever it holds (its key
+                    // in the notice condense writes, not in a marker the
+                    // text quotes); what condense rewrote on this request
+                    // and did not cut (a placeholder, shortened arguments)
+                    // keeps its notices.
                     let (raw, cut) = match original {
-                        Some(o) => (src[i].raw(), cut_middle(o, keep)),
-                        None if w.bytes[i].is_none() => (m.raw(), cut_middle(&text, keep)),
+                        Some(o) => (src[i].raw(), cut_middle_with(o, keep, &w.mark(i))),
+                        None if w.bytes[i].is_none() => {
+                            (m.raw(), cut_middle_with(&text, keep, &w.mark(i)))
+                        }
                         None => (m.raw(), head_tail(&text, keep)),
                     };
                     if let Some(bytes) = with_string_field(raw, "content", &cut)

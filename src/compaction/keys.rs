@@ -50,6 +50,13 @@ pub fn valid_key(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+/// The opening of a notice that carries `key` from the start, for text
+/// that may quote the marker itself (a client's, cut): [`tag`] would write
+/// the key into the first marker, which may be the quote.
+pub fn opening(key: &str) -> String {
+    format!("{MARK} {LABEL}{key};")
+}
+
 /// The message `raw` (condense's own rewrite of it) with `key` written into
 /// its first marker, unless it carries a key already or has no marker.
 pub fn tag(raw: &[u8], key: &str) -> Option<Bytes> {

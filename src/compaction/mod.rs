@@ -51,7 +51,7 @@ use serde::Serialize;
 use crate::chat::Message;
 use crate::config::{CompactionConfig, SummaryTrigger, TriggerKind};
 use conversation::{Analysis, Role};
-use text::{content_text, cut_middle, with_string_field};
+use text::{content_text, cut_middle_with, with_string_field};
 
 /// Counts the tokens of one message (the proxy's implementation caches by
 /// the message's bytes), and may remember per-message transforms.
@@ -254,6 +254,16 @@ impl Work<'_> {
         match &self.bytes[i] {
             Some(b) => Message::from_bytes(b.clone()),
             None => self.src[i].clone(),
+        }
+    }
+
+    /// The opening of a notice condense writes into message `i`'s own
+    /// text: with recall on, it carries the message's key already, so that
+    /// the key goes into this notice and not into a marker the text quotes.
+    fn mark(&self, i: usize) -> String {
+        match self.recall {
+            true => keys::opening(&keys::key(self.src[i].raw())),
+            false => text::MARK.to_string(),
         }
     }
 
@@ -661,13 +671,15 @@ fn drop_policy(replacement: &Replacement, limits: &Limits) -> plan::DropPolicy {
     }
 }
 
-/// Candidates for shrinking a tool result: consumed, unprotected, not yet
-/// rewritten by condense on this request. Known by what this request did,
-/// not by what the text holds: a result that quotes condense's marker (the
-/// agent read this README, or a page written to look compacted) is the
-/// client's text like any other, and is cut when it is too large.
+/// Candidates for shrinking a tool result: consumed, unprotected, not
+/// masked (a result `fit` cut stays one, and [`cut_content`] leaves it as
+/// it is). Known by what this request did, not by what the text holds: a
+/// result that quotes condense's marker (the agent read this README, or a
+/// page written to look compacted) is the client's text like any other,
+/// and is cut when it is too large.
 fn shrinkable_result(w: &Work, a: &Analysis, i: usize) -> Option<String> {
-    if w.dropped[i] || !a.output(i) || a.protected(i) || w.bytes[i].is_some() {
+    let masked = w.bytes[i].is_some() && !w.cut[i];
+    if w.dropped[i] || !a.output(i) || a.protected(i) || masked {
         return None;
     }
     Some(content_text(w.src[i].content())?.into_owned())
@@ -675,17 +687,18 @@ fn shrinkable_result(w: &Work, a: &Analysis, i: usize) -> Option<String> {
 
 /// Cuts message `i`'s text content (the client's `text`, whatever it
 /// holds) to `limit` tokens (proportionally in characters); returns the
-/// saving.
+/// saving. A message cut already on this request stays as it is (`fade`
+/// after `fit`; `emergency` cuts from the original).
 fn cut_content(w: &mut Work, i: usize, text: &str, limit: f64, counter: &dyn Counter) -> u64 {
     let cost = w.cost[i] as f64;
-    if cost <= limit || cost == 0.0 {
+    if cost <= limit || cost == 0.0 || w.cut[i] {
         return 0;
     }
     let keep = ((text.len() as f64) * limit / cost) as usize;
     let Some(b) = with_string_field(
         w.current(i).raw(),
         "content",
-        &cut_middle(text, keep.max(emergency::MIN_CHARS)),
+        &cut_middle_with(text, keep.max(emergency::MIN_CHARS), &w.mark(i)),
     ) else {
         return 0;
     };

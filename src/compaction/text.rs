@@ -122,6 +122,12 @@ pub fn head_tail(s: &str, keep: usize) -> String {
 /// `s` cut to about `keep` bytes, its head and tail kept, whatever it
 /// holds (see [`head_tail`] for text condense may have cut before).
 pub fn cut_middle(s: &str, keep: usize) -> String {
+    cut_middle_with(s, keep, MARK)
+}
+
+/// [`cut_middle`], its notice opening with `mark` (the marker, or the
+/// marker with a recall key: see `keys::opening`).
+pub fn cut_middle_with(s: &str, keep: usize, mark: &str) -> String {
     if s.len() <= keep {
         return s.to_string();
     }
@@ -129,7 +135,7 @@ pub fn cut_middle(s: &str, keep: usize) -> String {
     let tail_start = ceil_boundary(s, s.len() - (keep - keep * 2 / 3));
     let elided = &s[head_len..tail_start];
     format!(
-        "{}\n{MARK} {} chars, {} lines elided]\n{}",
+        "{}\n{mark} {} chars, {} lines elided]\n{}",
         &s[..head_len],
         elided.chars().count(),
         elided.matches('\n').count(),
