@@ -401,16 +401,17 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
             // gives them once it has: a result too large for the target now
             // must not take every droppable turn with it.
             let over_tokens = p.over_tokens * c.scale(e);
+            // Into the recent window, only for what stays once the turn in
+            // progress is answered: its unanswered results alone are
+            // `emergency`'s, for this turn. The pass starts and stops on
+            // that same measure.
+            let relief = if into_recent { sums.relief[e] } else { 0 } as f64;
             let done = |sums: &Sums, gone: Dropped, count: usize| {
                 let now = cost(sums, c, e, frontier, gone);
                 now - sums.relief[e] as f64 <= c.target * budget
-                    && now <= over_tokens.min(budget)
+                    && now - relief <= over_tokens.min(budget)
                     && !over_messages(e, count, half)
             };
-            // Into the recent window, only for what stays once the turn in
-            // progress is answered: its unanswered results alone are
-            // `emergency`'s, for this turn.
-            let relief = if into_recent { sums.relief[e] } else { 0 } as f64;
             if cost(&sums, c, e, frontier, gone) - relief > over_tokens
                 || over_messages(e, dropped_count, p.over_messages)
             {
