@@ -220,18 +220,6 @@ fn check(what: &str, costs: &[Cost]) {
     }
 }
 
-/// Asserts the huge turn was replaced by a checkpoint on every route.
-fn summarized(costs: &[Cost]) {
-    for c in costs {
-        assert!(
-            c.actions.contains("summarize"),
-            "{}: the huge turn was not summarized ({})",
-            c.route,
-            c.actions
-        );
-    }
-}
-
 /// A small request on every route first: what the first request builds
 /// once for good (the tokenizer's tables, connection pools) is not a large
 /// request's cost.
@@ -259,32 +247,35 @@ async fn a_12_mb_word_stays_under_128_mib_on_every_route() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_of_80k_tool_calls_stays_under_128_mib_on_every_route() {
-    let _turn = TURN.lock().await;
-    let h = harness().await;
-    warm_up(&h).await;
-    let mut costs = Vec::new();
-    for route in ROUTES {
-        let body = serde_json::to_vec(&tool_calls(route, 80_000, 0)).unwrap();
-        costs.push(send(&h, route, body).await);
-    }
-    check("80,000 tool calls in one turn", &costs);
-    summarized(&costs);
-    h.shutdown().await;
+    summarized_80k_calls(0, "80,000 tool calls in one turn").await;
 }
 
 /// The same turn one exchange later: it is dropped in the first pass, and
 /// a checkpoint replaces all 160,000 of its calls and results.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_of_80k_tool_calls_stays_under_128_mib_on_every_route() {
+    summarized_80k_calls(1, "80,000 tool calls, one exchange later").await;
+}
+
+/// [`tool_calls`] of 80,000 calls with `later` exchanges after them, on
+/// every route: each within [`LIMIT`], the huge turn summarized.
+async fn summarized_80k_calls(later: usize, what: &str) {
     let _turn = TURN.lock().await;
     let h = harness().await;
     warm_up(&h).await;
     let mut costs = Vec::new();
     for route in ROUTES {
-        let body = serde_json::to_vec(&tool_calls(route, 80_000, 1)).unwrap();
+        let body = serde_json::to_vec(&tool_calls(route, 80_000, later)).unwrap();
         costs.push(send(&h, route, body).await);
     }
-    check("80,000 tool calls, one exchange later", &costs);
-    summarized(&costs);
+    check(what, &costs);
+    for c in &costs {
+        assert!(
+            c.actions.contains("summarize"),
+            "{}: the huge turn was not summarized ({})",
+            c.route,
+            c.actions
+        );
+    }
     h.shutdown().await;
 }

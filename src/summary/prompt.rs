@@ -94,7 +94,7 @@ const NAME_CHARS: usize = 200;
 /// text in about `max_chars` (head and tail, a notice of condense's own
 /// included), its tool calls in about as much again (each call's
 /// arguments in half of it; a turn of more calls than fit says how many it
-/// leaves out), names in [`NAME_CHARS`].
+/// leaves out), names in 200 characters.
 pub fn render(index: usize, m: &Message, max_chars: usize) -> String {
     let role = cut_middle(m.role().unwrap_or("unknown"), NAME_CHARS);
     let mut out = match (role.as_str(), m.name()) {
