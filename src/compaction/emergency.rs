@@ -143,7 +143,8 @@ fn shorten(
     counter: &dyn Counter,
 ) -> (usize, Option<f64>) {
     // A text `fit` or `fade` cut holds its marker, which `head_tail` leaves
-    // alone: it is cut again from the original, read once for all shares.
+    // alone: it is cut again from the original, read once for all shares,
+    // as is the opening of the notice a cut of the client's text gets.
     let src = w.src;
     let originals: Vec<Option<String>> = eligible
         .iter()
@@ -152,11 +153,12 @@ fn shorten(
             false => None,
         })
         .collect();
+    let marks: Vec<String> = eligible.iter().map(|&i| w.mark(i)).collect();
     let mut touched = 0;
     for &share in steps {
         restore(w, snapshot, eligible.iter().copied());
         touched = 0;
-        for (&i, original) in eligible.iter().zip(&originals) {
+        for ((&i, original), mark) in eligible.iter().zip(&originals).zip(&marks) {
             let m = w.current(i);
             let mut changed = false;
             if let Some(text) = content_text(m.content()) {
@@ -168,9 +170,9 @@ fn shorten(
                     // and did not cut (a placeholder, shortened arguments)
                     // keeps its notices.
                     let (raw, cut) = match original {
-                        Some(o) => (src[i].raw(), cut_middle_with(o, keep, &w.mark(i))),
+                        Some(o) => (src[i].raw(), cut_middle_with(o, keep, mark)),
                         None if w.bytes[i].is_none() => {
-                            (m.raw(), cut_middle_with(&text, keep, &w.mark(i)))
+                            (m.raw(), cut_middle_with(&text, keep, mark))
                         }
                         None => (m.raw(), head_tail(&text, keep)),
                     };

@@ -393,14 +393,14 @@ pub fn plan(a: &Analysis, c: &Costs) -> Plan {
         // it, drops again (see the module notes).
         let mut into_recent = false;
         let span_before = span_end;
+        // Drops go down to the target (and to half the message limit), so
+        // they are rare and large.
+        let half = p.over_messages.map(|m| m / 2);
+        // Results the agent has not answered yet count at the size `fit`
+        // gives them once it has: a result too large for the target now
+        // must not take every droppable turn with it.
+        let over_tokens = p.over_tokens * c.scale(e);
         loop {
-            // Drops go down to the target (and to half the message limit), so
-            // they are rare and large.
-            let half = p.over_messages.map(|m| m / 2);
-            // Results the agent has not answered yet count at the size `fit`
-            // gives them once it has: a result too large for the target now
-            // must not take every droppable turn with it.
-            let over_tokens = p.over_tokens * c.scale(e);
             // Into the recent window, only for what stays once the turn in
             // progress is answered: its unanswered results alone are
             // `emergency`'s, for this turn. The pass starts and stops on
